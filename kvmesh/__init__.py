@@ -1,0 +1,3 @@
+"""kvmesh: a distributed LLM serving mesh."""
+
+__version__ = "0.1.0"
