@@ -29,4 +29,9 @@ def packages() -> list[str]:
     return found
 
 
-setup(package_dir=ROOTS, packages=packages(), package_data={"kvmesh.api": ["py.typed", "**/*.pyi"]})
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests/typecheck.py imports ROOTS
+    setup(
+        package_dir=ROOTS,
+        packages=packages(),
+        package_data={"kvmesh.api": ["py.typed", "**/*.pyi"]},
+    )

@@ -40,7 +40,9 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_args(parser: argparse.ArgumentParser, cls: type[Any], *, skip: set[str] | None = None) -> None:
+def add_args(
+    parser: argparse.ArgumentParser, cls: type[Any], *, skip: set[str] | None = None
+) -> None:
     """Add one flag per field of dataclass `cls` (fields in `skip` or with cli=False excluded)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
@@ -48,7 +50,7 @@ def add_args(parser: argparse.ArgumentParser, cls: type[Any], *, skip: set[str] 
         if not f.metadata.get("cli", True) or (skip and f.name in skip):
             continue
         tp, _ = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = _default(f)
         help_text = f"{f.metadata.get('help', '')} (default: {_show(default)})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if tp is bool:
@@ -60,6 +62,12 @@ def add_args(parser: argparse.ArgumentParser, cls: type[Any], *, skip: set[str] 
             group.add_argument(_flag(f), nargs="*", type=inner, **kwargs)
         else:
             group.add_argument(_flag(f), type=tp, **kwargs)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def _show(value: Any) -> str:
@@ -93,8 +101,7 @@ def to_argv(config: Any, *, skip: set[str] | None = None) -> list[str]:
         if not f.metadata.get("cli", True) or (skip and f.name in skip):
             continue
         value = getattr(config, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        if value == default:
+        if value == _default(f):
             continue
         flag = _flag(f)
         if isinstance(value, bool):

@@ -13,7 +13,6 @@ import argparse
 import filecmp
 import importlib.metadata
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -35,7 +34,9 @@ def check_pins() -> None:
         if have != want:
             bad.append(f"{dist}=={want} (found {have})")
     if bad:
-        sys.exit("protos/generate.py needs " + ", ".join(bad) + "; install with pip install -e '.[dev]'")
+        sys.exit(
+            "protos/generate.py needs " + ", ".join(bad) + "; install with pip install -e '.[dev]'"
+        )
 
 
 def generate(out: Path) -> None:
@@ -59,7 +60,9 @@ def generate(out: Path) -> None:
     if protoc.main(args) != 0:
         sys.exit("protoc failed")
     # Every generated directory is a regular package so setuptools and mypy find it.
-    for d in [p for p in (out / "kvmesh" / "api").rglob("*") if p.is_dir()] + [out / "kvmesh" / "api"]:
+    for d in [p for p in (out / "kvmesh" / "api").rglob("*") if p.is_dir()] + [
+        out / "kvmesh" / "api"
+    ]:
         (d / "__init__.py").touch()
     (out / "kvmesh" / "api" / "py.typed").write_text("")
 

@@ -1,0 +1,3 @@
+from kvmesh.cli import main
+
+main()

@@ -1,0 +1,137 @@
+"""The `kvmesh` command: up, frontend, router, worker, model, bench.
+
+Parsing happens in main() only; each subcommand builds its config dataclasses from the flags
+and calls one function that wires the object graph explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from kvmesh import __version__
+from kvmesh.config import add_args, from_args
+from kvmesh.errors import KvmeshError
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+        asyncio.run(coro)
+
+
+def _cmd_worker(ns: argparse.Namespace) -> None:
+    from kvmesh.workers.server import WorkerConfig, serve_worker
+
+    _run(serve_worker(from_args(WorkerConfig, ns), ns))
+
+
+def _cmd_frontend(ns: argparse.Namespace) -> None:
+    from kvmesh.frontend.config import FrontendConfig
+    from kvmesh.mesh import MeshConfig, serve_frontend
+
+    _run(serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns)))
+
+
+def _cmd_router(ns: argparse.Namespace) -> None:
+    from kvmesh.mesh import MeshConfig, RouterServerConfig, serve_router
+
+    _run(serve_router(from_args(RouterServerConfig, ns), from_args(MeshConfig, ns)))
+
+
+def _cmd_up(ns: argparse.Namespace) -> None:
+    from kvmesh.supervisor import UpConfig, run_up
+
+    sys.exit(run_up(from_args(UpConfig, ns), ns))
+
+
+def _cmd_model_create(ns: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from kvmesh.modeldir import default_model_dir
+    from kvmesh.tinymodel import create_tiny_model
+
+    path = create_tiny_model(Path(ns.path) if ns.path else default_model_dir())
+    print(path)
+
+
+def _cmd_bench(ns: argparse.Namespace) -> None:
+    from kvmesh.bench import BenchConfig, run_bench
+
+    _run(run_bench(from_args(BenchConfig, ns)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (built on demand, never at import time)."""
+    from kvmesh.bench import BenchConfig
+    from kvmesh.frontend.config import FrontendConfig
+    from kvmesh.mesh import MeshConfig, RouterServerConfig
+    from kvmesh.supervisor import UpConfig
+    from kvmesh.workers.server import WorkerConfig, engine_arg_groups
+
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(
+        name: str, help: str, fn: Callable[[argparse.Namespace], None]
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        return p
+
+    up = command("up", "run frontend, router and N workers on this machine (no etcd)", _cmd_up)
+    add_args(up, UpConfig)
+    for group in engine_arg_groups():
+        add_args(up, group)
+
+    fe = command("frontend", "OpenAI HTTP gateway", _cmd_frontend)
+    add_args(fe, FrontendConfig)
+    add_args(fe, MeshConfig)
+
+    rt = command("router", "standalone router gRPC service", _cmd_router)
+    add_args(rt, RouterServerConfig)
+    add_args(rt, MeshConfig, skip={"router_address"})
+
+    wk = command("worker", "a worker process serving one engine", _cmd_worker)
+    add_args(wk, WorkerConfig)
+    for group in engine_arg_groups():
+        add_args(wk, group)
+
+    model = command("model", "manage local models", lambda ns: model.print_help())
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    create = msub.add_parser("create", help="build the tiny offline test model")
+    create.add_argument("path", nargs="?", default="", help="target dir (default: the cache)")
+    create.set_defaults(fn=_cmd_model_create)
+
+    bench = command("bench", "load-test an OpenAI endpoint (streaming chat)", _cmd_bench)
+    add_args(bench, BenchConfig)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `kvmesh` console script."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        ns.fn(ns)
+    except KvmeshError as exc:
+        print(f"kvmesh {ns.command}: error: {exc.message}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

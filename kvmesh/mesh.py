@@ -1,0 +1,79 @@
+"""Wiring of the frontend and router processes: discovery -> worker pool -> router -> server.
+
+main() of each process builds its object graph here, explicitly; nothing is configured at
+import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from kvmesh.config import opt
+from kvmesh.discovery import open_discovery
+from kvmesh.grpcutil import GrpcServer
+from kvmesh.router.pool import WorkerPool
+from kvmesh.router.routing import Router, RouterMode, SimpleRouter
+from kvmesh.router.service import ROUTER_SERVICE, RemoteRouter, RouterServicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MeshConfig:
+    """How a frontend or router finds workers and routes to them."""
+
+    discovery: str = opt("", "discovery URL: file:///dir, static://h:p,h:p or etcd://h:p")
+    router_mode: RouterMode = opt(RouterMode.ROUND_ROBIN, "routing policy of the in-process router")
+    router_address: str = opt("", "use a standalone `kvmesh router` at host:port instead")
+
+
+@dataclass
+class RouterServerConfig:
+    """Settings of the standalone router process."""
+
+    host: str = opt("127.0.0.1", "address to bind the router's gRPC server to")
+    port: int = opt(0, "router gRPC port; 0 picks a free one")
+
+
+def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
+    """The worker pool and the router a frontend or router process uses."""
+    if not mesh.discovery:
+        raise ValueError("--discovery is required (file:///dir, static://host:port,...)")
+    pool = WorkerPool(open_discovery(mesh.discovery))
+    router: Router
+    if mesh.router_address:
+        router = RemoteRouter(mesh.router_address, pool)
+    else:
+        router = SimpleRouter(pool, mesh.router_mode)
+    return pool, router
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
+    """Run `kvmesh router` until SIGINT/SIGTERM."""
+    pool, router = build_router(mesh)
+    await pool.start()
+    server = GrpcServer(config.host, config.port)
+    server.add(
+        rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(pool, router), ROUTER_SERVICE
+    )
+    await server.start()
+    log.info("router (%s) serving on %s", mesh.router_mode.value, server.address)
+    await wait_for_signal()
+    await server.set_serving(False)
+    await server.stop(2.0)
+    await pool.stop()

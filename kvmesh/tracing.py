@@ -1,0 +1,184 @@
+"""W3C trace context (https://www.w3.org/TR/trace-context/) carried across every hop.
+
+A `TraceContext` names one span: the trace it belongs to (`trace_id`), the span itself
+(`span_id`), the trace flags (bit 0 = sampled) and the vendor `tracestate`. The gateway reads
+the `traceparent`/`tracestate` HTTP headers (starting a new trace when they are absent or
+invalid), makes a child context for its own span, and hands that child to the backend, which
+puts it into gRPC metadata (`grpc_metadata()`); servers read it back with
+`from_grpc_metadata()`.
+
+Real OpenTelemetry spans slot in later: a span exporter only needs the ids kept here
+(`trace_id`, `span_id`, the parent's `span_id`), so nothing in the callers has to change.
+
+Ids come from the `random` module's global generator (re-seeded by Python after `fork`), not
+from `os.urandom`: trace ids must be unique, not secret, and this is on every request's path.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["TRACEPARENT", "TRACESTATE", "TraceContext"]
+
+TRACEPARENT = "traceparent"
+"""Header / gRPC metadata key of the trace parent."""
+TRACESTATE = "tracestate"
+"""Header / gRPC metadata key of the vendor trace state."""
+
+_HEX = frozenset("0123456789abcdef")
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
+_MAX_TRACESTATE_MEMBERS = 32
+_MAX_TRACESTATE_LEN = 512
+# key: simple-key or multi-tenant tenant@system; value: printable ASCII except ',' and '='
+# (no trailing space). See section 3.3.1 of the specification.
+_TS_KEY = re.compile(
+    r"^(?:[a-z][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})$"
+)
+_TS_VALUE = re.compile(r"^[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]$")
+
+
+def _is_hex(value: str, length: int) -> bool:
+    return len(value) == length and _HEX.issuperset(value)
+
+
+def _new_trace_id() -> str:
+    while True:
+        value = random.getrandbits(128)
+        if value:
+            return f"{value:032x}"
+
+
+def _new_span_id() -> str:
+    while True:
+        value = random.getrandbits(64)
+        if value:
+            return f"{value:016x}"
+
+
+def _clean_tracestate(raw: str | None) -> str:
+    """The tracestate normalised (members trimmed, empties dropped), or "" if invalid."""
+    if not raw:
+        return ""
+    members: list[str] = []
+    keys: set[str] = set()
+    for part in raw.split(","):
+        member = part.strip(" \t")
+        if not member:
+            continue
+        key, sep, value = member.partition("=")
+        if not sep or not _TS_KEY.match(key) or not _TS_VALUE.match(value) or key in keys:
+            return ""
+        keys.add(key)
+        members.append(member)
+    if len(members) > _MAX_TRACESTATE_MEMBERS:
+        return ""
+    out = ",".join(members)
+    return out if len(out) <= _MAX_TRACESTATE_LEN else ""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceContext:
+    """One span's identity in a W3C trace.
+
+    Invariants (enforced by the constructors below, not by `__init__`): `trace_id` is 32
+    lowercase hex digits, not all zero; `span_id` is 16 lowercase hex digits, not all zero;
+    `flags` fits in a byte; `tracestate` is a valid, normalised tracestate or "".
+    """
+
+    trace_id: str
+    span_id: str
+    flags: int = 1
+    """Trace flags; bit 0 = sampled."""
+    tracestate: str = ""
+    """Vendor-specific state, passed on unchanged ("" = none)."""
+
+    @classmethod
+    def new(cls, *, sampled: bool = True) -> TraceContext:
+        """Start a new trace: fresh trace id and span id."""
+        return cls(_new_trace_id(), _new_span_id(), 1 if sampled else 0)
+
+    def child(self) -> TraceContext:
+        """A context for a span whose parent is this one: same trace, new span id."""
+        return TraceContext(self.trace_id, _new_span_id(), self.flags, self.tracestate)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the sampled flag is set."""
+        return bool(self.flags & 1)
+
+    @property
+    def traceparent(self) -> str:
+        """The `traceparent` header value (version 00)."""
+        return f"00-{self.trace_id}-{self.span_id}-{self.flags:02x}"
+
+    @classmethod
+    def parse_traceparent(cls, value: str) -> TraceContext | None:
+        """Parse a `traceparent` value strictly; None if it is not valid.
+
+        Version 00 must be exactly 55 characters. Higher versions (not ff) may append fields
+        after the flags, separated by '-', which are ignored (forward compatibility).
+        """
+        value = value.strip(" \t")
+        if len(value) < 55:
+            return None
+        version, trace_id, span_id, flags = value[0:2], value[3:35], value[36:52], value[53:55]
+        if value[2] != "-" or value[35] != "-" or value[52] != "-":
+            return None
+        if not _is_hex(version, 2) or version == "ff":
+            return None
+        if version == "00":
+            if len(value) != 55:
+                return None
+        elif len(value) > 55 and value[55] != "-":
+            return None
+        if not _is_hex(trace_id, 32) or trace_id == _ZERO_TRACE:
+            return None
+        if not _is_hex(span_id, 16) or span_id == _ZERO_SPAN:
+            return None
+        if not _is_hex(flags, 2):
+            return None
+        return cls(trace_id, span_id, int(flags, 16))
+
+    @classmethod
+    def from_headers(cls, traceparent: str | None, tracestate: str | None) -> TraceContext | None:
+        """The context the headers describe, or None if `traceparent` is absent or invalid.
+
+        An invalid `tracestate` is dropped (the context is kept), as the specification asks.
+        """
+        if not traceparent:
+            return None
+        ctx = cls.parse_traceparent(traceparent)
+        if ctx is None:
+            return None
+        state = _clean_tracestate(tracestate)
+        if state:
+            return cls(ctx.trace_id, ctx.span_id, ctx.flags, state)
+        return ctx
+
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata entries that carry this context to the next hop."""
+        if self.tracestate:
+            return ((TRACEPARENT, self.traceparent), (TRACESTATE, self.tracestate))
+        return ((TRACEPARENT, self.traceparent),)
+
+    @classmethod
+    def from_grpc_metadata(
+        cls, metadata: Iterable[tuple[str, str | bytes]] | None
+    ) -> TraceContext | None:
+        """The context in gRPC invocation metadata, or None if there is none or it is invalid."""
+        if not metadata:
+            return None
+        parent: str | None = None
+        state: str | None = None
+        for key, value in metadata:
+            lowered = key.lower()
+            if lowered == TRACEPARENT:
+                parent = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+            elif lowered == TRACESTATE:
+                text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+                state = text if state is None else f"{state},{text}"
+        return cls.from_headers(parent, state)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Install everything the tests need and run every check CI runs:
+#   gen/ in sync with protos/, buf lint, buf breaking (vs the previous commit), ruff, mypy, pytest.
+# Usage: bash tests/run.sh [pytest args...]     (e.g. bash tests/run.sh -m "not slow")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVMESH_VENV:-.venv}
+BUF_VERSION=1.75.0
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "python environment ($VENV)"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -U pip
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]'
+
+step "buf $BUF_VERSION (npm)"
+if ! command -v npm >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq npm >/dev/null
+  else echo "npm is required for buf (sudo apt-get install npm)" >&2; exit 1; fi
+fi
+BUF=.cache/buf/node_modules/.bin/buf
+if ! [ -x "$BUF" ] || [ "$("$BUF" --version 2>/dev/null)" != "$BUF_VERSION" ]; then
+  npm install --silent --no-audit --no-fund --prefix .cache/buf "@bufbuild/buf@$BUF_VERSION" >/dev/null
+fi
+
+step "generated code is in sync with protos/"
+"$VENV/bin/python" protos/generate.py --check
+
+step "buf lint"
+"$BUF" lint
+
+if git rev-parse -q --verify HEAD~1 >/dev/null && git cat-file -e HEAD~1:buf.yaml 2>/dev/null; then
+  step "buf breaking (against HEAD~1)"
+  "$BUF" breaking --against '.git#ref=HEAD~1'
+else
+  step "buf breaking skipped: no previous commit with protos"
+fi
+
+step "ruff"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+
+step "mypy"
+"$VENV/bin/python" tests/typecheck.py
+
+step "pytest"
+"$VENV/bin/python" -m pytest -q "$@"

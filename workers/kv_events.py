@@ -1,0 +1,303 @@
+"""The engine-agnostic KV event log: one numbered stream of cache changes per worker.
+
+An engine publishes every change of its prefix cache here (blocks stored, blocks removed, all
+cleared). The log numbers the events (ids start at 1 and only grow), keeps the cache state they
+imply, keeps a bounded backlog of recent events, and fans events out to subscribers. So the
+worker server can offer "snapshot, then deltas, resumable by event id" without the engine's help.
+
+Concurrency: the log is meant for one asyncio event loop thread. `publish` is synchronous and never
+blocks, so engines (or a virtual-time simulator with no event loop at all) can call it from
+synchronous code; subscribers are async iterators on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+__all__ = [
+    "AllCleared",
+    "BlocksRemoved",
+    "BlocksStored",
+    "CachedBlock",
+    "KvEventKind",
+    "KvEventLog",
+    "KvEventRecord",
+    "SnapshotChunk",
+    "StoredBlock",
+]
+
+
+@dataclass(slots=True, frozen=True)
+class StoredBlock:
+    """One full KV block: its chained hash and the token ids it holds."""
+
+    block_hash: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class BlocksStored:
+    """Blocks that entered the cache, as a chain: each block's parent is the previous one.
+
+    `parent_hash` is the parent of the first block (None: the chain starts at the root).
+    """
+
+    parent_hash: int | None
+    blocks: list[StoredBlock]
+    lora_name: str = ""
+
+
+@dataclass(slots=True)
+class BlocksRemoved:
+    """Blocks that left the cache. Removal is per block: children of a removed block stay."""
+
+    block_hashes: list[int]
+
+
+@dataclass(slots=True)
+class AllCleared:
+    """The whole cache was dropped."""
+
+
+KvEventKind = BlocksStored | BlocksRemoved | AllCleared
+
+CachedBlock = tuple[int | None, tuple[int, ...], str]
+"""What the log knows about a cached block: (parent_hash, token_ids, lora_name)."""
+
+
+@dataclass(slots=True)
+class KvEventRecord:
+    """An event with its id (1, 2, 3, ... in publication order)."""
+
+    event_id: int
+    kind: KvEventKind
+
+
+@dataclass(slots=True)
+class SnapshotChunk:
+    """Part of a snapshot of the cache as of event `as_of_event_id`.
+
+    A snapshot is one or more chunks, `first` on the first and `last` on the last; chains are in
+    parent-before-child order across the whole snapshot. A subscriber that receives a chunk with
+    `first=True` discards what it knew and rebuilds from the chunks, then applies the events that
+    follow (all with ids greater than `as_of_event_id`).
+    """
+
+    as_of_event_id: int
+    chains: list[BlocksStored]
+    first: bool
+    last: bool
+
+
+class _Subscriber:
+    """Per-subscriber buffer. `resync` means: next, send a fresh snapshot (queue is void)."""
+
+    __slots__ = ("limit", "queue", "resync", "waiter")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.queue: deque[KvEventRecord] = deque()
+        self.resync = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def push(self, record: KvEventRecord) -> None:
+        if self.resync:
+            return  # the snapshot that comes next will include this event
+        if len(self.queue) >= self.limit:
+            # Too slow: drop the queued deltas and send a fresh snapshot instead.
+            self.queue.clear()
+            self.resync = True
+        else:
+            self.queue.append(record)
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class KvEventLog:
+    """Numbered KV cache events, the cache state they imply, a backlog and subscribers.
+
+    Contract:
+      * `publish` assigns the next id (ids start at 1, strictly increasing), applies the event to
+        the implied state, appends it to a backlog of at most `backlog` events and hands it to
+        every subscriber without blocking. It costs O(blocks in the event) plus O(subscribers).
+      * `cached()` is the cache state implied by all events so far: BlocksStored adds (or
+        overwrites) each block with its parent and tokens, BlocksRemoved drops each hash (children
+        stay), AllCleared empties it.
+      * `subscribe(resume_after)` yields either the backlog events after `resume_after` (when the
+        backlog still holds all of them, or `resume_after == last_event_id`) or a fresh snapshot,
+        then live events; nothing is lost or duplicated. A subscriber that falls more than
+        `subscriber_queue_limit` events behind gets a fresh snapshot instead of a gap.
+    """
+
+    def __init__(
+        self,
+        backlog: int = 65536,
+        snapshot_chunk_blocks: int = 1024,
+        subscriber_queue_limit: int = 65536,
+    ) -> None:
+        if backlog < 0 or snapshot_chunk_blocks < 1 or subscriber_queue_limit < 1:
+            raise ValueError(
+                "backlog must be >= 0, snapshot_chunk_blocks and subscriber_queue_limit >= 1"
+            )
+        self._last_id = 0
+        self._backlog: deque[KvEventRecord] = deque(maxlen=backlog)
+        self._state: dict[int, CachedBlock] = {}
+        self._subscribers: set[_Subscriber] = set()
+        self._chunk_blocks = snapshot_chunk_blocks
+        self._queue_limit = subscriber_queue_limit
+
+    @property
+    def last_event_id(self) -> int:
+        """Id of the latest event; 0 before any."""
+        return self._last_id
+
+    @property
+    def num_subscribers(self) -> int:
+        """How many subscribers are registered now."""
+        return len(self._subscribers)
+
+    def publish(self, kind: KvEventKind) -> int:
+        """Record `kind` as the next event and return its id."""
+        self._last_id += 1
+        record = KvEventRecord(self._last_id, kind)
+        state = self._state
+        if isinstance(kind, BlocksStored):
+            parent = kind.parent_hash
+            lora = kind.lora_name
+            for block in kind.blocks:
+                state[block.block_hash] = (parent, block.token_ids, lora)
+                parent = block.block_hash
+        elif isinstance(kind, BlocksRemoved):
+            for h in kind.block_hashes:
+                state.pop(h, None)
+        else:
+            state.clear()
+        self._backlog.append(record)
+        for sub in self._subscribers:
+            sub.push(record)
+        return self._last_id
+
+    def cached(self) -> dict[int, CachedBlock]:
+        """A copy of the implied cache state: block_hash -> (parent_hash, token_ids, lora)."""
+        return dict(self._state)
+
+    def __len__(self) -> int:
+        """Number of blocks in the implied cache state."""
+        return len(self._state)
+
+    def snapshot(self) -> list[SnapshotChunk]:
+        """The implied state as chains in parent-before-child order, in chunks of at most
+        `snapshot_chunk_blocks` blocks. An empty cache gives one empty chunk (first and last)."""
+        as_of = self._last_id
+        chunks: list[SnapshotChunk] = []
+        current: list[BlocksStored] = []
+        room = self._chunk_blocks
+        for chain in self._chains():
+            blocks = chain.blocks
+            parent = chain.parent_hash
+            while blocks:
+                if room == 0:
+                    chunks.append(SnapshotChunk(as_of, current, first=not chunks, last=False))
+                    current = []
+                    room = self._chunk_blocks
+                part, blocks = blocks[:room], blocks[room:]
+                current.append(BlocksStored(parent, part, chain.lora_name))
+                parent = part[-1].block_hash
+                room -= len(part)
+        chunks.append(SnapshotChunk(as_of, current, first=not chunks, last=True))
+        return chunks
+
+    def _chains(self) -> list[BlocksStored]:
+        """Decompose the state into maximal chains, every parent emitted before its children."""
+        state = self._state
+        children: dict[int, list[int]] = {}
+        roots: list[int] = []
+        for h, (parent, _, _) in state.items():
+            if parent is not None and parent in state and parent != h:
+                children.setdefault(parent, []).append(h)
+            else:
+                roots.append(h)
+        chains: list[BlocksStored] = []
+        seen: set[int] = set()
+
+        def walk(start: int) -> None:
+            stack = [start]
+            while stack:
+                h = stack.pop()
+                if h in seen:
+                    continue
+                parent, tokens, lora = state[h]
+                chain = BlocksStored(parent, [StoredBlock(h, tokens)], lora)
+                seen.add(h)
+                cur = h
+                while True:
+                    kids = [k for k in children.get(cur, ()) if k not in seen]
+                    if not kids:
+                        break
+                    nxt = kids[0]
+                    stack.extend(reversed(kids[1:]))
+                    _, ntokens, nlora = state[nxt]
+                    if nlora != lora:
+                        stack.append(nxt)  # different adapter: its own chain
+                        break
+                    chain.blocks.append(StoredBlock(nxt, ntokens))
+                    seen.add(nxt)
+                    cur = nxt
+                chains.append(chain)
+
+        for root in roots:
+            walk(root)
+        if len(seen) < len(state):  # only possible with a parent cycle (hash collisions)
+            for h in state:
+                if h not in seen:
+                    walk(h)
+        return chains
+
+    def _can_resume(self, resume_after: int) -> bool:
+        if resume_after == self._last_id:
+            return True
+        if resume_after < 0 or resume_after > self._last_id or not self._backlog:
+            return False
+        return self._backlog[0].event_id <= resume_after + 1
+
+    async def subscribe(self, resume_after: int | None) -> AsyncIterator[SnapshotChunk | KvEventRecord]:
+        """Events after `resume_after` (or a snapshot when they are gone), then live events.
+
+        Registration and the choice between replay and snapshot happen atomically on the first
+        iteration. Closing the iterator (aclose, or the consuming task ending) unregisters it.
+        """
+        sub = _Subscriber(self._queue_limit)
+        if resume_after is not None and self._can_resume(resume_after):
+            start = resume_after + 1 - self._backlog[0].event_id if self._backlog else 0
+            sub.queue.extend(itertools.islice(self._backlog, max(start, 0), None))
+        else:
+            sub.resync = True
+        self._subscribers.add(sub)
+        try:
+            while True:
+                if sub.resync:
+                    sub.resync = False
+                    sub.queue.clear()
+                    for chunk in self.snapshot():
+                        yield chunk
+                        if sub.resync:
+                            break  # overflowed again while sending: start over
+                    continue
+                if sub.queue:
+                    yield sub.queue.popleft()
+                    continue
+                sub.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await sub.waiter
+                finally:
+                    sub.waiter = None
+        finally:
+            self._subscribers.discard(sub)

@@ -1,0 +1,307 @@
+"""The worker process: one engine behind WorkerService, with health, reflection and discovery.
+
+Thin transport: each RPC converts protobuf to the engine's typed messages (workers.wire),
+calls one engine method and converts back. Domain exceptions become gRPC status codes in the
+ErrorInterceptor.
+
+Shutdown (SIGTERM/SIGINT or Drain): stop accepting (new requests get UNAVAILABLE, health goes
+NOT_SERVING, the discovery registration is removed so routers stop sending), wait for in-flight
+requests up to the drain timeout, cancel what is left, stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
+from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
+from kvmesh.workers import wire
+from kvmesh.workers.engine import Engine, Role
+
+from kvmesh.config import opt
+from kvmesh.discovery import Instance, Registration, open_discovery
+from kvmesh.errors import Unavailable, Unimplemented
+from kvmesh.grpcutil import GrpcServer
+from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
+from kvmesh.tracing import TraceContext
+
+log = logging.getLogger(__name__)
+
+WORKER_SERVICE = wpb.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+class EngineKind(enum.Enum):
+    """Engine adapters `kvmesh worker --engine` knows."""
+
+    MOCKER = "mocker"
+    TORCH = "torch"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+
+
+@dataclass
+class WorkerConfig:
+    """Settings of one worker process (engine-specific settings live in the engine's config)."""
+
+    engine: EngineKind = opt(EngineKind.MOCKER, "engine adapter to run")
+    model: str = opt("", "local Hugging Face model directory; empty: the built-in tiny model")
+    served_model_name: str = opt("", "model name clients use; empty: the model directory's name")
+    host: str = opt("127.0.0.1", "address to bind the gRPC server to")
+    port: int = opt(0, "gRPC port; 0 picks a free one")
+    role: Role = opt(Role.AGGREGATED, "worker role")
+    discovery: str = opt("", "discovery URL (file:///dir, etcd://h:p); empty: do not register")
+    worker_id: str = opt("", "unique worker id; empty: a random one")
+    drain_timeout_s: float = opt(30.0, "how long shutdown waits for in-flight requests")
+
+
+class WorkerServicer(wpb_grpc.WorkerServiceServicer):
+    """WorkerService over one Engine."""
+
+    def __init__(self, engine: Engine, worker_id: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: wpb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[wpb.GenerateResponse]:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
+        req = wire.request_from_pb(request, default_id=uuid.uuid4().hex)
+        trace = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
+        if trace is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("generate %s trace %s", req.request_id, trace.traceparent)
+        task = asyncio.current_task()
+        self._begin(task)
+        stream = self.engine.generate(req)
+        try:
+            async for out in stream:
+                yield wire.output_to_pb(out)
+        finally:
+            # Runs on completion, error and cancellation (client went away): the engine
+            # aborts the request and frees its blocks before aclose returns.
+            await stream.aclose()  # type: ignore[attr-defined]
+            self._end(task)
+
+    def _begin(self, task: asyncio.Task[Any] | None) -> None:
+        self._inflight += 1
+        self._idle.clear()
+        if task is not None:
+            self._tasks.add(task)
+
+    def _end(self, task: asyncio.Task[Any] | None) -> None:
+        self._inflight -= 1
+        if task is not None:
+            self._tasks.discard(task)
+        if self._inflight == 0:
+            self._idle.set()
+
+    async def PrefillRemote(
+        self, request: wpb.PrefillRemoteRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.PrefillRemoteResponse:
+        raise Unimplemented(
+            f"engine {self.engine.info.engine!r} does not serve PrefillRemote yet "
+            "(disaggregated serving is not implemented)"
+        )
+
+    async def ReleaseKvBlocks(
+        self, request: wpb.ReleaseKvBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.ReleaseKvBlocksResponse:
+        return wpb.ReleaseKvBlocksResponse(
+            released=await self.engine.release_kv(request.transfer_id)
+        )
+
+    # -- KV events, load, card -------------------------------------------------------------
+
+    async def SubscribeKvEvents(
+        self, request: wpb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[wpb.SubscribeKvEventsResponse]:
+        events = self.engine.kv_events
+        if events is None:
+            raise Unimplemented(f"engine {self.engine.info.engine!r} publishes no KV events")
+        resume = (
+            request.resume_after_event_id if request.HasField("resume_after_event_id") else None
+        )
+        stream = events.subscribe(resume)
+        try:
+            async for item in stream:
+                yield wire.kv_item_to_pb(item)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _load(self) -> wpb.GetLoadMetricsResponse:
+        metrics = wire.load_to_pb(
+            self.engine.load(), timestamp_ms=int(time.time() * 1000), draining=self.draining
+        )
+        return wpb.GetLoadMetricsResponse(metrics=metrics)
+
+    async def GetLoadMetrics(
+        self, request: wpb.GetLoadMetricsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.GetLoadMetricsResponse:
+        return self._load()
+
+    async def StreamLoadMetrics(
+        self, request: wpb.StreamLoadMetricsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[wpb.StreamLoadMetricsResponse]:
+        interval = (request.interval_ms or 100) / 1000
+        while True:
+            yield wpb.StreamLoadMetricsResponse(metrics=self._load().metrics)
+            await asyncio.sleep(interval)
+
+    async def GetModelCard(
+        self, request: wpb.GetModelCardRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.GetModelCardResponse:
+        return wpb.GetModelCardResponse(
+            card=wire.card_to_pb(self.engine.info), worker_id=self.worker_id
+        )
+
+    async def ClearKvCache(
+        self, request: wpb.ClearKvCacheRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.ClearKvCacheResponse:
+        return wpb.ClearKvCacheResponse(blocks_cleared=await self.engine.clear_kv_cache())
+
+    async def Drain(
+        self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.DrainResponse:
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+        return wpb.DrainResponse(cancelled_requests=await self.drain(timeout))
+
+    async def drain(self, timeout_s: float | None) -> int:
+        """Refuse new requests, wait for in-flight ones; cancel leftovers. Returns how many."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return 0
+        except TimeoutError:
+            leftovers = [t for t in self._tasks if t is not asyncio.current_task()]
+            for t in leftovers:
+                t.cancel()
+            return len(leftovers)
+
+
+# --- engines ----------------------------------------------------------------------------------
+
+EngineFactory = Callable[[Any, WorkerConfig, ModelDirInfo], Engine]
+
+
+def _mocker(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+    from kvmesh.workers.mocker import MockerConfig, MockerEngine
+
+    from kvmesh.config import from_args
+
+    return MockerEngine(
+        from_args(MockerConfig, ns),
+        served_model_name=config.served_model_name or model.name,
+        vocab_size=model.vocab_size,
+        special_token_ids=model.special_token_ids,
+        eos_token_ids=model.eos_token_ids,
+        context_length=model.context_length,
+        model_path=str(model.path),
+    )
+
+
+ENGINES: dict[EngineKind, EngineFactory] = {EngineKind.MOCKER: _mocker}
+
+
+def engine_arg_groups() -> list[type[Any]]:
+    """Config dataclasses whose flags `kvmesh worker` accepts besides WorkerConfig."""
+    from kvmesh.workers.mocker import MockerConfig
+
+    return [MockerConfig]
+
+
+def build_engine(config: WorkerConfig, ns: Any) -> Engine:
+    """Construct the engine named by config.engine with its flags from `ns`."""
+    factory = ENGINES.get(config.engine)
+    if factory is None:
+        raise Unimplemented(
+            f"engine {config.engine.value!r} is not available yet; available: "
+            + ", ".join(k.value for k in ENGINES)
+        )
+    model = ModelDirInfo.load(resolve_model_dir(config.model))
+    return factory(ns, config, model)
+
+
+# --- process ----------------------------------------------------------------------------------
+
+
+class Worker:
+    """A running worker: engine + gRPC server + discovery registration."""
+
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:12]}"
+        self.servicer = WorkerServicer(engine, self.worker_id)
+        self.server = GrpcServer(config.host, config.port)
+        self.server.add(wpb_grpc.add_WorkerServiceServicer_to_server, self.servicer, WORKER_SERVICE)
+        self._registration: Registration | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port of the gRPC server."""
+        return self.server.address
+
+    async def start(self) -> None:
+        """Start the engine, the server, then register."""
+        await self.engine.start()
+        await self.server.start()
+        if self.config.discovery:
+            info = self.engine.info
+            self._registration = await open_discovery(self.config.discovery).register(
+                Instance(
+                    instance_id=self.worker_id,
+                    address=self.address,
+                    model=info.served_model_name,
+                    role=info.role.value,
+                )
+            )
+        log.info(
+            "worker %s serving %s on %s", self.worker_id, self.engine.info.engine, self.address
+        )
+
+    async def stop(self) -> None:
+        """Deregister, drain, stop the server and the engine."""
+        if self._registration is not None:
+            await self._registration.close()
+            self._registration = None
+        await self.server.set_serving(False)
+        cancelled = await self.servicer.drain(self.config.drain_timeout_s)
+        if cancelled:
+            log.warning("drain timed out; cancelled %d requests", cancelled)
+        await self.server.stop(1.0)
+        await self.engine.stop()
+
+
+async def serve_worker(
+    config: WorkerConfig, ns: Any, ready: Callable[[Worker], None] | None = None
+) -> None:
+    """Run a worker until SIGINT/SIGTERM."""
+    worker = Worker(config, build_engine(config, ns))
+    await worker.start()
+    if ready is not None:
+        ready(worker)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await worker.stop()
