@@ -75,8 +75,17 @@ def status_for(exc: errors.KvmeshError) -> tuple[grpc.StatusCode, str]:
 
 def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.KvmeshError:
     """The domain exception for a failed call (INTERNAL and unknown codes -> KvmeshError)."""
-    code = err.code()
-    detail = err.details() or code.name
+    return error_from_status(err.code(), err.details() or "")
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_from_status(code: grpc.StatusCode | int, details: str) -> errors.KvmeshError:
+    """The domain exception for a status code (enum or its number) and details."""
+    if isinstance(code, int):
+        code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    detail = details or code.name
     if code is grpc.StatusCode.INVALID_ARGUMENT and detail.startswith(_TOO_LARGE_TAG):
         return errors.RequestTooLarge(detail[len(_TOO_LARGE_TAG) :])
     cls = _FROM_STATUS.get(code, errors.KvmeshError)

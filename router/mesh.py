@@ -1,23 +1,20 @@
 """The gateway's backend: route a request, call the worker's Generate, stream the output.
 
-Tokens travel worker -> gateway directly; the router only decides. Trace context rides the
-gRPC metadata of the worker call. Closing the output iterator cancels the worker call, which
-cancels the request inside the engine.
+Tokens travel worker -> gateway directly over the worker's multiplexed GenerateStream
+(router.session); the router only decides. The W3C trace context travels with each request.
+Closing the output iterator cancels the request on the worker, which cancels it inside the
+engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router
+from kvmesh.tracing import TraceContext
 from kvmesh.workers import wire
 from kvmesh.workers.engine import EngineOutput, EngineRequest, ModelInfo
-
-from kvmesh.errors import Unavailable
-from kvmesh.grpcutil import error_from_rpc
-from kvmesh.tracing import TraceContext
 
 
 class MeshBackend:
@@ -52,20 +49,15 @@ class MeshBackend:
         decision = await self.router.route(
             model, request.prompt, request.request_id, lora_name=request.lora_name
         )
-        metadata = trace.child().grpc_metadata() if trace is not None else ()
-        call = decision.worker.stub.Generate(wire.request_to_pb(request), metadata=metadata)
+        child = trace.child() if trace is not None else None
+        stream = decision.worker.session.generate(wire.request_to_pb(request), child)
         first = True
         try:
-            async for msg in call:
+            async for msg in stream:
                 if first:
                     first = False
                     self.router.first_token(request.request_id)
                 yield wire.output_from_pb(msg)
-        except grpc.aio.AioRpcError as exc:
-            err = error_from_rpc(exc)
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:
-                raise Unavailable(f"worker {decision.worker.worker_id}: {err.message}") from None
-            raise err from None
         finally:
-            call.cancel()
+            await stream.aclose()  # type: ignore[attr-defined]
             self.router.finished(request.request_id)

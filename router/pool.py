@@ -21,6 +21,7 @@ from kvmesh.workers.engine import ModelInfo
 
 from kvmesh.discovery import Discovery, EventKind, Instance
 from kvmesh.grpcutil import insecure_channel
+from kvmesh.router.session import WorkerSession
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class WorkerHandle:
     info: ModelInfo
     channel: grpc.aio.Channel
     stub: wpb_grpc.WorkerServiceStub
+    session: WorkerSession
+    """The multiplexed Generate stream the gateway uses."""
     inflight: int = 0
     """Requests this process has in flight on the worker."""
     extra: dict[str, object] = field(default_factory=dict)
@@ -59,6 +62,7 @@ class WorkerPool:
         self._listeners: list[Listener] = []
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self._retiring: set[asyncio.Task[None]] = set()
 
     def add_listener(self, listener: Listener) -> None:
         """Hear about joins and leaves (current workers are replayed as joins)."""
@@ -82,7 +86,11 @@ class WorkerPool:
         self._task = None
         for w in list(self._workers.values()):
             self._drop(w.instance_id)
-        await asyncio.sleep(0)
+        for w in list(self._retiring):
+            w.cancel()
+        for handle_task in list(self._retiring):
+            with contextlib.suppress(asyncio.CancelledError):
+                await handle_task
 
     def workers(self, model: str | None = None) -> list[WorkerHandle]:
         """Live workers, optionally only those serving `model`."""
@@ -135,6 +143,7 @@ class WorkerPool:
             info=wire.card_from_pb(card.card),
             channel=channel,
             stub=stub,
+            session=WorkerSession(stub, inst.address),
         )
         self._pending.pop(inst.instance_id, None)
         self._workers[inst.instance_id] = handle
@@ -150,7 +159,18 @@ class WorkerPool:
             return
         log.info("worker %s left", handle.worker_id)
         self._notify(handle, False)
-        asyncio.get_running_loop().create_task(handle.channel.close(REMOVED_CHANNEL_GRACE_S))
+        task = asyncio.get_running_loop().create_task(self._retire(handle))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    async def _retire(handle: WorkerHandle) -> None:
+        """Let in-flight requests on a departed worker finish, then close its channel."""
+        deadline = asyncio.get_running_loop().time() + REMOVED_CHANNEL_GRACE_S
+        while handle.session.inflight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        await handle.session.close()
+        await handle.channel.close(None)
 
     def _notify(self, handle: WorkerHandle, joined: bool) -> None:
         self._changed.set()

@@ -162,15 +162,14 @@ class RemoteRouter:
             f"router chose worker {resp.worker_id} which this frontend does not know yet"
         )
 
-    def _report(self, request_id: str, state: int) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._stub.ReportRequestState(
-                rpb.ReportRequestStateRequest(request_id=request_id, state=state),  # type: ignore[arg-type]
-                timeout=5.0,
-            )
-        )
+    def _report(self, request_id: str, state: rpb.RequestState.ValueType) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_report(request_id, state))
         self._tasks.add(task)
         task.add_done_callback(self._done)
+
+    async def _send_report(self, request_id: str, state: rpb.RequestState.ValueType) -> None:
+        msg = rpb.ReportRequestStateRequest(request_id=request_id, state=state)
+        await self._stub.ReportRequestState(msg, timeout=5.0)
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from kvmesh.errors import Unimplemented
 
 if TYPE_CHECKING:
-    from kvmesh.workers.kv_events import KvEventLog
+    from .kv_events import KvEventLog
 
 
 class FinishReason(enum.Enum):

@@ -23,11 +23,14 @@ __all__ = [
     "BlocksRemoved",
     "BlocksStored",
     "CachedBlock",
+    "KvEventGap",
     "KvEventKind",
     "KvEventLog",
     "KvEventRecord",
+    "KvStateMirror",
     "SnapshotChunk",
     "StoredBlock",
+    "apply_event",
 ]
 
 
@@ -91,6 +94,69 @@ class SnapshotChunk:
     chains: list[BlocksStored]
     first: bool
     last: bool
+
+
+def apply_event(state: dict[int, CachedBlock], kind: KvEventKind) -> None:
+    """Apply one event to a cache state (block_hash -> (parent_hash, token_ids, lora_name))."""
+    if isinstance(kind, BlocksStored):
+        parent = kind.parent_hash
+        lora = kind.lora_name
+        for block in kind.blocks:
+            state[block.block_hash] = (parent, block.token_ids, lora)
+            parent = block.block_hash
+    elif isinstance(kind, BlocksRemoved):
+        for h in kind.block_hashes:
+            state.pop(h, None)
+    else:
+        state.clear()
+
+
+class KvEventGap(Exception):
+    """A subscriber saw an event id that does not follow the previous one."""
+
+
+class KvStateMirror:
+    """The subscriber side: rebuilds a worker's cache state from what `subscribe` yields.
+
+    A chunk with `first=True` starts a new snapshot (the old state is dropped when its last chunk
+    arrives); an event must carry the id right after the previous event or snapshot
+    (`last_event_id`), else KvEventGap. Before any snapshot, `resume_from(state, event_id)` seeds
+    the mirror for a resumed subscription.
+    """
+
+    __slots__ = ("_pending", "last_event_id", "state")
+
+    def __init__(self) -> None:
+        self.state: dict[int, CachedBlock] = {}
+        self.last_event_id: int | None = None
+        self._pending: dict[int, CachedBlock] | None = None
+
+    def resume_from(self, state: dict[int, CachedBlock], last_event_id: int) -> None:
+        """Start from a state known to be current as of `last_event_id`."""
+        self.state = dict(state)
+        self.last_event_id = last_event_id
+        self._pending = None
+
+    def apply(self, item: SnapshotChunk | KvEventRecord) -> None:
+        """Apply one item of a subscription."""
+        if isinstance(item, SnapshotChunk):
+            if item.first:
+                self._pending = {}
+            elif self._pending is None:
+                raise KvEventGap("snapshot chunk without the first chunk")
+            for chain in item.chains:
+                apply_event(self._pending, chain)
+            if item.last:
+                self.state = self._pending
+                self._pending = None
+                self.last_event_id = item.as_of_event_id
+            return
+        if self._pending is not None:
+            raise KvEventGap(f"event {item.event_id} inside a snapshot")
+        if self.last_event_id is not None and item.event_id != self.last_event_id + 1:
+            raise KvEventGap(f"event {item.event_id} after {self.last_event_id}")
+        apply_event(self.state, item.kind)
+        self.last_event_id = item.event_id
 
 
 class _Subscriber:
@@ -168,18 +234,7 @@ class KvEventLog:
         """Record `kind` as the next event and return its id."""
         self._last_id += 1
         record = KvEventRecord(self._last_id, kind)
-        state = self._state
-        if isinstance(kind, BlocksStored):
-            parent = kind.parent_hash
-            lora = kind.lora_name
-            for block in kind.blocks:
-                state[block.block_hash] = (parent, block.token_ids, lora)
-                parent = block.block_hash
-        elif isinstance(kind, BlocksRemoved):
-            for h in kind.block_hashes:
-                state.pop(h, None)
-        else:
-            state.clear()
+        apply_event(self._state, kind)
         self._backlog.append(record)
         for sub in self._subscribers:
             sub.push(record)
@@ -261,25 +316,31 @@ class KvEventLog:
                     walk(h)
         return chains
 
-    def _can_resume(self, resume_after: int) -> bool:
-        if resume_after == self._last_id:
-            return True
-        if resume_after < 0 or resume_after > self._last_id or not self._backlog:
-            return False
-        return self._backlog[0].event_id <= resume_after + 1
+    def events_since(self, after: int) -> list[KvEventRecord] | None:
+        """The events with ids greater than `after`, or None when the backlog no longer holds
+        all of them (or `after` is not an id this log has reached)."""
+        last = self._last_id
+        if after == last:
+            return []
+        backlog = self._backlog
+        if after < 0 or after > last or not backlog or backlog[0].event_id > after + 1:
+            return None
+        return list(itertools.islice(backlog, after + 1 - backlog[0].event_id, None))
 
-    async def subscribe(self, resume_after: int | None) -> AsyncIterator[SnapshotChunk | KvEventRecord]:
+    async def subscribe(
+        self, resume_after: int | None
+    ) -> AsyncIterator[SnapshotChunk | KvEventRecord]:
         """Events after `resume_after` (or a snapshot when they are gone), then live events.
 
         Registration and the choice between replay and snapshot happen atomically on the first
         iteration. Closing the iterator (aclose, or the consuming task ending) unregisters it.
         """
         sub = _Subscriber(self._queue_limit)
-        if resume_after is not None and self._can_resume(resume_after):
-            start = resume_after + 1 - self._backlog[0].event_id if self._backlog else 0
-            sub.queue.extend(itertools.islice(self._backlog, max(start, 0), None))
-        else:
+        replay = self.events_since(resume_after) if resume_after is not None else None
+        if replay is None:
             sub.resync = True
+        else:
+            sub.queue.extend(replay)
         self._subscribers.add(sub)
         try:
             while True:

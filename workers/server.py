@@ -30,8 +30,8 @@ from kvmesh.workers.engine import Engine, Role
 
 from kvmesh.config import opt
 from kvmesh.discovery import Instance, Registration, open_discovery
-from kvmesh.errors import Unavailable, Unimplemented
-from kvmesh.grpcutil import GrpcServer
+from kvmesh.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
+from kvmesh.grpcutil import GrpcServer, status_for
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.tracing import TraceContext
 
@@ -99,6 +99,24 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             # aborts the request and frees its blocks before aclose returns.
             await stream.aclose()  # type: ignore[attr-defined]
             self._end(task)
+
+    async def GenerateStream(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[wpb.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[wpb.GenerateStreamResponse]:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
+        session = _StreamSession(self)
+        reader = asyncio.create_task(session.read(request_iterator))
+        try:
+            async for batch in session.batches():
+                yield batch
+        finally:
+            reader.cancel()
+            await session.cancel_all()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
     def _begin(self, task: asyncio.Task[Any] | None) -> None:
         self._inflight += 1
@@ -194,6 +212,109 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             for t in leftovers:
                 t.cancel()
             return len(leftovers)
+
+
+class _StreamSession:
+    """The requests of one GenerateStream: one task per request, outputs batched per wake-up.
+
+    Each request task appends its outputs to a shared list; the stream handler sends whatever
+    has accumulated as one message, so a whole engine step's tokens for this stream travel in
+    one gRPC message.
+    """
+
+    def __init__(self, servicer: WorkerServicer) -> None:
+        self.servicer = servicer
+        self.outputs: list[wpb.StreamedGenerateOutput] = []
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self.wake = asyncio.Event()
+        self.reading = True
+        self.error: KvmeshError | None = None
+
+    def _emit(self, item: wpb.StreamedGenerateOutput) -> None:
+        self.outputs.append(item)
+        self.wake.set()
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        if isinstance(exc, KvmeshError):
+            code, detail = status_for(exc)
+        else:
+            log.exception("request %s failed", request_id, exc_info=exc)
+            code, detail = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+        self._emit(
+            wpb.StreamedGenerateOutput(
+                request_id=request_id, error_code=code.value[0], error_message=detail
+            )
+        )
+
+    async def read(self, requests: AsyncIterator[wpb.GenerateStreamRequest]) -> None:
+        try:
+            async for msg in requests:
+                for start in msg.start:
+                    self._start(start)
+                for rid in msg.cancel_request_ids:
+                    task = self.running.get(rid)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            self.reading = False
+            self.wake.set()
+
+    def _start(self, start: wpb.StreamedGenerate) -> None:
+        rid = start.request.request_id
+        if not rid or rid in self.running:
+            # Ambiguous outputs would follow: a protocol error that ends the whole stream.
+            why = "is required" if not rid else f"{rid!r} is already running on this stream"
+            self.error = InvalidRequest(f"request_id {why}", param="request_id")
+            self.wake.set()
+            return
+        if self.servicer.draining:
+            self._fail(rid, Unavailable(f"worker {self.servicer.worker_id} is draining"))
+            return
+        task = asyncio.get_running_loop().create_task(self._run(rid, start))
+        self.running[rid] = task
+        self.servicer._begin(task)
+
+    async def _run(self, rid: str, start: wpb.StreamedGenerate) -> None:
+        task = asyncio.current_task()
+        try:
+            req = wire.request_from_pb(start.request, rid)
+            if start.traceparent and log.isEnabledFor(logging.DEBUG):
+                log.debug("generate %s trace %s", rid, start.traceparent)
+            stream = self.servicer.engine.generate(req)
+            try:
+                async for out in stream:
+                    self._emit(
+                        wpb.StreamedGenerateOutput(request_id=rid, response=wire.output_to_pb(out))
+                    )
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+        except asyncio.CancelledError:
+            pass  # cancelled by the client (or the stream ended): nothing more to send
+        except Exception as exc:
+            self._fail(rid, exc)
+        finally:
+            self.running.pop(rid, None)
+            self.servicer._end(task)
+            self.wake.set()
+
+    async def batches(self) -> AsyncIterator[wpb.GenerateStreamResponse]:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            if self.error is not None:
+                raise self.error
+            if self.outputs:
+                batch, self.outputs = self.outputs, []
+                yield wpb.GenerateStreamResponse(outputs=batch)
+            elif not self.reading and not self.running:
+                return
+
+    async def cancel_all(self) -> None:
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # --- engines ----------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ async def test_every_rpc_is_reachable(stub: wpb_grpc.WorkerServiceStub, worker: 
     load = await stub.GetLoadMetrics(wpb.GetLoadMetricsRequest())
     assert load.metrics.kv_total_blocks == 64
     stream = stub.StreamLoadMetrics(wpb.StreamLoadMetricsRequest(interval_ms=10))
-    got = [m async for _, m in zip(range(3), stream, strict=False)]
+    got = [await stream.read() for _ in range(3)]
     stream.cancel()
     assert len(got) == 3
 
@@ -300,3 +300,88 @@ async def test_kv_event_stream_reproduces_block_pool(tiny_model: Path, seed: int
     finally:
         await channel.close()
         await w.stop()
+
+
+async def test_generate_stream_multiplexes_requests(stub: wpb_grpc.WorkerServiceStub) -> None:
+    """GenerateStream: same outputs as Generate, errors in-band, per-request cancel."""
+    expected = [
+        t
+        for m in await collect(stub, gen_request(list(range(50, 60)), max_tokens=5))
+        for t in m.token_ids
+    ]
+    call = stub.GenerateStream()
+    starts = []
+    for i in range(3):
+        req = gen_request(list(range(50, 60)), max_tokens=5)
+        req.request_id = f"r{i}"
+        starts.append(wpb.StreamedGenerate(request=req))
+    bad = gen_request([1, 2], max_tokens=0)
+    bad.request_id = "bad"
+    starts.append(wpb.StreamedGenerate(request=bad))
+    await call.write(wpb.GenerateStreamRequest(start=starts))
+    tokens: dict[str, list[int]] = {}
+    errors_seen: dict[str, int] = {}
+    done: set[str] = set()
+    while len(done) + len(errors_seen) < 4:
+        msg = await call.read()
+        for out in msg.outputs:
+            if out.error_code:
+                errors_seen[out.request_id] = out.error_code
+                continue
+            tokens.setdefault(out.request_id, []).extend(out.response.token_ids)
+            if out.response.finish_reason:
+                done.add(out.request_id)
+    assert errors_seen == {"bad": grpc.StatusCode.INVALID_ARGUMENT.value[0]}
+    assert all(tokens[f"r{i}"] == expected for i in range(3))
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+
+
+async def test_generate_stream_cancel_and_close_free_blocks(tiny_model: Path) -> None:
+    w = Worker(WorkerConfig(), make_engine(tiny_model, speedup_ratio=50.0, block_size=4))
+    await w.start()
+    channel = insecure_channel(w.address)
+    stub = wpb_grpc.WorkerServiceStub(channel)
+
+    async def idle() -> cpb.LoadMetrics:
+        for _ in range(200):
+            load = (await stub.GetLoadMetrics(wpb.GetLoadMetricsRequest())).metrics
+            if load.kv_active_blocks == 0 and load.num_running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+        return load
+
+    try:
+        call = stub.GenerateStream()
+        starts = []
+        for i in range(2):
+            req = gen_request(list(range(1, 40)), max_tokens=2000)
+            req.request_id = f"long{i}"
+            starts.append(wpb.StreamedGenerate(request=req))
+        await call.write(wpb.GenerateStreamRequest(start=starts))
+        await call.read()
+        await call.write(wpb.GenerateStreamRequest(cancel_request_ids=["long0"]))
+        for _ in range(200):
+            load = (await stub.GetLoadMetrics(wpb.GetLoadMetricsRequest())).metrics
+            if load.num_running_requests == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert load.num_running_requests == 1, "cancelling one request leaves the other running"
+        call.cancel()  # ending the stream cancels the rest
+        load = await idle()
+        assert load.kv_active_blocks == 0 and load.num_running_requests == 0
+    finally:
+        await channel.close()
+        await w.stop()
+
+
+async def test_generate_stream_duplicate_id_ends_stream(stub: wpb_grpc.WorkerServiceStub) -> None:
+    call = stub.GenerateStream()
+    req = gen_request(list(range(1, 40)), max_tokens=100)
+    req.request_id = "same"
+    await call.write(wpb.GenerateStreamRequest(start=[wpb.StreamedGenerate(request=req)] * 2))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        while True:
+            if await call.read() is grpc.aio.EOF:
+                break
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT

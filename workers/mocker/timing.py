@@ -31,6 +31,7 @@ and at 1 ms for decode (as Dynamo does, so token-emitting steps never take zero 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 from pathlib import Path
@@ -82,7 +83,7 @@ class _Table:
             raise ValueError(f"timing profile: {name} needs two non-empty lists of equal length")
         if any(not math.isfinite(v) for v in (*xs, *ys)):
             raise ValueError(f"timing profile: {name} values must be finite numbers")
-        if any(b <= a for a, b in zip(xs, xs[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(xs)):
             raise ValueError(f"timing profile: {name} x values must be strictly increasing")
         self.xs = xs
         self.ys = ys

@@ -136,6 +136,134 @@ class GenerateResponse(_message.Message):
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
+class GenerateStreamRequest(_message.Message):
+    """Requests to start and cancel on a GenerateStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def start(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamedGenerate]:
+        """Requests to start. Each request_id must be set and unique among the stream's running
+        requests. Empty: none.
+        """
+
+    @_builtins.property
+    def cancel_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of running requests to cancel. Unknown or finished ids are ignored. Empty: none."""
+
+    def __init__(
+        self,
+        *,
+        start: _abc.Iterable[Global___StreamedGenerate] | None = ...,
+        cancel_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_request_ids", b"cancel_request_ids", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStreamRequest: _TypeAlias = GenerateStreamRequest  # noqa: Y015
+
+@_typing.final
+class StreamedGenerate(_message.Message):
+    """One request started on a GenerateStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """W3C trace context of the caller's span. Empty: none."""
+    tracestate: _builtins.str
+    """W3C tracestate that goes with traceparent. Empty: none."""
+    @_builtins.property
+    def request(self) -> Global___GenerateRequest:
+        """The request; request_id is required."""
+
+    def __init__(
+        self,
+        *,
+        request: Global___GenerateRequest | None = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamedGenerate: _TypeAlias = StreamedGenerate  # noqa: Y015
+
+@_typing.final
+class GenerateStreamResponse(_message.Message):
+    """Outputs of one or more requests of a GenerateStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamedGenerateOutput]:
+        """Outputs, in order per request. Never empty."""
+
+    def __init__(
+        self,
+        *,
+        outputs: _abc.Iterable[Global___StreamedGenerateOutput] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStreamResponse: _TypeAlias = GenerateStreamResponse  # noqa: Y015
+
+@_typing.final
+class StreamedGenerateOutput(_message.Message):
+    """One output of one request on a GenerateStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request this output belongs to."""
+    error_code: _builtins.int
+    """0: no error. Otherwise the request failed with this gRPC status code (as Generate would
+    have) and produces nothing more.
+    """
+    error_message: _builtins.str
+    """Error message when error_code is set. Empty otherwise."""
+    @_builtins.property
+    def response(self) -> Global___GenerateResponse:
+        """The output, exactly as Generate would stream it; a set finish_reason marks the request's
+        last output. Unset when error_code is set.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        response: Global___GenerateResponse | None = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "request_id", b"request_id", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamedGenerateOutput: _TypeAlias = StreamedGenerateOutput  # noqa: Y015
+
+@_typing.final
 class PrefillRemoteRequest(_message.Message):
     """PrefillRemote request."""
 

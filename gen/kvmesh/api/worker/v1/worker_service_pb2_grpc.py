@@ -45,6 +45,11 @@ class WorkerServiceStub:
                 request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/kvmesh.api.worker.v1.WorkerService/GenerateStream',
+                request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.PrefillRemote = channel.unary_unary(
                 '/kvmesh.api.worker.v1.WorkerService/PrefillRemote',
                 request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.PrefillRemoteRequest.SerializeToString,
@@ -100,6 +105,16 @@ class WorkerServiceServicer:
         """Generate tokens for a prompt. Streams token deltas; the last message carries the finish
         reason and usage. Cancelling the call cancels the request inside the engine and frees its
         KV blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate calls multiplexed on one bidirectional stream, for gateways and routers
+        that send many requests to the same worker: each request behaves exactly as in Generate,
+        and the outputs of all the stream's requests are batched into one message per engine step.
+        Cancel one request with cancel_request_ids; ending the stream cancels all of them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +185,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateRequest.FromString,
                     response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'PrefillRemote': grpc.unary_unary_rpc_method_handler(
                     servicer.PrefillRemote,
@@ -245,6 +265,33 @@ class WorkerService:
             '/kvmesh.api.worker.v1.WorkerService/Generate',
             kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateRequest.SerializeToString,
             kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.api.worker.v1.WorkerService/GenerateStream',
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateStreamRequest.SerializeToString,
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,12 @@ class WorkerServiceStub:
     reason and usage. Cancelling the call cancels the request inside the engine and frees its
     KV blocks.
     """
+    GenerateStream: _grpc.StreamStreamMultiCallable[_worker_service_pb2.GenerateStreamRequest, _worker_service_pb2.GenerateStreamResponse]
+    """Many Generate calls multiplexed on one bidirectional stream, for gateways and routers
+    that send many requests to the same worker: each request behaves exactly as in Generate,
+    and the outputs of all the stream's requests are batched into one message per engine step.
+    Cancel one request with cancel_request_ids; ending the stream cancels all of them.
+    """
     PrefillRemote: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.PrefillRemoteRequest, _worker_service_pb2.PrefillRemoteResponse]
     """Prefill a prompt on this (prefill) worker, keep its KV blocks pinned, and return what a
     decode worker needs to pull them.
@@ -80,6 +86,12 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Generate tokens for a prompt. Streams token deltas; the last message carries the finish
     reason and usage. Cancelling the call cancels the request inside the engine and frees its
     KV blocks.
+    """
+    GenerateStream: _aio.StreamStreamMultiCallable[_worker_service_pb2.GenerateStreamRequest, _worker_service_pb2.GenerateStreamResponse]  # type: ignore[assignment]
+    """Many Generate calls multiplexed on one bidirectional stream, for gateways and routers
+    that send many requests to the same worker: each request behaves exactly as in Generate,
+    and the outputs of all the stream's requests are batched into one message per engine step.
+    Cancel one request with cancel_request_ids; ending the stream cancels all of them.
     """
     PrefillRemote: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.PrefillRemoteRequest, _worker_service_pb2.PrefillRemoteResponse]  # type: ignore[assignment]
     """Prefill a prompt on this (prefill) worker, keep its KV blocks pinned, and return what a
@@ -120,6 +132,18 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Generate tokens for a prompt. Streams token deltas; the last message carries the finish
         reason and usage. Cancelling the call cancels the request inside the engine and frees its
         KV blocks.
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_service_pb2.GenerateStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_service_pb2.GenerateStreamResponse], _abc.AsyncIterator[_worker_service_pb2.GenerateStreamResponse]]:
+        """Many Generate calls multiplexed on one bidirectional stream, for gateways and routers
+        that send many requests to the same worker: each request behaves exactly as in Generate,
+        and the outputs of all the stream's requests are batched into one message per engine step.
+        Cancel one request with cancel_request_ids; ending the stream cancels all of them.
         """
 
     @_abc_1.abstractmethod

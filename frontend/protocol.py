@@ -1,0 +1,774 @@
+"""OpenAI wire format: typed requests parsed from JSON, typed results, and their encoders.
+
+Parsing turns a request body into frozen-shape dataclasses (`ChatCompletionRequest`,
+`CompletionRequest`) and raises kvmesh.errors.InvalidRequest (HTTP 400, with `param`) for
+anything malformed: wrong types, missing fields, out-of-range values. Unknown fields are
+ignored, as OpenAI and vLLM do; `null` means "not set" for every optional field.
+
+Encoding is on the hot path of streaming: `ChatChunkEncoder` / `TextChunkEncoder` pre-encode
+the bytes shared by every chunk of a response (id, created, model) once per request and only
+JSON-encode the text of each delta. Unary results are plain orjson dumps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from kvmesh.errors import InvalidRequest
+from kvmesh.workers.engine import ModelInfo
+
+__all__ = [
+    "DONE_EVENT",
+    "ChatChunkEncoder",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "ChoiceDelta",
+    "ChoiceResult",
+    "CompletionRequest",
+    "CompletionResult",
+    "GenerationOptions",
+    "TextChunkEncoder",
+    "TokenLogprobInfo",
+    "UsageInfo",
+    "encode_error_event",
+    "encode_models",
+    "encode_result",
+    "parse_chat_request",
+    "parse_completion_request",
+]
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+# --------------------------------------------------------------------------------------------
+# Typed requests
+
+
+@dataclass(slots=True)
+class GenerationOptions:
+    """Sampling and stopping options shared by chat and text completions."""
+
+    max_tokens: int | None = None
+    """None: the endpoint's default (chat: until the context is full; completions: 16)."""
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k (the OpenAI-compatible -1 is mapped to 0)."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    """Choice i of a request uses seed + i."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    """Stop strings, never part of the output."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: the chosen token's logprob plus k alternatives."""
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    """One chat message, content flattened to text."""
+
+    role: str
+    content: str | None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The dict chat templates expect."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+@dataclass(slots=True)
+class ChatCompletionRequest:
+    """POST /v1/chat/completions."""
+
+    model: str
+    messages: list[ChatMessage]
+    options: GenerationOptions = field(default_factory=GenerationOptions)
+    stream: bool = False
+    include_usage: bool = False
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """POST /v1/completions. Each prompt is text or token ids."""
+
+    model: str
+    prompts: list[str | list[int]]
+    options: GenerationOptions = field(default_factory=GenerationOptions)
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    user: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Typed results
+
+
+@dataclass(slots=True)
+class TokenLogprobInfo:
+    """A generated token's logprob and its top alternatives, as text and bytes."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: list[tuple[str, bytes, float]]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """New output of one choice. `finish_reason` ("stop" / "length") is set on its last delta."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobInfo] | None = None
+
+
+@dataclass(slots=True)
+class UsageInfo:
+    """Token accounting of a whole request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """prompt + completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        """OpenAI `usage` object."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """One finished choice of a unary response."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobInfo] | None = None
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    """A finished, non-streamed chat or text completion."""
+
+    id: str
+    created: int
+    model: str
+    kind: Literal["chat", "text"]
+    choices: list[ChoiceResult]
+    usage: UsageInfo
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing helpers
+
+
+def _load(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return data
+
+
+def _type_error(key: str, expected: str) -> InvalidRequest:
+    return InvalidRequest(f"'{key}' must be {expected}", param=key)
+
+
+def _str(body: dict[str, Any], key: str, *, required: bool = False) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise InvalidRequest(f"'{key}' is required", param=key)
+        return None
+    if not isinstance(value, str):
+        raise _type_error(key, "a string")
+    return value
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(key, "a boolean")
+    return value
+
+
+def _int(
+    body: dict[str, Any], key: str, *, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(key, "an integer")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise InvalidRequest(f"'{key}' must be {_range(lo, hi)}, got {value}", param=key)
+    return value
+
+
+def _float(
+    body: dict[str, Any],
+    key: str,
+    default: float,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(key, "a number")
+    number = float(value)
+    if number != number or (  # NaN
+        (lo is not None and (number < lo or (lo_open and number == lo)))
+        or (hi is not None and number > hi)
+    ):
+        bound = f"> {lo}" if lo_open and hi is None else _range(lo, hi, lo_open=lo_open)
+        raise InvalidRequest(f"'{key}' must be {bound}, got {value}", param=key)
+    return number
+
+
+def _range(lo: float | None, hi: float | None, *, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f"in ({lo}, {hi}]" if lo_open else f"between {lo} and {hi}"
+    if lo is not None:
+        return f"> {lo}" if lo_open else f">= {lo}"
+    return f"<= {hi}"
+
+
+def _token_ids(value: Any, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise _type_error(key, "a list of non-negative integer token ids")
+    return value
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise InvalidRequest(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
+        if not isinstance(options, dict):
+            raise _type_error("stream_options", "an object")
+        include_usage = _bool(options, "include_usage", False)
+    return stream, include_usage
+
+
+def _options(body: dict[str, Any], *, default_logprobs: int | None) -> GenerationOptions:
+    max_tokens = _int(body, "max_tokens")
+    max_completion = _int(body, "max_completion_tokens")
+    if max_completion is not None:
+        max_tokens, key = max_completion, "max_completion_tokens"
+    else:
+        key = "max_tokens"
+    if max_tokens is not None and max_tokens <= 0:
+        raise InvalidRequest(f"'{key}' must be >= 1, got {max_tokens}", param=key)
+    min_tokens = _int(body, "min_tokens", lo=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"'min_tokens' ({min_tokens}) must not exceed '{key}' ({max_tokens})",
+            param="min_tokens",
+        )
+
+    stop_raw = body.get("stop")
+    stop: tuple[str, ...]
+    if stop_raw is None:
+        stop = ()
+    elif isinstance(stop_raw, str):
+        stop = (stop_raw,) if stop_raw else ()
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        if len(stop_raw) > MAX_STOP_STRINGS:
+            raise InvalidRequest(
+                f"'stop' accepts at most {MAX_STOP_STRINGS} strings, got {len(stop_raw)}",
+                param="stop",
+            )
+        stop = tuple(s for s in stop_raw if s)
+    else:
+        raise _type_error("stop", "a string or a list of strings")
+
+    stop_ids_raw = body.get("stop_token_ids")
+    stop_token_ids = () if stop_ids_raw is None else tuple(_token_ids(stop_ids_raw, "stop_token_ids"))
+
+    bias_raw = body.get("logit_bias")
+    logit_bias: dict[int, float] = {}
+    if bias_raw is not None:
+        if not isinstance(bias_raw, dict):
+            raise _type_error("logit_bias", "an object mapping token ids to numbers")
+        for token, bias in bias_raw.items():
+            try:
+                token_id = int(token)
+            except ValueError:
+                raise InvalidRequest(
+                    f"'logit_bias' key {token!r} is not a token id", param="logit_bias"
+                ) from None
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise _type_error("logit_bias", "an object mapping token ids to numbers")
+            if token_id < 0 or not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(
+                    "'logit_bias' needs token ids >= 0 and biases between -100 and 100",
+                    param="logit_bias",
+                )
+            logit_bias[token_id] = float(bias)
+
+    top_k = _int(body, "top_k", lo=-1) or 0
+    seed = _int(body, "seed", lo=-(2**63), hi=2**63 - 1)
+    return GenerationOptions(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=max(top_k, 0),
+        min_p=_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        presence_penalty=_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
+        seed=seed,
+        logit_bias=logit_bias,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=_bool(body, "ignore_eos", False),
+        n=_int(body, "n", lo=1) or 1,
+        logprobs=default_logprobs,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        priority=_int(body, "priority") or 0,
+    )
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _type_error("response_format", "an object")
+        if fmt.get("type", "text") != "text":
+            raise InvalidRequest(
+                f"response_format type {fmt.get('type')!r} is not supported yet",
+                param="response_format",
+            )
+
+
+def _content(value: Any, index: int) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts: list[str] = []
+        for part in value:
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise InvalidRequest(
+                    f"messages[{index}].content parts must be objects", param="messages"
+                )
+            kind = part.get("type")
+            if kind in ("text", "input_text", "refusal"):
+                text = part.get("text", part.get("refusal"))
+                if not isinstance(text, str):
+                    raise InvalidRequest(
+                        f"messages[{index}].content text part needs a string 'text'",
+                        param="messages",
+                    )
+                texts.append(text)
+            else:
+                raise InvalidRequest(
+                    f"content part type {kind!r} is not supported (text only)", param="messages"
+                )
+        return "\n".join(texts)
+    raise InvalidRequest(
+        f"messages[{index}].content must be a string, a list of parts or null", param="messages"
+    )
+
+
+def _message(raw: Any, index: int) -> ChatMessage:
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"messages[{index}] must be an object", param="messages")
+    role = raw.get("role")
+    if not isinstance(role, str):
+        raise InvalidRequest(f"messages[{index}].role must be a string", param="messages")
+    if role not in CHAT_ROLES:
+        raise InvalidRequest(f"messages[{index}].role {role!r} is not supported", param="messages")
+    content = _content(raw.get("content"), index)
+    if content is None and role not in ("assistant", "function"):
+        raise InvalidRequest(f"messages[{index}].content is required", param="messages")
+    name = raw.get("name")
+    if name is not None and not isinstance(name, str):
+        raise InvalidRequest(f"messages[{index}].name must be a string", param="messages")
+    tool_calls = raw.get("tool_calls")
+    if tool_calls is not None and (
+        not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls)
+    ):
+        raise InvalidRequest(
+            f"messages[{index}].tool_calls must be a list of objects", param="messages"
+        )
+    tool_call_id = raw.get("tool_call_id")
+    if tool_call_id is not None and not isinstance(tool_call_id, str):
+        raise InvalidRequest(f"messages[{index}].tool_call_id must be a string", param="messages")
+    reasoning = raw.get("reasoning_content", raw.get("reasoning"))
+    return ChatMessage(
+        role=role,
+        content=content,
+        name=name,
+        tool_calls=tool_calls or None,
+        tool_call_id=tool_call_id,
+        reasoning_content=reasoning if isinstance(reasoning, str) else None,
+    )
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Parse and validate a chat completion request body. Raises InvalidRequest."""
+    data = _load(body)
+    model = _str(data, "model", required=True)
+    assert model is not None
+    raw_messages = data.get("messages")
+    if raw_messages is None:
+        raise InvalidRequest("'messages' is required", param="messages")
+    if not isinstance(raw_messages, list):
+        raise _type_error("messages", "a list of messages")
+    if not raw_messages:
+        raise InvalidRequest("'messages' must not be empty", param="messages")
+    messages = [_message(m, i) for i, m in enumerate(raw_messages)]
+
+    want_logprobs = _bool(data, "logprobs", False)
+    top_logprobs = _int(data, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and top_logprobs > 0 and not want_logprobs:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    stream, include_usage = _stream_flags(data)
+    _reject_unsupported(data)
+
+    tools = data.get("tools")
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise _type_error("tools", "a list of tool objects")
+    tool_choice = data.get("tool_choice")
+    if tool_choice is not None and tool_choice not in ("none", "auto"):
+        raise InvalidRequest(
+            "only tool_choice 'none' and 'auto' are supported", param="tool_choice"
+        )
+    kwargs = data.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _type_error("chat_template_kwargs", "an object")
+    options = _options(data, default_logprobs=(top_logprobs or 0) if want_logprobs else None)
+    if _int(data, "best_of") not in (None, options.n):
+        raise InvalidRequest("'best_of' other than n is not supported", param="best_of")
+    return ChatCompletionRequest(
+        model=model,
+        messages=messages,
+        options=options,
+        stream=stream,
+        include_usage=include_usage,
+        tools=tools if tools and tool_choice != "none" else None,
+        add_generation_prompt=_bool(data, "add_generation_prompt", True),
+        chat_template_kwargs=kwargs or {},
+        user=_str(data, "user"),
+    )
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Parse and validate a text completion request body. Raises InvalidRequest."""
+    data = _load(body)
+    model = _str(data, "model", required=True)
+    assert model is not None
+    raw = data.get("prompt")
+    prompts: list[str | list[int]]
+    if raw is None:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    if isinstance(raw, str):
+        prompts = [raw]
+    elif isinstance(raw, list) and raw:
+        if all(isinstance(p, str) for p in raw):
+            prompts = list(raw)
+        elif all(isinstance(p, int) and not isinstance(p, bool) for p in raw):
+            prompts = [_token_ids(raw, "prompt")]
+        elif all(isinstance(p, list) for p in raw):
+            prompts = [_token_ids(p, "prompt") for p in raw]
+            if any(not p for p in prompts):
+                raise InvalidRequest("token prompts must not be empty", param="prompt")
+        else:
+            raise _type_error(
+                "prompt", "a string, a list of strings, a list of token ids or a list of those"
+            )
+    else:
+        raise _type_error(
+            "prompt", "a string, a non-empty list of strings, token ids or lists of token ids"
+        )
+    logprobs = _int(data, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    echo = _bool(data, "echo", False)
+    if echo and logprobs is not None:
+        raise InvalidRequest("'echo' together with 'logprobs' is not supported", param="echo")
+    suffix = _str(data, "suffix")
+    if suffix:
+        raise InvalidRequest("'suffix' is not supported", param="suffix")
+    stream, include_usage = _stream_flags(data)
+    options = _options(data, default_logprobs=logprobs)
+    if _int(data, "best_of") not in (None, options.n):
+        raise InvalidRequest("'best_of' other than n is not supported", param="best_of")
+    return CompletionRequest(
+        model=model,
+        prompts=prompts,
+        options=options,
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+        user=_str(data, "user"),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_FINISH = {None: b"null", "stop": b'"stop"', "length": b'"length"'}
+_dumps = orjson.dumps
+
+
+def _finish_bytes(reason: str | None) -> bytes:
+    encoded = _FINISH.get(reason)
+    return encoded if encoded is not None else _dumps(reason)
+
+
+def _chat_logprobs(infos: Sequence[TokenLogprobInfo]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": info.token,
+            "logprob": info.logprob,
+            "bytes": list(info.token_bytes),
+            "top_logprobs": [
+                {"token": tok, "logprob": lp, "bytes": list(raw)} for tok, raw, lp in info.top
+            ],
+        }
+        for info in infos
+    ]
+
+
+def _text_logprobs(infos: Sequence[TokenLogprobInfo], offset: int) -> tuple[dict[str, Any], int]:
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for info in infos:
+        tokens.append(info.token)
+        token_logprobs.append(info.logprob)
+        top.append({tok: lp for tok, _, lp in info.top})
+        offsets.append(offset)
+        offset += len(info.token)
+    return (
+        {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+         "text_offset": offsets},
+        offset,
+    )  # fmt: skip
+
+
+def _head(id_: str, object_: str, created: int, model: str) -> bytes:
+    return (
+        b'data: {"id":'
+        + _dumps(id_)
+        + b',"object":"'
+        + object_.encode()
+        + b'","created":'
+        + str(created).encode()
+        + b',"model":'
+        + _dumps(model)
+    )
+
+
+class ChatChunkEncoder:
+    """SSE events of one streamed chat completion (`chat.completion.chunk`).
+
+    The first delta of each choice carries `"role":"assistant"`; a choice's last delta carries
+    its `finish_reason`. With `include_usage`, every chunk has `"usage":null` and `usage()`
+    gives the final usage chunk.
+    """
+
+    __slots__ = ("_head", "_indexes", "_prefix", "_role_sent", "_tail")
+
+    def __init__(self, id_: str, created: int, model: str, *, include_usage: bool) -> None:
+        self._head = _head(id_, "chat.completion.chunk", created, model)
+        self._prefix = self._head + b',"choices":[{"index":'
+        self._tail = b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n"
+        self._indexes: dict[int, bytes] = {}
+        self._role_sent: set[int] = set()
+
+    def delta(self, d: ChoiceDelta) -> bytes:
+        """The SSE event of one delta."""
+        index = d.index
+        idx = self._indexes.get(index)
+        if idx is None:
+            idx = self._indexes[index] = str(index).encode() + b',"delta":{'
+        if index not in self._role_sent:
+            self._role_sent.add(index)
+            body = b'"role":"assistant","content":' + _dumps(d.text)
+        elif d.text:
+            body = b'"content":' + _dumps(d.text)
+        else:
+            body = b""
+        logprobs = (
+            b"null" if d.logprobs is None else _dumps({"content": _chat_logprobs(d.logprobs)})
+        )
+        return (
+            self._prefix
+            + idx
+            + body
+            + b'},"logprobs":'
+            + logprobs
+            + b',"finish_reason":'
+            + _finish_bytes(d.finish_reason)
+            + self._tail
+        )
+
+    def usage(self, usage: UsageInfo) -> bytes:
+        """The final usage chunk (`choices: []`)."""
+        return self._head + b',"choices":[],"usage":' + _dumps(usage.to_json()) + b"}\n\n"
+
+
+class TextChunkEncoder:
+    """SSE events of one streamed text completion (`text_completion`)."""
+
+    __slots__ = ("_head", "_indexes", "_offsets", "_prefix", "_tail")
+
+    def __init__(self, id_: str, created: int, model: str, *, include_usage: bool) -> None:
+        self._head = _head(id_, "text_completion", created, model)
+        self._prefix = self._head + b',"choices":[{"index":'
+        self._tail = b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n"
+        self._indexes: dict[int, bytes] = {}
+        self._offsets: dict[int, int] = {}
+
+    def delta(self, d: ChoiceDelta) -> bytes:
+        """The SSE event of one delta."""
+        index = d.index
+        idx = self._indexes.get(index)
+        if idx is None:
+            idx = self._indexes[index] = str(index).encode() + b',"text":'
+        if d.logprobs is None:
+            logprobs = b"null"
+        else:
+            obj, self._offsets[index] = _text_logprobs(d.logprobs, self._offsets.get(index, 0))
+            logprobs = _dumps(obj)
+        return (
+            self._prefix
+            + idx
+            + _dumps(d.text)
+            + b',"logprobs":'
+            + logprobs
+            + b',"finish_reason":'
+            + _finish_bytes(d.finish_reason)
+            + self._tail
+        )
+
+    def usage(self, usage: UsageInfo) -> bytes:
+        """The final usage chunk (`choices: []`)."""
+        return self._head + b',"choices":[],"usage":' + _dumps(usage.to_json()) + b"}\n\n"
+
+
+def encode_error_event(payload: dict[str, Any]) -> bytes:
+    """An SSE error event (sent when a stream fails after it started), then [DONE]."""
+    return b"data: " + _dumps(payload) + b"\n\n" + DONE_EVENT
+
+
+def encode_result(result: CompletionResult) -> bytes:
+    """JSON body of a unary chat or text completion."""
+    choices: list[dict[str, Any]] = []
+    if result.kind == "chat":
+        for c in result.choices:
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": None
+                    if c.logprobs is None
+                    else {"content": _chat_logprobs(c.logprobs), "refusal": None},
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        object_ = "chat.completion"
+    else:
+        for c in result.choices:
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": None if c.logprobs is None else _text_logprobs(c.logprobs, 0)[0],
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        object_ = "text_completion"
+    return _dumps(
+        {
+            "id": result.id,
+            "object": object_,
+            "created": result.created,
+            "model": result.model,
+            "choices": choices,
+            "usage": result.usage.to_json(),
+        }
+    )
+
+
+def encode_models(models: Sequence[ModelInfo], created: int) -> bytes:
+    """JSON body of GET /v1/models."""
+    return _dumps(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.served_model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kvmesh",
+                    "max_model_len": m.context_length,
+                }
+                for m in models
+            ],
+        }
+    )

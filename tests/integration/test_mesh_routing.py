@@ -1,0 +1,210 @@
+"""The gateway's backend over real workers: discovery, routing, the router service, tracing.
+
+Workers are real gRPC servers on loopback ports (in this process); discovery is the file
+registry `kvmesh up` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvmesh import errors
+from kvmesh.api.router.v1 import router_service_pb2 as rpb
+from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
+from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
+from kvmesh.discovery import FileDiscovery, StaticDiscovery
+from kvmesh.grpcutil import GrpcServer, insecure_channel
+from kvmesh.router.mesh import MeshBackend
+from kvmesh.router.pool import WorkerPool
+from kvmesh.router.routing import RouterMode, SimpleRouter
+from kvmesh.router.service import ROUTER_SERVICE, RemoteRouter, RouterServicer
+from kvmesh.tracing import TraceContext
+from kvmesh.workers import wire
+from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
+from kvmesh.workers.server import WORKER_SERVICE, Worker, WorkerConfig
+
+from .test_worker_contract import make_engine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def workers(tiny_model: Path, tmp_path: Path) -> AsyncIterator[list[Worker]]:
+    url = f"file://{tmp_path / 'registry'}"
+    ws = [
+        Worker(WorkerConfig(discovery=url, worker_id=f"w{i}"), make_engine(tiny_model))
+        for i in range(2)
+    ]
+    for w in ws:
+        await w.start()
+    yield ws
+    for w in ws:
+        if w.servicer.draining is False:
+            await w.stop()
+
+
+def request(rid: str, prompt: list[int] | None = None) -> EngineRequest:
+    return EngineRequest(
+        rid,
+        prompt or list(range(10, 30)),
+        SamplingParams(temperature=0.0),
+        StopParams(max_tokens=3),
+    )
+
+
+async def run(backend: MeshBackend, req: EngineRequest) -> list[int]:
+    tokens: list[int] = []
+    async for out in backend.generate("tiny", req, None):
+        tokens += out.token_ids
+        if out.finish_reason is not None:
+            assert out.finish_reason is FinishReason.LENGTH
+    return tokens
+
+
+async def finished(w: Worker) -> int:
+    return w.engine.load().requests_finished_total
+
+
+async def test_round_robin_spreads_and_a_stopped_worker_leaves(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    pool = WorkerPool(FileDiscovery(tmp_path / "registry", ttl_s=3.0, poll_s=0.05))
+    await pool.start()
+    await pool.wait_for(2, timeout_s=10)
+    backend = MeshBackend(pool, SimpleRouter(pool, RouterMode.ROUND_ROBIN))
+    assert backend.ready() and backend.model_info("tiny") is not None
+    outputs = [await run(backend, request(f"r{i}")) for i in range(6)]
+    assert all(o == outputs[0] and len(o) == 3 for o in outputs)
+    assert [await finished(w) for w in workers] == [3, 3]
+
+    await workers[0].stop()  # deregisters first, then drains
+    for _ in range(100):
+        if len(pool.workers()) == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert [w.worker_id for w in pool.workers()] == ["w1"]
+    for i in range(3):
+        await run(backend, request(f"s{i}"))
+    assert await finished(workers[1]) == 6
+
+    with pytest.raises(errors.NotFound):
+        await SimpleRouter(pool).route("other-model", [1], "x")
+    await pool.stop()
+
+
+async def test_no_workers_is_unavailable(tmp_path: Path) -> None:
+    pool = WorkerPool(FileDiscovery(tmp_path / "empty"))
+    await pool.start()
+    backend = MeshBackend(pool, SimpleRouter(pool))
+    assert not backend.ready()
+    with pytest.raises(errors.Unavailable):
+        await run(backend, request("r"))
+    await pool.stop()
+
+
+async def test_router_service_route_list_and_proxy(workers: list[Worker], tmp_path: Path) -> None:
+    pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+    await pool.start()
+    await pool.wait_for(2, timeout_s=10)
+    server = GrpcServer()
+    server.add(
+        rpb_grpc.add_RouterServiceServicer_to_server,
+        RouterServicer(pool, SimpleRouter(pool)),
+        ROUTER_SERVICE,
+    )
+    await server.start()
+    channel = insecure_channel(server.address)
+    stub = rpb_grpc.RouterServiceStub(channel)
+    try:
+        listing = await stub.ListWorkers(rpb.ListWorkersRequest())
+        assert sorted(w.worker_id for w in listing.workers) == ["w0", "w1"]
+        picks = [
+            (await stub.Route(rpb.RouteRequest(token_ids=[1, 2, 3], dry_run=True))).worker_id
+            for _ in range(4)
+        ]
+        assert sorted(picks) == ["w0", "w0", "w1", "w1"]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Route(rpb.RouteRequest(token_ids=[]))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        proxied = [
+            m
+            async for m in stub.Generate(
+                rpb.GenerateRequest(request=wire.request_to_pb(request("p")))
+            )
+        ]
+        assert sum(len(m.response.token_ids) for m in proxied) == 3
+
+        # A frontend using the service instead of its in-process router.
+        front_pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+        await front_pool.start()
+        await front_pool.wait_for(2, timeout_s=10)
+        remote = RemoteRouter(server.address, front_pool)
+        backend = MeshBackend(front_pool, remote)
+        assert len(await run(backend, request("q"))) == 3
+        await remote.close()
+        await front_pool.stop()
+    finally:
+        await channel.close()
+        await server.stop(0)
+        await pool.stop()
+
+
+class RecordingWorker(wpb_grpc.WorkerServiceServicer):
+    """A fake worker implementing the real WorkerService; records the trace context it gets."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+        self.traceparents: list[str] = []
+
+    async def GetModelCard(self, request: Any, context: Any) -> wpb.GetModelCardResponse:  # noqa: N802
+        from kvmesh.workers.engine import ModelInfo
+
+        info = ModelInfo("tiny", "fake", 16, 10, 1024)
+        return wpb.GetModelCardResponse(card=wire.card_to_pb(info), worker_id="fake")
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[wpb.GenerateResponse]:  # noqa: N802
+        self.metadata.append({k: v for k, v in context.invocation_metadata()})
+        yield wpb.GenerateResponse(token_ids=[1])
+        yield wpb.GenerateResponse(token_ids=[2], finish_reason=2)
+
+    async def GenerateStream(  # noqa: N802
+        self, request_iterator: Any, context: Any
+    ) -> AsyncIterator[wpb.GenerateStreamResponse]:
+        async for msg in request_iterator:
+            for start in msg.start:
+                self.traceparents.append(start.traceparent)
+                rid = start.request.request_id
+                for resp in [
+                    wpb.GenerateResponse(token_ids=[1]),
+                    wpb.GenerateResponse(token_ids=[2], finish_reason=2),
+                ]:
+                    out = wpb.StreamedGenerateOutput(request_id=rid, response=resp)
+                    yield wpb.GenerateStreamResponse(outputs=[out])
+
+
+async def test_trace_context_travels_to_the_worker() -> None:
+    fake = RecordingWorker()
+    server = GrpcServer()
+    server.add(wpb_grpc.add_WorkerServiceServicer_to_server, fake, WORKER_SERVICE)
+    await server.start()
+    pool = WorkerPool(StaticDiscovery([server.address]))
+    await pool.start()
+    await pool.wait_for(1, timeout_s=10)
+    backend = MeshBackend(pool, SimpleRouter(pool))
+    trace = TraceContext.new()
+    try:
+        outs = [o async for o in backend.generate("tiny", request("t"), trace)]
+        assert [t for o in outs for t in o.token_ids] == [1, 2]
+        sent = TraceContext.from_headers(fake.traceparents[0], None)
+        assert sent is not None
+        assert sent.trace_id == trace.trace_id and sent.span_id != trace.span_id
+    finally:
+        await pool.stop()
+        await server.stop(0)
