@@ -28,14 +28,16 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.runtime
 import jinja2.sandbox
+import jinja2.utils
 import tokenizers
 
 from kvmesh.errors import InvalidRequest, Unavailable
 from kvmesh.frontend.detokenize import IncrementalDetokenizer
 from kvmesh.workers.engine import ModelInfo
 
-__all__ = ["Tokenizer", "TokenizerRegistry", "compile_chat_template"]
+__all__ = ["ChatTemplate", "Tokenizer", "TokenizerRegistry", "compile_chat_template"]
 
 _CONTEXT_KEYS = (
     "max_position_embeddings",
@@ -68,9 +70,38 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class ChatTemplate:
+    """A compiled chat template and the sandboxed environment it renders in.
+
+    `render` builds the Jinja context directly from a globals dict prepared once, instead of
+    `Template.render`, which rebuilds it from a ChainMap on every call (3x slower for a short
+    chat). Exceptions propagate unwrapped (TemplateError, SecurityError, ...).
+    """
+
+    __slots__ = ("_globals", "template")
+
+    def __init__(self, template: jinja2.Template) -> None:
+        self.template = template
+        self._globals = dict(template.globals)
+
+    def render(self, variables: Mapping[str, Any]) -> str:
+        """Render with `variables` (they shadow the globals)."""
+        template = self.template
+        context = jinja2.runtime.Context(
+            template.environment,
+            {**self._globals, **variables},
+            template.name,
+            template.blocks,
+            self._globals,
+        )
+        return str(jinja2.utils.concat(template.root_render_func(context)))
+
+
 @lru_cache(maxsize=64)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template once (cached by source) in the sandboxed environment."""
+def compile_chat_template(source: str) -> ChatTemplate:
+    """Compile a chat template once (cached by source) in a sandboxed environment set up like
+    transformers': trim_blocks, lstrip_blocks, loop controls, raise_exception, tojson,
+    strftime_now."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -80,7 +111,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return ChatTemplate(env.from_string(source))
 
 
 def _token_content(value: Any) -> str | None:

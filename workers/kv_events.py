@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -214,6 +215,9 @@ class KvEventLog:
                 "backlog must be >= 0, snapshot_chunk_blocks and subscriber_queue_limit >= 1"
             )
         self._last_id = 0
+        self.log_id = uuid.uuid4().hex
+        """Identifies this log (one per engine process): event ids are only comparable, and
+        resumable, within one log."""
         self._backlog: deque[KvEventRecord] = deque(maxlen=backlog)
         self._state: dict[int, CachedBlock] = {}
         self._subscribers: set[_Subscriber] = set()

@@ -157,10 +157,12 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         resume = (
             request.resume_after_event_id if request.HasField("resume_after_event_id") else None
         )
+        if request.resume_log_id and request.resume_log_id != events.log_id:
+            resume = None  # another process's event ids: start over with a snapshot
         stream = events.subscribe(resume)
         try:
             async for item in stream:
-                yield wire.kv_item_to_pb(item)
+                yield wire.kv_item_to_pb(item, events.log_id)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 

@@ -234,8 +234,10 @@ def stored_from_pb(msg: cpb.KvBlocksStored) -> kv.BlocksStored:
     )
 
 
-def kv_item_to_pb(item: kv.SnapshotChunk | kv.KvEventRecord) -> wpb.SubscribeKvEventsResponse:
-    """A snapshot chunk or event record -> one stream message."""
+def kv_item_to_pb(
+    item: kv.SnapshotChunk | kv.KvEventRecord, log_id: str = ""
+) -> wpb.SubscribeKvEventsResponse:
+    """A snapshot chunk or event record -> one stream message (log_id goes on snapshots)."""
     if isinstance(item, kv.SnapshotChunk):
         return wpb.SubscribeKvEventsResponse(
             snapshot=wpb.KvSnapshotChunk(
@@ -243,6 +245,7 @@ def kv_item_to_pb(item: kv.SnapshotChunk | kv.KvEventRecord) -> wpb.SubscribeKvE
                 chains=[stored_to_pb(c) for c in item.chains],
                 first=item.first,
                 last=item.last,
+                log_id=log_id,
             )
         )
     event = cpb.KvEvent(event_id=item.event_id)

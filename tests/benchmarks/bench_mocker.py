@@ -10,11 +10,12 @@ cost of the prefill phase that admits them.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.kv_events import KvEventLog
-from kvmesh.workers.mocker import MockerConfig, MockerScheduler
+from kvmesh.workers.mocker import MockerConfig, MockerEngine, MockerScheduler
 
 
 def run(seqs: int, steps: int, prompt_len: int, logprobs: bool) -> None:
@@ -58,6 +59,33 @@ def run(seqs: int, steps: int, prompt_len: int, logprobs: bool) -> None:
     )
 
 
+async def run_engine(seqs: int, tokens: int, prompt_len: int) -> None:
+    """End to end through MockerEngine (asyncio loop, per-request streams), speedup 1e9."""
+    config = MockerConfig(num_gpu_blocks=65536, block_size=64, max_num_seqs=seqs, speedup_ratio=1e9)
+    engine = MockerEngine(
+        config, served_model_name="bench", vocab_size=32000, context_length=1 << 16
+    )
+    await engine.start()
+
+    async def one(i: int) -> int:
+        prompt = [(i * 7919 + j) % 32000 for j in range(prompt_len)]
+        request = EngineRequest(
+            f"r{i}", prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=tokens)
+        )
+        return sum([len(o.token_ids) async for o in engine.generate(request)])
+
+    t0 = time.perf_counter()
+    total = sum(await asyncio.gather(*(one(i) for i in range(seqs))))
+    elapsed = time.perf_counter() - t0
+    steps = engine.scheduler.num_steps
+    await engine.stop()
+    print(
+        f"engine: {seqs} concurrent requests x {tokens} tokens (prompt {prompt_len}): "
+        f"{elapsed * 1e3:.0f} ms, {steps} steps, {steps / elapsed:,.0f} steps/s, "
+        f"{total / elapsed:,.0f} tokens/s"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seqs", type=int, default=256)
@@ -66,6 +94,8 @@ def main() -> None:
     args = p.parse_args()
     run(args.seqs, args.steps, args.prompt_len, logprobs=False)
     run(args.seqs, args.steps // 4, args.prompt_len, logprobs=True)
+    asyncio.run(run_engine(200, 8, 128))
+    asyncio.run(run_engine(args.seqs, 256, args.prompt_len))
 
 
 if __name__ == "__main__":

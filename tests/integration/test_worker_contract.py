@@ -148,8 +148,14 @@ async def test_every_rpc_is_reachable(stub: wpb_grpc.WorkerServiceStub, worker: 
 
     events = stub.SubscribeKvEvents(wpb.SubscribeKvEventsRequest())
     first = await events.read()
-    assert first.HasField("snapshot") and first.snapshot.first
+    assert first.HasField("snapshot") and first.snapshot.first and first.snapshot.log_id
     events.cancel()
+    # Resuming with another process's log id starts over with a snapshot.
+    other = stub.SubscribeKvEvents(
+        wpb.SubscribeKvEventsRequest(resume_after_event_id=0, resume_log_id="stale")
+    )
+    assert (await other.read()).HasField("snapshot")
+    other.cancel()
 
     await collect(stub, gen_request(list(range(1, 20))))
     cleared = await stub.ClearKvCache(wpb.ClearKvCacheRequest())

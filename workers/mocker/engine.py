@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterable
 
 from kvmesh.clock import Clock, RealClock
@@ -33,22 +34,39 @@ from .scheduler import MockerScheduler, SeqOutput
 
 __all__ = ["MockerEngine"]
 
+logger = logging.getLogger(__name__)
+
 
 class _Stream:
     """Tokens produced for one request and not yet taken by its consumer."""
 
-    __slots__ = ("done", "finish", "logprobs", "stop_token_id", "tokens", "usage", "waiter")
+    __slots__ = (
+        "delivered",
+        "done",
+        "error",
+        "finish",
+        "logprobs",
+        "prompt_tokens",
+        "stop_token_id",
+        "tokens",
+        "usage",
+        "waiter",
+    )
 
-    def __init__(self, want_logprobs: bool) -> None:
+    def __init__(self, prompt_tokens: int, want_logprobs: bool) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.delivered = 0
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if want_logprobs else None
         self.finish: FinishReason | None = None
         self.stop_token_id: int | None = None
         self.usage: Usage | None = None
+        self.error: Exception | None = None
         self.done = False
         self.waiter: asyncio.Future[None] | None = None
 
     def push(self, out: SeqOutput) -> None:
+        self.delivered += 1
         self.tokens.append(out.token_id)
         if self.logprobs is not None and out.logprob is not None:
             self.logprobs.append(out.logprob)
@@ -59,11 +77,20 @@ class _Stream:
             self.done = True
         self._wake()
 
-    def cancel(self, usage: Usage) -> None:
+    def cancel(self, cached_tokens: int) -> None:
+        """Finish with CANCELLED; usage counts the tokens handed to this stream."""
         if self.done:
             return
         self.finish = FinishReason.CANCELLED
-        self.usage = usage
+        self.usage = Usage(self.prompt_tokens, self.delivered, cached_tokens)
+        self.done = True
+        self._wake()
+
+    def fail(self, error: Exception) -> None:
+        """Make the consumer raise `error` (the engine loop died)."""
+        if self.done:
+            return
+        self.error = error
         self.done = True
         self._wake()
 
@@ -73,6 +100,8 @@ class _Stream:
             w.set_result(None)
 
     def take(self) -> EngineOutput | None:
+        if self.error is not None:
+            raise self.error
         if not self.tokens and self.finish is None:
             return None
         out = EngineOutput(
@@ -103,7 +132,8 @@ class MockerEngine(Engine):
     `config.max_model_len` overrides it when set (without chunked prefill it is further capped at
     `max_num_batched_tokens`, which vLLM requires). `info.context_length` is the result.
     Beyond the Engine contract: `cached_blocks()` returns the pool's cached blocks in the shape of
-    `KvEventLog.cached()`, and `scheduler` exposes the synchronous core.
+    `KvEventLog.cached()` (`cached_block_hashes()` just their hashes), and `scheduler` exposes
+    the synchronous core.
     """
 
     def __init__(
@@ -172,8 +202,7 @@ class MockerEngine(Engine):
         sched = self.scheduler
         for rid, stream in list(self._streams.items()):
             usage = sched.usage(rid)
-            if usage is not None:
-                stream.cancel(usage)
+            stream.cancel(usage.cached_tokens if usage is not None else 0)
         sched.abort_all()
         task, self._task = self._task, None
         if task is not None and not task.done():
@@ -189,7 +218,7 @@ class MockerEngine(Engine):
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
         self.scheduler.add(request, self._clock.now())
-        stream = _Stream(request.sampling.top_logprobs is not None)
+        stream = _Stream(len(request.prompt), request.sampling.top_logprobs is not None)
         self._streams[rid] = stream
         self._wake.set()
         try:
@@ -220,9 +249,23 @@ class MockerEngine(Engine):
         """The pool's cached blocks: hash -> (parent_hash, token_ids, lora_name)."""
         return self.scheduler.cached_blocks()
 
+    def cached_block_hashes(self) -> set[int]:
+        """Hashes of the pool's cached blocks (referenced or evictable)."""
+        return set(self.scheduler.cached_blocks())
+
     # -- the loop ------------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as e:  # a bug: fail every request instead of leaving it hanging
+            logger.exception("mocker engine loop failed")
+            self._accepting = False
+            error = Unavailable(f"the mocker engine failed: {e!r}")
+            for stream in self._streams.values():
+                stream.fail(error)
+
+    async def _loop(self) -> None:
         sched = self.scheduler
         clock = self._clock
         speedup = self.config.speedup_ratio

@@ -25,6 +25,7 @@ __all__ = ["TokenSampler", "splitmix64"]
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _LOGPROB_SALT = 0xD1B54A32D192ED03
+_LN2 = math.log(2.0)
 
 
 def splitmix64(x: int) -> int:
@@ -75,29 +76,35 @@ class TokenSampler:
                 return t
 
     def logprob(self, key: int, position: int, token: int, top: int, greedy: bool) -> TokenLogprob:
-        """Synthetic logprob of `token` plus `top` alternatives (the chosen one among them)."""
+        """Synthetic logprob of `token` plus `top` alternatives (the chosen one among them).
+
+        Alternative i has logprob -0.8 - ln(2) * i - 0.2 * jitter (jitter in [0, 1)): strictly
+        descending, probabilities summing below 0.9. The chosen token is the most likely one for
+        greedy requests and a deterministic pick among the top ones otherwise.
+        """
         x = splitmix64(key ^ ((position * _LOGPROB_SALT) & _M))
-        allowed = self.vocab_size - len(self.excluded)
-        k = min(top, allowed)
-        # Descending probabilities: p_i = 0.45 * 0.5**i * (1 - 0.2 * jitter_i), sum < 0.9.
-        probs: list[float] = []
+        k = min(top, self.vocab_size - len(self.excluded))
+        values: list[float] = []
+        bits = 0
         for i in range(max(k, 1)):
-            x = splitmix64(x)
-            probs.append(0.45 * 0.5**i * (1.0 - 0.2 * ((x >> 11) / 9007199254740992.0)))
-        rank = 0 if greedy or k <= 1 else x % k
-        chosen_lp = math.log(probs[rank])
+            if i % 4 == 0:
+                x = splitmix64(x)
+                bits = x
+            values.append(-0.8 - _LN2 * i - 0.2 * ((bits & 0xFFFF) / 65536.0))
+            bits >>= 16
+        rank = 0 if greedy or k <= 1 else splitmix64(x) % k
         if k == 0:
-            return TokenLogprob(token, chosen_lp, [])
+            return TokenLogprob(token, values[0], [])
         ids: list[int] = []
         seen = {token}
+        excluded = self.excluded
+        vocab = self.vocab_size
         while len(ids) < k - 1:
             x = splitmix64(x)
-            t = x % self.vocab_size
-            if t in seen or t in self.excluded:
+            t = x % vocab
+            if t in seen or t in excluded:
                 continue
             seen.add(t)
             ids.append(t)
         ids.insert(rank, token)
-        return TokenLogprob(
-            token, chosen_lp, [(t, math.log(p)) for t, p in zip(ids, probs, strict=True)]
-        )
+        return TokenLogprob(token, values[rank], list(zip(ids, values, strict=True)))

@@ -179,12 +179,11 @@ class MockerScheduler:
         self.sampler = TokenSampler(vocab_size, excluded_token_ids)
         self._watermark_blocks = config.watermark_blocks
         pool_tokens = (config.num_gpu_blocks - self._watermark_blocks) * config.block_size
-        # The longest prompt add() accepts.
-        self.max_prompt_tokens = min(max_model_len - 1, pool_tokens)
         cap = min(max_model_len, pool_tokens + 1)
         if not config.enable_chunked_prefill:
             cap = min(cap, config.max_num_batched_tokens + 1)
-        self._len_cap = cap
+        self.max_seq_len = cap
+        """The longest a sequence (prompt + output) gets before it ends with LENGTH."""
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, _Seq] = {}
         self._waiting: list[tuple[int, int, _Seq]] = []
@@ -235,7 +234,9 @@ class MockerScheduler:
         seq = _Seq(request, self._arrivals, now)
         self._arrivals += 1
         max_tokens = request.stop.max_tokens
-        seq.max_len = self._len_cap if max_tokens is None else min(self._len_cap, n + max_tokens)
+        seq.max_len = (
+            self.max_seq_len if max_tokens is None else min(self.max_seq_len, n + max_tokens)
+        )
         if seq.greedy:
             seed = None
         elif request.sampling.seed is not None:

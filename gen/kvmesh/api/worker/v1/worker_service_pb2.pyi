@@ -396,18 +396,25 @@ class SubscribeKvEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESUME_AFTER_EVENT_ID_FIELD_NUMBER: _builtins.int
+    RESUME_LOG_ID_FIELD_NUMBER: _builtins.int
     resume_after_event_id: _builtins.int
     """Resume after this event id: the stream starts with the events that follow it. Unset, or
     an id older than the worker's backlog: the stream starts with a snapshot.
+    """
+    resume_log_id: _builtins.str
+    """The log_id the resume point belongs to (from the last snapshot seen). If it is not the
+    worker's current log (the worker restarted), the stream starts with a snapshot. Empty:
+    trust resume_after_event_id.
     """
     def __init__(
         self,
         *,
         resume_after_event_id: _builtins.int | None = ...,
+        resume_log_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_resume_after_event_id", b"_resume_after_event_id", "resume_after_event_id", b"resume_after_event_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resume_after_event_id", b"_resume_after_event_id", "resume_after_event_id", b"resume_after_event_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resume_after_event_id", b"_resume_after_event_id", "resume_after_event_id", b"resume_after_event_id", "resume_log_id", b"resume_log_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__resume_after_event_id: _TypeAlias = _typing.Literal["resume_after_event_id"]  # noqa: Y015
     _WhichOneofArgType__resume_after_event_id: _TypeAlias = _typing.Literal["_resume_after_event_id", b"_resume_after_event_id"]  # noqa: Y015
@@ -461,6 +468,7 @@ class KvSnapshotChunk(_message.Message):
     CHAINS_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
     FIRST_FIELD_NUMBER: _builtins.int
+    LOG_ID_FIELD_NUMBER: _builtins.int
     as_of_event_id: _builtins.int
     """The snapshot reflects the cache after this event id; deltas that follow have larger ids.
     0: no event has happened yet.
@@ -469,6 +477,10 @@ class KvSnapshotChunk(_message.Message):
     """True on the last chunk of this snapshot."""
     first: _builtins.bool
     """True on the first chunk of this snapshot (the subscriber clears this worker's entries)."""
+    log_id: _builtins.str
+    """Identifies the worker's event log; event ids are only comparable within one log. A
+    restarted worker has a new log_id.
+    """
     @_builtins.property
     def chains(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.KvBlocksStored]:
         """Chains of cached blocks; every chain's parent appears in an earlier chain or chunk."""
@@ -480,10 +492,11 @@ class KvSnapshotChunk(_message.Message):
         chains: _abc.Iterable[_common_pb2.KvBlocksStored] | None = ...,
         last: _builtins.bool = ...,
         first: _builtins.bool = ...,
+        log_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of_event_id", b"as_of_event_id", "chains", b"chains", "first", b"first", "last", b"last"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of_event_id", b"as_of_event_id", "chains", b"chains", "first", b"first", "last", b"last", "log_id", b"log_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

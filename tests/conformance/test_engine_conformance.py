@@ -1,0 +1,321 @@
+"""Engine conformance suite: every Engine adapter must pass these, in-process, without gRPC.
+
+Add an adapter by appending an EngineCase to CASES (e.g. the torch engine on the tiny model, or
+vLLM where a GPU is present, marked accordingly). A case builds a fresh, unstarted engine; the
+suite starts and stops it. Checks that need engine internals use optional hooks and are skipped
+for adapters without them: `cached_blocks()` (the engine's own view of its prefix cache, in the
+shape of KvEventLog.cached()) and `cached_block_hashes()` (just the hashes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from kvmesh.workers.engine import (
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    StopParams,
+)
+from kvmesh.workers.kv_events import KvStateMirror
+from kvmesh.workers.mocker import MockerConfig, MockerEngine
+
+from kvmesh.errors import InvalidRequest, RequestTooLarge, Unavailable
+
+pytestmark = pytest.mark.unit
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """How to build one adapter for the suite."""
+
+    name: str
+    build: Callable[[], Engine]
+    never_generated: frozenset[int] = field(default_factory=frozenset)
+    """Token ids the engine must never emit (special/EOS ids it was given)."""
+    marks: tuple[pytest.MarkDecorator, ...] = ()
+
+
+def _mocker() -> Engine:
+    return MockerEngine(
+        MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=1e6),
+        served_model_name="conformance",
+        vocab_size=1000,
+        special_token_ids=(0, 1),
+        eos_token_ids=(2,),
+        context_length=1024,
+    )
+
+
+CASES = [EngineCase("mocker", _mocker, frozenset({0, 1, 2}))]
+
+
+@pytest.fixture(params=[pytest.param(c, id=c.name, marks=c.marks) for c in CASES])
+def case(request: pytest.FixtureRequest) -> EngineCase:
+    param: EngineCase = request.param
+    return param
+
+
+@pytest.fixture
+async def engine(case: EngineCase) -> AsyncIterator[Engine]:
+    eng = case.build()
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.stop()
+
+
+_ids = iter(range(1 << 30))
+
+
+def make(
+    prompt: list[int] | int = 24,
+    max_tokens: int | None = 8,
+    *,
+    base: int = 10,
+    stop_ids: tuple[int, ...] = (),
+    min_tokens: int = 0,
+    **sampling: object,
+) -> EngineRequest:
+    if isinstance(prompt, int):
+        prompt = [base + (i * 37) % 800 for i in range(prompt)]
+    sampling.setdefault("temperature", 0.0)
+    return EngineRequest(
+        f"conf-{next(_ids)}",
+        prompt,
+        SamplingParams(**sampling),  # type: ignore[arg-type]
+        StopParams(max_tokens=max_tokens, min_tokens=min_tokens, stop_token_ids=stop_ids),
+    )
+
+
+async def collect(engine: Engine, request: EngineRequest) -> tuple[list[int], list[EngineOutput]]:
+    outs = [o async for o in engine.generate(request)]
+    return [t for o in outs for t in o.token_ids], outs
+
+
+def assert_idle(engine: Engine) -> None:
+    load = engine.load()
+    assert (load.num_running, load.num_waiting, load.kv_active_blocks) == (0, 0, 0)
+
+
+async def test_info(engine: Engine) -> None:
+    info = engine.info
+    assert info.engine and info.served_model_name
+    assert info.kv_block_size > 0 and info.kv_total_blocks > 0 and info.context_length > 1
+    if engine.kv_events is not None:
+        assert "KV_EVENTS" in info.capabilities
+    assert engine.load().kv_total_blocks == info.kv_total_blocks
+
+
+async def test_start_and_stop_are_idempotent(case: EngineCase) -> None:
+    eng = case.build()
+    await eng.start()
+    await eng.start()
+    tokens, _ = await collect(eng, make(max_tokens=2))
+    assert len(tokens) == 2
+    await eng.stop()
+    await eng.stop()
+
+
+async def test_generate_returns_tokens_finish_and_usage(engine: Engine, case: EngineCase) -> None:
+    request = make(prompt=30, max_tokens=12)
+    tokens, outs = await collect(engine, request)
+    final = outs[-1]
+    assert final.finish_reason is FinishReason.LENGTH
+    assert final.usage is not None
+    assert final.usage.prompt_tokens == 30
+    assert final.usage.completion_tokens == len(tokens) == 12
+    assert 0 <= final.usage.cached_tokens <= 30
+    assert all(o.finish_reason is None and o.usage is None for o in outs[:-1])
+    assert not set(tokens) & case.never_generated
+    assert_idle(engine)
+
+
+async def test_streaming_yields_deltas(engine: Engine) -> None:
+    request = make(prompt=16, max_tokens=32)
+    _, outs = await collect(engine, request)
+    assert len(outs) > 1  # streamed, not one final blob
+    assert all(o.token_ids for o in outs[:-1])
+    assert sum(len(o.token_ids) for o in outs) == 32
+
+
+async def test_max_tokens_respected(engine: Engine) -> None:
+    for n in (1, 3, 17):
+        tokens, outs = await collect(engine, make(max_tokens=n))
+        assert len(tokens) == n and outs[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_until_context_is_full(engine: Engine) -> None:
+    ctx = engine.info.context_length
+    prompt = ctx - 5
+    tokens, outs = await collect(engine, make(prompt=prompt, max_tokens=None))
+    assert len(tokens) == 5 and outs[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_stop_token_ids(engine: Engine) -> None:
+    ref, _ = await collect(engine, make(max_tokens=40, base=50))
+    k = next((i for i in range(1, len(ref)) if ref[i] not in ref[:i]), None)
+    assert k is not None
+    stop = ref[k]
+    tokens, outs = await collect(engine, make(max_tokens=40, base=50, stop_ids=(stop,)))
+    assert tokens == ref[: k + 1]  # the stop token is included in token_ids
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_token_id == stop
+    assert outs[-1].usage is not None and outs[-1].usage.completion_tokens == k + 1
+    # min_tokens defers stopping
+    tokens, outs = await collect(
+        engine, make(max_tokens=40, base=50, stop_ids=(stop,), min_tokens=k + 2)
+    )
+    assert len(tokens) > k + 1
+
+
+async def test_cancel_with_aclose_frees_blocks(engine: Engine) -> None:
+    gen = engine.generate(make(prompt=100, max_tokens=None))
+    first = await anext(gen)
+    assert first.token_ids
+    assert engine.load().kv_active_blocks > 0
+    await gen.aclose()  # type: ignore[attr-defined]
+    assert_idle(engine)
+
+
+async def test_cancel_by_cancelling_the_task_frees_blocks(engine: Engine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(make(prompt=100, max_tokens=None)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_idle(engine)
+
+
+async def test_cancel_before_first_token(engine: Engine) -> None:
+    gen = engine.generate(make(prompt=200, max_tokens=None))
+    task = asyncio.ensure_future(anext(gen))
+    await asyncio.sleep(0)  # admitted, maybe not scheduled yet
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await gen.aclose()  # type: ignore[attr-defined]
+    assert_idle(engine)
+
+
+async def test_concurrent_requests(engine: Engine) -> None:
+    requests = [make(prompt=10 + i, max_tokens=1 + i % 9, base=10 + i) for i in range(40)]
+    results = await asyncio.gather(*(collect(engine, r) for r in requests))
+    for request, (tokens, outs) in zip(requests, results, strict=True):
+        assert request.stop.max_tokens is not None
+        assert len(tokens) == request.stop.max_tokens
+        assert outs[-1].usage is not None and outs[-1].usage.prompt_tokens == len(request.prompt)
+    assert_idle(engine)
+    assert engine.load().requests_finished_total >= 40
+
+
+async def test_logprobs(engine: Engine) -> None:
+    if "LOGPROBS" not in engine.info.capabilities:
+        pytest.skip("engine does not return logprobs")
+    tokens, outs = await collect(engine, make(max_tokens=6, top_logprobs=3))
+    lps = [lp for o in outs for lp in (o.logprobs or [])]
+    assert [lp.token_id for lp in lps] == tokens
+    for lp in lps:
+        assert lp.logprob <= 0 and len(lp.top) == 3
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+    _, outs = await collect(engine, make(max_tokens=3))
+    assert all(o.logprobs is None for o in outs)
+
+
+@pytest.mark.parametrize(
+    ("param", "kwargs"),
+    [
+        ("temperature", {"temperature": -1.0}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_k", {"top_k": -2}),
+        ("min_p", {"min_p": 2.0}),
+        ("presence_penalty", {"presence_penalty": 3.0}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("top_logprobs", {"top_logprobs": 21}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("min_tokens", {"max_tokens": 2, "min_tokens": 3}),
+    ],
+)
+async def test_bad_options_raise_invalid_request(
+    engine: Engine, param: str, kwargs: dict[str, object]
+) -> None:
+    max_tokens = kwargs.pop("max_tokens", 4)
+    min_tokens = kwargs.pop("min_tokens", 0)
+    request = make(max_tokens=max_tokens, min_tokens=min_tokens, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest) as e:
+        await anext(engine.generate(request))
+    assert e.value.param == param
+    assert_idle(engine)
+
+
+async def test_empty_prompt_is_invalid(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest):
+        await anext(engine.generate(make(prompt=[])))
+
+
+async def test_prompt_too_long(engine: Engine) -> None:
+    ctx = engine.info.context_length
+    with pytest.raises(RequestTooLarge):
+        await anext(engine.generate(make(prompt=ctx)))
+    with pytest.raises(RequestTooLarge):
+        await anext(engine.generate(make(prompt=ctx - 10, max_tokens=11)))
+    assert_idle(engine)
+
+
+async def test_kv_events_match_engine_cache(engine: Engine) -> None:
+    log = engine.kv_events
+    cached_blocks = getattr(engine, "cached_blocks", None)
+    if log is None or cached_blocks is None:
+        pytest.skip("engine publishes no KV events or cannot show its cache")
+    sub = log.subscribe(None)
+    mirror = KvStateMirror()
+    mirror.apply(await anext(sub))
+    shared = [100 + (i * 13) % 700 for i in range(64)]
+    requests = [make(prompt=shared + [900 + i] * (5 + i), max_tokens=20) for i in range(6)]
+    await asyncio.gather(*(collect(engine, r) for r in requests))
+    assert log.cached() == cached_blocks()
+    assert len(log.cached()) >= 4  # the shared prefix at least
+    hashes = getattr(engine, "cached_block_hashes", None)
+    if hashes is not None:
+        assert hashes() == set(log.cached())
+    # A repeat of a finished prompt hits the cache.
+    _, outs = await collect(engine, make(prompt=shared + [900] * 5, max_tokens=2))
+    assert outs[-1].usage is not None and outs[-1].usage.cached_tokens > 0
+    while mirror.last_event_id != log.last_event_id:
+        mirror.apply(await asyncio.wait_for(anext(sub), 5))
+    assert mirror.state == cached_blocks()
+    await sub.aclose()  # type: ignore[attr-defined]
+    # Clearing with nothing in flight empties the cache, consistently.
+    await engine.clear_kv_cache()
+    assert await engine.clear_kv_cache() == 0
+    assert log.cached() == cached_blocks() == {}
+
+
+async def test_stop_cancels_in_flight_requests(case: EngineCase) -> None:
+    eng = case.build()
+    await eng.start()
+    gen = eng.generate(make(prompt=50, max_tokens=None))
+    await anext(gen)
+    await eng.stop()
+    rest: list[EngineOutput] = []
+    try:
+        async for out in gen:
+            rest.append(out)
+    except asyncio.CancelledError:
+        pass
+    else:
+        assert rest and rest[-1].finish_reason is FinishReason.CANCELLED
+    with pytest.raises(Unavailable):
+        await anext(eng.generate(make()))

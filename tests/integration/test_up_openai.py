@@ -1,0 +1,168 @@
+"""End to end: `kvmesh up` (frontend + 2 mocker workers as real processes) and the official
+`openai` client, over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-llama"
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+class Mesh:
+    def __init__(self, proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
+        self.proc, self.base, self.log = proc, base, log
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0)
+
+
+def start_mesh(tmp: Path, *args: str) -> Mesh:
+    port = free_port()
+    log = tmp / f"up-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh", "--log-level", "warning", "up", "--http-port", str(port),
+         "--workers", "2", "--speedup-ratio", "1000000", *args],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while _get(base + "/health")[0] != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"kvmesh up did not become healthy:\n{log.read_text()}")
+        time.sleep(0.2)
+    return Mesh(proc, base, log)
+
+
+def stop_mesh(mesh: Mesh) -> int:
+    mesh.proc.send_signal(signal.SIGINT)
+    try:
+        return mesh.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(mesh.proc.pid, signal.SIGKILL)
+        raise
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    m = start_mesh(tmp_path_factory.mktemp("up"))
+    yield m
+    assert stop_mesh(m) == 0, m.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+
+
+def test_models_and_health(mesh: Mesh) -> None:
+    models = mesh.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert _get(mesh.base + "/live")[0] == 200
+    status, body = _get(mesh.base + "/metrics")
+    assert status == 200 and b"kvmesh" in body
+
+
+def test_streamed_chat_with_usage(mesh: Mesh) -> None:
+    client = mesh.client()
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, stream=True, temperature=0,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None and chunks[-1].choices == []
+    assert usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + 12
+    unary = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert unary.choices[0].message.content == text, "greedy output is deterministic"
+    assert unary.usage is not None and unary.usage.prompt_tokens == usage.prompt_tokens
+    assert unary.choices[0].finish_reason == "length"
+
+
+def test_text_completions_usage_counts_prompt_tokens(mesh: Mesh, tok: Tokenizer) -> None:
+    client = mesh.client()
+    prompt = "The quick brown fox"
+    res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert res.usage is not None and res.usage.completion_tokens == 5
+    n_prompt = len(tok.encode(prompt, add_special_tokens=False).ids)
+    assert res.usage.prompt_tokens in (n_prompt, n_prompt + 1)  # + BOS if the tokenizer adds one
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == res.choices[0].text
+
+
+def test_seeded_sampling_and_n(mesh: Mesh) -> None:
+    client = mesh.client()
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0.8, seed=42)
+    a = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    b = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    many = client.chat.completions.create(n=3, **kw)  # type: ignore[call-overload]
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert many.usage is not None and many.usage.completion_tokens == 24
+
+
+def test_bad_requests_get_openai_errors(mesh: Mesh) -> None:
+    client = mesh.client()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=MODEL, prompt="word " * 6000, max_tokens=4)
+    assert info.value.status_code in (400, 413)
+    req = urllib.request.Request(
+        mesh.base + "/v1/chat/completions", data=b"{not json", method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(req, timeout=5)
+    assert http.value.code == 400
+    assert "error" in json.loads(http.value.read())
+
+
+def test_standalone_router_process(tiny_model: Path, tmp_path: Path) -> None:
+    mesh = start_mesh(tmp_path, "--router-process")
+    try:
+        res = mesh.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert res.usage is not None and res.usage.completion_tokens == 4
+    finally:
+        assert stop_mesh(mesh) == 0, mesh.log.read_text()
