@@ -152,7 +152,7 @@ class _Routes:
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
-            code, payload = error_from_exception(exc)
+            _status, payload = error_from_exception(exc)
             self.metrics.error(str(payload["error"]["type"]))
             try:
                 await resp.write_eof(encode_error_event(payload))

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-try:  # tokenizers >= 0.21
-    from tokenizers.decoders import DecodeStream as _DecodeStream
-except ImportError:  # pragma: no cover - depends on the installed tokenizers
-    _DecodeStream = None
+import tokenizers.decoders
+
+_DecodeStream: Any = getattr(tokenizers.decoders, "DecodeStream", None)  # tokenizers >= 0.21
 
 __all__ = ["HAS_DECODE_STREAM", "IncrementalDetokenizer", "StopStringMatcher"]
 

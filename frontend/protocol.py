@@ -339,7 +339,9 @@ def _options(body: dict[str, Any], *, default_logprobs: int | None) -> Generatio
         raise _type_error("stop", "a string or a list of strings")
 
     stop_ids_raw = body.get("stop_token_ids")
-    stop_token_ids = () if stop_ids_raw is None else tuple(_token_ids(stop_ids_raw, "stop_token_ids"))
+    stop_token_ids = (
+        () if stop_ids_raw is None else tuple(_token_ids(stop_ids_raw, "stop_token_ids"))
+    )
 
     bias_raw = body.get("logit_bias")
     logit_bias: dict[int, float] = {}

@@ -75,8 +75,8 @@ class _Choice:
         "min_tokens",
         "prompt_index",
         "prompt_len",
+        "final",
         "stops",
-        "usage",
     )
 
     def __init__(
@@ -102,7 +102,8 @@ class _Choice:
         self.echo = echo
         self.first: EngineOutput | None = None
         self.completion_tokens = 0
-        self.usage: EngineOutput | None = None
+        self.final: EngineOutput | None = None
+        """The backend's last output (finish reason, usage), once received."""
         self.finish_reason: str | None = None
 
 
@@ -118,7 +119,7 @@ def _usage(choices: Sequence[_Choice]) -> UsageInfo:
     completion = 0
     for ch in choices:
         prompt_tokens[ch.prompt_index] = ch.prompt_len
-        final = ch.usage.usage if ch.usage is not None else None
+        final = ch.final.usage if ch.final is not None else None
         if final is not None:
             completion += max(final.completion_tokens, ch.completion_tokens)
             cached[ch.prompt_index] = max(cached.get(ch.prompt_index, 0), final.cached_tokens)
@@ -182,7 +183,12 @@ class CompletionStream:
         try:
             await self._events.aclose()
         finally:
-            self._on_close.release()
+            try:
+                # Choices whose generator never started still hold an open backend iterator.
+                for ch in self._choices:
+                    await _close(ch.iterator)
+            finally:
+                self._on_close.release()
 
 
 class _InflightSlot:
@@ -231,7 +237,9 @@ class OpenAIService:
         self.config = config if config is not None else FrontendConfig()
         self.metrics = metrics if metrics is not None else FrontendMetrics()
         self.tokenizers = (
-            tokenizers if isinstance(tokenizers, TokenizerRegistry) else TokenizerRegistry(tokenizers)
+            tokenizers
+            if isinstance(tokenizers, TokenizerRegistry)
+            else TokenizerRegistry(tokenizers)
         )
         self._draining = False
         self._inflight = 0
@@ -259,15 +267,15 @@ class OpenAIService:
         """Refuse new requests (Unavailable); let in-flight ones finish. Idempotent."""
         self._draining = True
 
-    async def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until no request is in flight; False if `timeout` seconds passed first."""
+    async def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no request is in flight; False if `timeout_s` seconds passed first."""
         if self._inflight == 0:
             return True
         if self._idle is None:
             self._idle = asyncio.Event()
         self._idle.clear()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             return self._inflight == 0
         return True
@@ -378,11 +386,11 @@ class OpenAIService:
         if options.n > self.config.max_n:
             raise InvalidRequest(f"'n' must be <= {self.config.max_n}", param="n")
         vocab = tok.vocab_size
-        for key, ids in (
+        for key, token_ids in (
             ("stop_token_ids", options.stop_token_ids),
             ("logit_bias", tuple(options.logit_bias)),
         ):
-            bad = next((t for t in ids if t >= vocab), None)
+            bad = next((t for t in token_ids if t >= vocab), None)
             if bad is not None:
                 raise InvalidRequest(
                     f"token id {bad} in '{key}' is out of the vocabulary (size {vocab})",
@@ -526,9 +534,7 @@ class OpenAIService:
                     existing.extend(delta.logprobs)
             if delta.finish_reason is not None:
                 finish[i] = delta.finish_reason
-        choices = [
-            ChoiceResult(i, "".join(texts[i]), finish[i], logprobs[i]) for i in range(n)
-        ]
+        choices = [ChoiceResult(i, "".join(texts[i]), finish[i], logprobs[i]) for i in range(n)]
         return CompletionResult(
             stream.id, stream.created, stream.model, stream.kind, choices, stream.usage
         )
@@ -572,7 +578,7 @@ class OpenAIService:
                 if finish is not None:
                     if finish is FinishReason.CANCELLED:
                         raise Unavailable("the worker cancelled the request")
-                    ch.usage = out
+                    ch.final = out
                     text += ch.detok.flush()
                 if stops is not None and ch.completion_tokens >= ch.min_tokens:
                     text, matched = stops.feed(text)

@@ -11,14 +11,21 @@ import contextlib
 import logging
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.config import opt
 from kvmesh.discovery import open_discovery
 from kvmesh.grpcutil import GrpcServer
+from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
+from kvmesh.router.mesh import MeshBackend
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router, RouterMode, SimpleRouter
 from kvmesh.router.service import ROUTER_SERVICE, RemoteRouter, RouterServicer
+from kvmesh.workers.engine import ModelInfo
+
+if TYPE_CHECKING:
+    from kvmesh.frontend.config import FrontendConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,4 +83,39 @@ async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
     await wait_for_signal()
     await server.set_serving(False)
     await server.stop(2.0)
+    await pool.stop()
+
+
+async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
+    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
+    from kvmesh.frontend.app import build_app, serve_http
+    from kvmesh.frontend.service import OpenAIService
+    from kvmesh.frontend.tokenizer import Tokenizer
+
+    tokenizers: dict[str, Tokenizer] = {}
+    configured: dict[str, ModelInfo] = {}
+    if config.model:
+        # Preload the configured model; other models' tokenizers load from worker cards.
+        info = ModelDirInfo.load(resolve_model_dir(config.model))
+        name = config.served_model_name or info.name
+        tokenizers[name] = Tokenizer.from_pretrained(info.path)
+        configured[name] = ModelInfo(
+            served_model_name=name,
+            engine="",
+            kv_block_size=0,
+            kv_total_blocks=0,
+            context_length=info.context_length,
+            model_path=str(info.path),
+            eos_token_ids=info.eos_token_ids,
+        )
+    pool, router = build_router(mesh)
+    await pool.start()
+    service = OpenAIService(MeshBackend(pool, router, configured), tokenizers, config)
+    runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
+    log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)
+    await wait_for_signal()
+    service.start_drain()
+    if not await service.wait_idle(config.drain_timeout_s):
+        log.warning("drain timed out with %d requests in flight", service.in_flight)
+    await runner.cleanup()
     await pool.stop()

@@ -101,13 +101,14 @@ _SENTENCES = (
     "kvmesh is a distributed serving mesh with a KV-aware router and simulated workers.",
     "Tokens stream from the worker to the gateway, which detokenizes them and sends events.",
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor.",
-    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ !?.,;:'\"()[]{}<>-_=+*/\\|@#$%^&~`",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+    "!?.,;:'\"()[]{}<>-_=+*/\\|@#$%^&~`",
     "Un café crème à Zürich, s'il vous plaît. Der Bär aß Müsli. ¿Qué tal, señor Núñez?",
     "Ça va très bien, merci ! Les élèves étudient l'œuvre de Molière à l'école.",
     "Привет, как дела? Москва — столица России.",
-    "Γεια σου κόσμε. Η γλώσσα είναι ελληνική.",
+    "Γεια σου κόσμε. Η γλώσσα είναι ελληνική.",  # noqa: RUF001
     "日本語のテキストです。東京は日本の首都です。こんにちは世界。",
-    "中文文本：你好，世界！北京是中国的首都。我们喜欢学习。",
+    "中文文本：你好，世界！北京是中国的首都。我们喜欢学习。",  # noqa: RUF001
     "한국어 문장입니다. 안녕하세요, 세계!",
     "Emoji: 😀 😂 👍 🚀 🎉 ❤️ 👍🏽 👨‍👩‍👧 🇫🇷 🤖 ✨",
     "def add(a: int, b: int) -> int:\n    return a + b\n\nprint(add(2, 3))",

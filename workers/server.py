@@ -26,7 +26,7 @@ import grpc
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.workers import wire
-from kvmesh.workers.engine import Engine, Role
+from kvmesh.workers.engine import Engine, EngineOutput, RequestHandle, Role
 
 from kvmesh.config import opt
 from kvmesh.discovery import Instance, Registration, open_discovery
@@ -72,10 +72,10 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         self.engine = engine
         self.worker_id = worker_id
         self.draining = False
-        self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # In-flight requests: key -> how to cancel it (drain cancels what is left at timeout).
+        self._inflight: dict[object, Callable[[], object]] = {}
 
     # -- generation ------------------------------------------------------------------------
 
@@ -89,7 +89,8 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         if trace is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("generate %s trace %s", req.request_id, trace.traceparent)
         task = asyncio.current_task()
-        self._begin(task)
+        assert task is not None
+        self._begin(task, task.cancel)
         stream = self.engine.generate(req)
         try:
             async for out in stream:
@@ -114,21 +115,16 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
                 yield batch
         finally:
             reader.cancel()
-            await session.cancel_all()
+            session.cancel_all()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    def _begin(self, task: asyncio.Task[Any] | None) -> None:
-        self._inflight += 1
+    def _begin(self, key: object, cancel: Callable[[], object]) -> None:
+        self._inflight[key] = cancel
         self._idle.clear()
-        if task is not None:
-            self._tasks.add(task)
 
-    def _end(self, task: asyncio.Task[Any] | None) -> None:
-        self._inflight -= 1
-        if task is not None:
-            self._tasks.discard(task)
-        if self._inflight == 0:
+    def _end(self, key: object) -> None:
+        if self._inflight.pop(key, None) is not None and not self._inflight:
             self._idle.set()
 
     async def PrefillRemote(
@@ -210,43 +206,48 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return 0
         except TimeoutError:
-            leftovers = [t for t in self._tasks if t is not asyncio.current_task()]
-            for t in leftovers:
-                t.cancel()
+            leftovers = list(self._inflight.values())
+            for cancel in leftovers:
+                cancel()
             return len(leftovers)
 
 
 class _StreamSession:
-    """The requests of one GenerateStream: one task per request, outputs batched per wake-up.
+    """The requests of one GenerateStream, outputs batched per engine step.
 
-    Each request task appends its outputs to a shared list; the stream handler sends whatever
-    has accumulated as one message, so a whole engine step's tokens for this stream travel in
-    one gRPC message.
+    Each request is submitted to the engine with a sink that appends its outputs to a shared
+    list; the stream handler sends whatever has accumulated as one message, so a whole engine
+    step's tokens for this stream travel in one gRPC message, with no task per request.
     """
 
     def __init__(self, servicer: WorkerServicer) -> None:
         self.servicer = servicer
         self.outputs: list[wpb.StreamedGenerateOutput] = []
-        self.running: dict[str, asyncio.Task[None]] = {}
+        self.running: dict[str, _StreamRequest] = {}
         self.wake = asyncio.Event()
         self.reading = True
         self.error: KvmeshError | None = None
 
-    def _emit(self, item: wpb.StreamedGenerateOutput) -> None:
+    def emit(self, item: wpb.StreamedGenerateOutput) -> None:
         self.outputs.append(item)
         self.wake.set()
 
-    def _fail(self, request_id: str, exc: BaseException) -> None:
+    def fail(self, request_id: str, exc: BaseException) -> None:
         if isinstance(exc, KvmeshError):
             code, detail = status_for(exc)
         else:
-            log.exception("request %s failed", request_id, exc_info=exc)
+            log.error("request %s failed", request_id, exc_info=exc)
             code, detail = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
-        self._emit(
+        self.emit(
             wpb.StreamedGenerateOutput(
                 request_id=request_id, error_code=code.value[0], error_message=detail
             )
         )
+
+    def done(self, req: _StreamRequest) -> None:
+        if self.running.pop(req.request_id, None) is req:
+            self.servicer._end(req)
+        self.wake.set()
 
     async def read(self, requests: AsyncIterator[wpb.GenerateStreamRequest]) -> None:
         try:
@@ -254,9 +255,9 @@ class _StreamSession:
                 for start in msg.start:
                     self._start(start)
                 for rid in msg.cancel_request_ids:
-                    task = self.running.get(rid)
-                    if task is not None:
-                        task.cancel()
+                    req = self.running.get(rid)
+                    if req is not None:
+                        req.cancel()
         finally:
             self.reading = False
             self.wake.set()
@@ -270,34 +271,19 @@ class _StreamSession:
             self.wake.set()
             return
         if self.servicer.draining:
-            self._fail(rid, Unavailable(f"worker {self.servicer.worker_id} is draining"))
+            self.fail(rid, Unavailable(f"worker {self.servicer.worker_id} is draining"))
             return
-        task = asyncio.get_running_loop().create_task(self._run(rid, start))
-        self.running[rid] = task
-        self.servicer._begin(task)
-
-    async def _run(self, rid: str, start: wpb.StreamedGenerate) -> None:
-        task = asyncio.current_task()
+        if start.traceparent and log.isEnabledFor(logging.DEBUG):
+            log.debug("generate %s trace %s", rid, start.traceparent)
+        req = _StreamRequest(self, rid)
         try:
-            req = wire.request_from_pb(start.request, rid)
-            if start.traceparent and log.isEnabledFor(logging.DEBUG):
-                log.debug("generate %s trace %s", rid, start.traceparent)
-            stream = self.servicer.engine.generate(req)
-            try:
-                async for out in stream:
-                    self._emit(
-                        wpb.StreamedGenerateOutput(request_id=rid, response=wire.output_to_pb(out))
-                    )
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
-        except asyncio.CancelledError:
-            pass  # cancelled by the client (or the stream ended): nothing more to send
+            req.handle = self.servicer.engine.submit(wire.request_from_pb(start.request, rid), req)
         except Exception as exc:
-            self._fail(rid, exc)
-        finally:
-            self.running.pop(rid, None)
-            self.servicer._end(task)
-            self.wake.set()
+            self.fail(rid, exc)
+            return
+        if not req.finished:
+            self.running[rid] = req
+            self.servicer._begin(req, req.cancel)
 
     async def batches(self) -> AsyncIterator[wpb.GenerateStreamResponse]:
         while True:
@@ -311,12 +297,41 @@ class _StreamSession:
             elif not self.reading and not self.running:
                 return
 
-    async def cancel_all(self) -> None:
-        tasks = list(self.running.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+    def cancel_all(self) -> None:
+        for req in list(self.running.values()):
+            req.cancel()
+
+
+class _StreamRequest:
+    """OutputSink of one request on a GenerateStream."""
+
+    __slots__ = ("finished", "handle", "request_id", "session")
+
+    def __init__(self, session: _StreamSession, request_id: str) -> None:
+        self.session = session
+        self.request_id = request_id
+        self.handle: RequestHandle | None = None
+        self.finished = False
+
+    def output(self, out: EngineOutput) -> None:
+        item = wpb.StreamedGenerateOutput(request_id=self.request_id)
+        wire.fill_output_pb(item.response, out)
+        self.session.emit(item)
+        if out.finish_reason is not None:
+            self.finished = True
+            self.session.done(self)
+
+    def fail(self, exc: BaseException) -> None:
+        self.finished = True
+        self.session.fail(self.request_id, exc)
+        self.session.done(self)
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            if self.handle is not None:
+                self.handle.cancel()
+            self.session.done(self)
 
 
 # --- engines ----------------------------------------------------------------------------------

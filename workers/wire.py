@@ -107,7 +107,14 @@ def request_from_pb(msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
 
 def output_to_pb(out: EngineOutput) -> wpb.GenerateResponse:
     """EngineOutput -> GenerateResponse."""
-    msg = wpb.GenerateResponse(token_ids=out.token_ids)
+    msg = wpb.GenerateResponse()
+    fill_output_pb(msg, out)
+    return msg
+
+
+def fill_output_pb(msg: wpb.GenerateResponse, out: EngineOutput) -> None:
+    """Write `out` into an empty GenerateResponse (e.g. a field of a larger message)."""
+    msg.token_ids.extend(out.token_ids)
     if out.logprobs:
         msg.logprobs.extend(
             cpb.TokenLogprob(
@@ -130,7 +137,6 @@ def output_to_pb(out: EngineOutput) -> wpb.GenerateResponse:
         )
     if out.stop_token_id is not None:
         msg.stop_token_id = out.stop_token_id
-    return msg
 
 
 def output_from_pb(msg: wpb.GenerateResponse) -> EngineOutput:

@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> None:
         config = FrontendConfig(http_port=0)
         service = OpenAIService(backend, {"tiny-llama": tok}, config)
         runner, port = await serve_http(build_app(service), "127.0.0.1", 0)
-        Path(args.port_file).write_text(str(port))
+        await asyncio.to_thread(Path(args.port_file).write_text, str(port))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -75,7 +75,11 @@ def _serve(args: argparse.Namespace) -> None:
         sampler.start()
         uvloop.run(main())
         sampler.stop()
-        sys.stderr.write(sampler.output_text(unicode=False, color=False, show_all=False))
+        sys.stderr.write(
+            sampler.output_text(
+                unicode=False, color=False, show_all=bool(os.environ.get("BENCH_PROFILE_ALL"))
+            )
+        )
     elif args.profile:
         import cProfile
         import pstats
@@ -108,9 +112,7 @@ async def _drive(args: argparse.Namespace, port: int, pid: int) -> list[dict[str
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     rng = random.Random(0)
-    prefixes = [
-        " ".join(rng.choice(WORDS) for _ in range(args.prefix_words)) for _ in range(8)
-    ]
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(args.prefix_words)) for _ in range(8)]
 
     def body(i: int) -> bytes:
         msg = f"{prefixes[i % len(prefixes)]} question {i}: hello?"

@@ -47,11 +47,12 @@ def start_mesh(tmp: Path, *args: str) -> Mesh:
     port = free_port()
     log = tmp / f"up-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh", "--log-level", "warning", "up", "--http-port", str(port),
-         "--workers", "2", "--speedup-ratio", "1000000", *args],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh", "--log-level", "warning", "up",
+             "--http-port", str(port), "--workers", "2", "--speedup-ratio", "1000000", *args],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while _get(base + "/health")[0] != 200:

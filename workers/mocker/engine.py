@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 
 from kvmesh.clock import Clock, RealClock
 from kvmesh.errors import InvalidRequest, Unavailable
@@ -23,6 +23,8 @@ from ..engine import (
     FinishReason,
     LoadInfo,
     ModelInfo,
+    OutputSink,
+    RequestHandle,
     Role,
     TokenLogprob,
     Usage,
@@ -37,91 +39,26 @@ __all__ = ["MockerEngine"]
 logger = logging.getLogger(__name__)
 
 
-class _Stream:
-    """Tokens produced for one request and not yet taken by its consumer."""
+class _Request:
+    """A submitted request: where its outputs go and what was delivered."""
 
-    __slots__ = (
-        "delivered",
-        "done",
-        "error",
-        "finish",
-        "logprobs",
-        "prompt_tokens",
-        "stop_token_id",
-        "tokens",
-        "usage",
-        "waiter",
-    )
+    __slots__ = ("delivered", "prompt_tokens", "sink")
 
-    def __init__(self, prompt_tokens: int, want_logprobs: bool) -> None:
+    def __init__(self, sink: OutputSink, prompt_tokens: int) -> None:
+        self.sink = sink
         self.prompt_tokens = prompt_tokens
         self.delivered = 0
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if want_logprobs else None
-        self.finish: FinishReason | None = None
-        self.stop_token_id: int | None = None
-        self.usage: Usage | None = None
-        self.error: Exception | None = None
-        self.done = False
-        self.waiter: asyncio.Future[None] | None = None
 
-    def push(self, out: SeqOutput) -> None:
-        self.delivered += 1
-        self.tokens.append(out.token_id)
-        if self.logprobs is not None and out.logprob is not None:
-            self.logprobs.append(out.logprob)
-        if out.finish_reason is not None:
-            self.finish = out.finish_reason
-            self.stop_token_id = out.stop_token_id
-            self.usage = out.usage
-            self.done = True
-        self._wake()
 
-    def cancel(self, cached_tokens: int) -> None:
-        """Finish with CANCELLED; usage counts the tokens handed to this stream."""
-        if self.done:
-            return
-        self.finish = FinishReason.CANCELLED
-        self.usage = Usage(self.prompt_tokens, self.delivered, cached_tokens)
-        self.done = True
-        self._wake()
+class _Handle:
+    __slots__ = ("engine", "request_id")
 
-    def fail(self, error: Exception) -> None:
-        """Make the consumer raise `error` (the engine loop died)."""
-        if self.done:
-            return
-        self.error = error
-        self.done = True
-        self._wake()
+    def __init__(self, engine: MockerEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
 
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def take(self) -> EngineOutput | None:
-        if self.error is not None:
-            raise self.error
-        if not self.tokens and self.finish is None:
-            return None
-        out = EngineOutput(
-            token_ids=self.tokens,
-            logprobs=self.logprobs,
-            finish_reason=self.finish,
-            usage=self.usage,
-            stop_token_id=self.stop_token_id,
-        )
-        self.tokens = []
-        if self.logprobs is not None:
-            self.logprobs = []
-        return out
-
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
+    def cancel(self) -> None:
+        self.engine._cancel(self.request_id)
 
 
 class MockerEngine(Engine):
@@ -175,7 +112,7 @@ class MockerEngine(Engine):
             eos_token_ids=eos,
             capabilities=capabilities,
         )
-        self._streams: dict[str, _Stream] = {}
+        self._requests: dict[str, _Request] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._accepting = False
@@ -200,9 +137,17 @@ class MockerEngine(Engine):
     async def stop(self) -> None:
         self._accepting = False
         sched = self.scheduler
-        for rid, stream in list(self._streams.items()):
+        requests, self._requests = self._requests, {}
+        for rid, req in requests.items():
             usage = sched.usage(rid)
-            stream.cancel(usage.cached_tokens if usage is not None else 0)
+            cached = usage.cached_tokens if usage is not None else 0
+            req.sink.output(
+                EngineOutput(
+                    [],
+                    finish_reason=FinishReason.CANCELLED,
+                    usage=Usage(req.prompt_tokens, req.delivered, cached),
+                )
+            )
         sched.abort_all()
         task, self._task = self._task, None
         if task is not None and not task.done():
@@ -210,32 +155,22 @@ class MockerEngine(Engine):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def submit(self, request: EngineRequest, sink: OutputSink) -> RequestHandle:
         validate_request(request, self._info)
         if not self._accepting:
             raise Unavailable("the mocker engine is not running")
         rid = request.request_id
-        if rid in self._streams:
+        if rid in self._requests:
             raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
         self.scheduler.add(request, self._clock.now())
-        stream = _Stream(len(request.prompt), request.sampling.top_logprobs is not None)
-        self._streams[rid] = stream
+        self._requests[rid] = _Request(sink, len(request.prompt))
         self._wake.set()
-        try:
-            while True:
-                out = stream.take()
-                if out is None:
-                    await stream.wait()
-                    continue
-                yield out
-                if out.finish_reason is not None:
-                    return
-        finally:
-            if self._streams.get(rid) is stream:
-                del self._streams[rid]
-            if not stream.done:
-                self.scheduler.abort(rid)
-                self._wake.set()
+        return _Handle(self, rid)
+
+    def _cancel(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+            self._wake.set()
 
     def load(self) -> LoadInfo:
         return self.scheduler.load()
@@ -262,15 +197,15 @@ class MockerEngine(Engine):
             logger.exception("mocker engine loop failed")
             self._accepting = False
             error = Unavailable(f"the mocker engine failed: {e!r}")
-            for stream in self._streams.values():
-                stream.fail(error)
+            requests, self._requests = self._requests, {}
+            for req in requests.values():
+                req.sink.fail(error)
 
     async def _loop(self) -> None:
         sched = self.scheduler
         clock = self._clock
         speedup = self.config.speedup_ratio
         wake = self._wake
-        streams = self._streams
         while True:
             if not sched.has_work:
                 wake.clear()
@@ -284,7 +219,23 @@ class MockerEngine(Engine):
                 await wake.wait()
                 continue
             await clock.sleep(start + result.duration_s / speedup - clock.now())
+            requests = self._requests
             for out in result.outputs:
-                stream = streams.get(out.request_id)
-                if stream is not None:
-                    stream.push(out)
+                req = requests.get(out.request_id)
+                if req is None:
+                    continue  # cancelled while the step ran
+                req.delivered += 1
+                logprobs = [out.logprob] if out.logprob is not None else None
+                if out.finish_reason is None:
+                    req.sink.output(EngineOutput([out.token_id], logprobs))
+                else:
+                    del requests[out.request_id]
+                    req.sink.output(
+                        EngineOutput(
+                            [out.token_id],
+                            logprobs,
+                            out.finish_reason,
+                            out.usage,
+                            out.stop_token_id,
+                        )
+                    )
