@@ -29,7 +29,9 @@ def packages() -> list[str]:
     return found
 
 
-if __name__ == "__main__":  # setuptools runs this file as __main__; tests/typecheck.py imports ROOTS
+if (
+    __name__ == "__main__"
+):  # setuptools runs this file as __main__; tests/typecheck.py imports ROOTS
     setup(
         package_dir=ROOTS,
         packages=packages(),

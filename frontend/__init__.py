@@ -1,0 +1,13 @@
+"""The OpenAI-compatible HTTP gateway (kvmesh.frontend).
+
+- `service.OpenAIService`: tokenize, apply chat templates, fan out to a `backend.GenerateBackend`,
+  detokenize, stop strings, usage, metrics; shared by every transport.
+- `app.build_app` / `app.serve_http`: the aiohttp transport (OpenAI routes, health, metrics).
+- `protocol`: typed requests parsed from OpenAI JSON, typed results, SSE encoders.
+- `tokenizer.Tokenizer`: tokenizer, chat template and special tokens of a local HF model dir
+  (`tokencache` makes repeated prefixes cheap to tokenize; `detokenize` streams text out).
+- `config.FrontendConfig`, `metrics.FrontendMetrics`, `errors` (domain errors -> HTTP),
+  `testing.FakeBackend` (a scripted backend for tests and benchmarks).
+
+Importing this package has no side effects.
+"""

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_writer import StreamWriter
 
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.errors import error_body, error_from_exception
@@ -35,6 +37,7 @@ from kvmesh.frontend.protocol import (
     CompletionResult,
     TextChunkEncoder,
     encode_error_event,
+    encode_model,
     encode_models,
     encode_result,
     parse_chat_request,
@@ -63,6 +66,76 @@ class _EventStreamResponse(web.StreamResponse):
     """A StreamResponse whose headers go out with the first event (one write, not two)."""
 
     _send_headers_immediately = False
+
+
+class _EventWriter:
+    """Writes the SSE events of one response with one syscall per burst, not per event.
+
+    The first event written since the handler last waited goes out at once (no added latency
+    for a token that arrived alone); events that follow in the same step of the handler (the
+    backend had several outputs ready) are buffered and sent together as soon as the handler
+    waits again (a `call_soon` callback), or with the final write (`take()`). Backpressure:
+    when more than 64 KiB were written since the last check, `write` waits for the transport
+    to drain. Uses aiohttp's StreamWriter.write(drain=False), which never suspends; with any
+    other writer it falls back to one awaited resp.write() per event.
+    """
+
+    __slots__ = ("_buffer", "_error", "_in_burst", "_loop", "_resp", "_writer")
+
+    _DRAIN_BYTES = 0x10000
+
+    def __init__(self, resp: web.StreamResponse, writer: AbstractStreamWriter | None) -> None:
+        self._resp = resp
+        self._writer = writer if isinstance(writer, StreamWriter) else None
+        self._loop = asyncio.get_running_loop()
+        self._buffer: list[bytes] = []
+        self._in_burst = False
+        self._error: ConnectionResetError | None = None
+
+    async def write(self, data: bytes) -> None:
+        """Send `data` now, or with the rest of the current burst."""
+        writer = self._writer
+        if writer is None:
+            await self._resp.write(data)
+            return
+        if self._error is not None:
+            raise self._error
+        if self._in_burst:
+            self._buffer.append(data)
+            return
+        self._in_burst = True
+        self._loop.call_soon(self._end_burst)
+        _write_now(writer, data)
+        if writer.buffer_size > self._DRAIN_BYTES:
+            writer.buffer_size = 0
+            await writer.drain()
+
+    def take(self) -> bytes:
+        """Buffered bytes not yet sent (the caller sends them with its final write)."""
+        if not self._buffer:
+            return b""
+        data = b"".join(self._buffer)
+        self._buffer.clear()
+        return data
+
+    def _end_burst(self) -> None:
+        self._in_burst = False
+        if self._buffer and self._writer is not None:
+            try:
+                _write_now(self._writer, self.take())
+            except ConnectionResetError as exc:  # the handler sees it on its next write
+                self._error = exc
+
+
+def _write_now(writer: StreamWriter, data: bytes) -> None:
+    """Run StreamWriter.write(data, drain=False), which completes without suspending."""
+    step = writer.write(data, drain=False)
+    try:
+        step.send(None)
+    except StopIteration:
+        return
+    step.close()
+    raise RuntimeError("aiohttp StreamWriter.write(drain=False) suspended")
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -132,9 +205,11 @@ class _Routes:
     ) -> web.StreamResponse:
         resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
         status = 200
+        events: _EventWriter | None = None
         try:
-            await resp.prepare(request)
-            write = resp.write
+            writer = await resp.prepare(request)
+            events = _EventWriter(resp, writer)
+            write = events.write
             encode = encoder.delta
             remaining = stream.num_choices
             tail = b""
@@ -148,14 +223,15 @@ class _Routes:
                 await write(data)
             if include_usage:
                 tail += encoder.usage(stream.usage)
-            await resp.write_eof(tail + DONE_EVENT)
+            await resp.write_eof(events.take() + tail + DONE_EVENT)
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
             _status, payload = error_from_exception(exc)
             self.metrics.error(str(payload["error"]["type"]))
+            pending = events.take() if events is not None else b""
             try:
-                await resp.write_eof(encode_error_event(payload))
+                await resp.write_eof(pending + encode_error_event(payload))
             except ConnectionResetError:
                 status = _CLIENT_CLOSED
         except asyncio.CancelledError:
@@ -198,8 +274,7 @@ class _Routes:
         name = request.match_info["model"]
         for info in self.service.models():
             if info.served_model_name == name:
-                card = orjson.loads(encode_models([info], int(time.time())))["data"][0]
-                return _json_response(200, orjson.dumps(card))
+                return _json_response(200, encode_model(info, int(time.time())))
         return _json_response(
             404,
             error_body(404, f"The model `{name}` does not exist.", param="model",

@@ -27,6 +27,11 @@ class FrontendConfig:
     default_completion_max_tokens: int = opt(
         16, "max_tokens of /v1/completions when the request has none (OpenAI's default)"
     )
+    tokenizer_cache_entries: int = opt(
+        32768,
+        "pieces kept by the exact prefix-chunk tokenization cache (0 disables it); "
+        "see kvmesh.frontend.tokencache",
+    )
     keepalive_timeout_s: float = opt(75.0, "idle keep-alive connections are closed after this")
     backlog: int = opt(4096, "listen backlog (many clients connecting at once)")
     drain_timeout_s: float = opt(

@@ -35,6 +35,7 @@ __all__ = [
     "TokenLogprobInfo",
     "UsageInfo",
     "encode_error_event",
+    "encode_model",
     "encode_models",
     "encode_result",
     "parse_chat_request",
@@ -757,20 +758,21 @@ def encode_result(result: CompletionResult) -> bytes:
     )
 
 
+def _model_card(info: ModelInfo, created: int) -> dict[str, Any]:
+    return {
+        "id": info.served_model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvmesh",
+        "max_model_len": info.context_length,
+    }
+
+
 def encode_models(models: Sequence[ModelInfo], created: int) -> bytes:
     """JSON body of GET /v1/models."""
-    return _dumps(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": m.served_model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "kvmesh",
-                    "max_model_len": m.context_length,
-                }
-                for m in models
-            ],
-        }
-    )
+    return _dumps({"object": "list", "data": [_model_card(m, created) for m in models]})
+
+
+def encode_model(info: ModelInfo, created: int) -> bytes:
+    """JSON body of GET /v1/models/{model}."""
+    return _dumps(_model_card(info, created))

@@ -67,6 +67,7 @@ class _Choice:
         "completion_tokens",
         "detok",
         "echo",
+        "final",
         "finish_reason",
         "first",
         "index",
@@ -75,7 +76,6 @@ class _Choice:
         "min_tokens",
         "prompt_index",
         "prompt_len",
-        "final",
         "stops",
     )
 
@@ -239,7 +239,9 @@ class OpenAIService:
         self.tokenizers = (
             tokenizers
             if isinstance(tokenizers, TokenizerRegistry)
-            else TokenizerRegistry(tokenizers)
+            else TokenizerRegistry(
+                tokenizers, chunk_cache_entries=self.config.tokenizer_cache_entries
+            )
         )
         self._draining = False
         self._inflight = 0

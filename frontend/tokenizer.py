@@ -425,9 +425,16 @@ class TokenizerRegistry:
     event loop is not blocked, and runs at most once per model.
     """
 
-    def __init__(self, tokenizers: Mapping[str, Tokenizer] | None = None) -> None:
-        """Start with preloaded `tokenizers` (served model name -> Tokenizer)."""
+    def __init__(
+        self,
+        tokenizers: Mapping[str, Tokenizer] | None = None,
+        *,
+        chunk_cache_entries: int = 32768,
+    ) -> None:
+        """Start with preloaded `tokenizers` (served model name -> Tokenizer); tokenizers
+        loaded later get a prefix-chunk cache of `chunk_cache_entries` pieces."""
         self._by_name: dict[str, Tokenizer] = dict(tokenizers or {})
+        self._chunk_cache_entries = chunk_cache_entries
         self._lock = threading.Lock()
 
     def add(self, name: str, tokenizer: Tokenizer) -> None:
@@ -456,7 +463,9 @@ class TokenizerRegistry:
             if tok is not None:
                 return tok
             try:
-                tok = Tokenizer.from_pretrained(info.model_path)
+                tok = Tokenizer.from_pretrained(
+                    info.model_path, chunk_cache_entries=self._chunk_cache_entries
+                )
             except Exception as exc:
                 raise Unavailable(
                     f"cannot load the tokenizer of model {info.served_model_name!r} from "

@@ -236,6 +236,8 @@ _ETCD_CHANNEL_OPTIONS: dict[str, Any] = {
 }
 _ETCD_BACKOFF_MIN_S = 0.1
 _ETCD_BACKOFF_MAX_S = 2.0
+_ETCD_WARN_EVERY = 20
+"""While etcd stays unreachable, every this many failed attempts is logged as a warning again."""
 _ETCD_URL_FORM = "etcd://host:port[,host:port...][?prefix=/kvmesh&ttl=5]"
 
 
@@ -336,7 +338,6 @@ class EtcdDiscovery:
         self.prefix = "/" + prefix.strip("/") if prefix.strip("/") else ""
         self.ttl_s = ttl_s
         self.request_timeout_s = request_timeout_s
-        self._next_endpoint = 0
 
     @property
     def where(self) -> str:
@@ -351,9 +352,10 @@ class EtcdDiscovery:
         """The etcd key prefix of a component's instances."""
         return f"{self.prefix}/v1/instances/{component}/"
 
-    def connect(self) -> tuple[Any, str]:
-        """A new client for the current endpoint (connecting lazily), and its host:port."""
-        host, port = self.endpoints[self._next_endpoint % len(self.endpoints)]
+    def connect(self, attempt: int) -> tuple[Any, str]:
+        """A new client (connecting lazily) and its host:port; `attempt` picks the endpoint, so
+        counting failed attempts tries the endpoints in turn."""
+        host, port = self.endpoints[attempt % len(self.endpoints)]
         client = self._aetcd.Client(
             host=host,
             port=port,
@@ -361,10 +363,6 @@ class EtcdDiscovery:
             options=dict(_ETCD_CHANNEL_OPTIONS),
         )
         return client, f"{host}:{port}"
-
-    def rotate(self) -> None:
-        """The current endpoint failed: the next client tries the next one."""
-        self._next_endpoint += 1
 
     async def register(self, instance: Instance) -> Registration:
         """Put `instance` under a new lease and keep the lease alive until closed.
@@ -379,9 +377,9 @@ class EtcdDiscovery:
         prefix = self.key_prefix(component).encode()
         known: dict[bytes, Instance] = {}
         delay = _ETCD_BACKOFF_MIN_S
-        failures = 0
+        failures = attempt = 0
         while True:
-            client, where = self.connect()
+            client, where = self.connect(attempt)
             try:
                 listing = await client.get_prefix(prefix)
                 current: dict[bytes, Instance] = {}
@@ -415,7 +413,7 @@ class EtcdDiscovery:
                 raise ConnectionError("the watch stream ended")
             except Exception as exc:  # etcd down or restarted, connection lost, compaction
                 failures += 1
-                level = logging.DEBUG if failures > 1 else logging.WARNING
+                level = logging.WARNING if failures % _ETCD_WARN_EVERY == 1 else logging.DEBUG
                 log.log(
                     level,
                     "etcd watch of %r via %s failed (%s); reconnecting",
@@ -425,7 +423,7 @@ class EtcdDiscovery:
                 )
             finally:
                 await _close_client(client)
-            self.rotate()
+            attempt += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, _ETCD_BACKOFF_MAX_S)
 
@@ -439,6 +437,8 @@ class _EtcdRegistration:
         self._key = discovery.key(instance.component, instance.instance_id)
         self._value = json.dumps(asdict(instance), sort_keys=True).encode()
         self._client: Any = None
+        self._attempt = 0
+        """Counts failures; picks the endpoint of the next client."""
         self.lease_id: int | None = None
         """The lease holding the key; None while it has to be (re)created."""
         self._orphan_lease: int | None = None
@@ -448,14 +448,14 @@ class _EtcdRegistration:
     async def start(self) -> None:
         failed: list[str] = []
         for _ in self._d.endpoints:
-            self._client, where = self._d.connect()
+            self._client, where = self._d.connect(self._attempt)
             try:
                 await self._grant_and_put()
                 break
             except Exception as exc:
                 failed.append(f"{where}: {_describe(exc)}")
                 await _close_client(self._client)
-                self._d.rotate()
+                self._attempt += 1
         else:
             raise Unavailable(
                 f"cannot register {self._label} in etcd (is etcd running at {self._d.where}?): "
@@ -484,24 +484,27 @@ class _EtcdRegistration:
 
     async def _keepalive(self) -> None:
         period = self._d.ttl_s / 3
-        failing = False
+        failures = 0
         while True:
-            await asyncio.sleep(min(period, 0.5) if failing else period)
+            await asyncio.sleep(min(period, 0.5) if failures else period)
             try:
-                await self._refresh()
+                # Bounded, so an unresponsive endpoint is left in time for the next one to
+                # refresh the lease before it expires.
+                async with asyncio.timeout(max(period, 1.0)):
+                    await self._refresh()
             except Exception as exc:  # connection lost, etcd restarting: retry, next endpoint
-                if not failing:
+                failures += 1
+                if failures % _ETCD_WARN_EVERY == 1:
                     log.warning(
                         "etcd keepalive of %s failed (%s); retrying", self._label, _describe(exc)
                     )
-                failing = True
                 await _close_client(self._client)
-                self._d.rotate()
-                self._client, _ = self._d.connect()
+                self._attempt += 1
+                self._client, _ = self._d.connect(self._attempt)
                 continue
-            if failing:
+            if failures:
                 log.info("etcd keepalive of %s recovered", self._label)
-            failing = False
+            failures = 0
 
     async def _refresh(self) -> None:
         if self.lease_id is not None:
@@ -522,15 +525,15 @@ class _EtcdRegistration:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._orphan_lease is not None:
+        for lease_id, orphan in ((self._orphan_lease, True), (self.lease_id, False)):
+            if lease_id is None:
+                continue
             try:
-                await self._client.revoke_lease(self._orphan_lease)
-            except Exception as exc:  # most likely expired long ago
-                log.debug("revoking an orphan lease of %s: %s", self._label, _describe(exc))
-        if self.lease_id is not None:
-            try:
-                await self._client.revoke_lease(self.lease_id)
+                await self._client.revoke_lease(lease_id)
             except Exception as exc:
+                if orphan or "lease not found" in str(exc):  # expired: its key is gone already
+                    log.debug("revoking lease %x of %s: %s", lease_id, self._label, exc)
+                    continue
                 log.warning(
                     "could not revoke the etcd lease of %s (%s); it expires within %d s",
                     self._label,

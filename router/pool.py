@@ -14,14 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.workers import wire
-from kvmesh.workers.engine import ModelInfo
-
 from kvmesh.discovery import Discovery, EventKind, Instance
 from kvmesh.grpcutil import insecure_channel
 from kvmesh.router.session import WorkerSession
+from kvmesh.workers import wire
+from kvmesh.workers.engine import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +86,12 @@ class WorkerPool:
         self._task = None
         for w in list(self._workers.values()):
             self._drop(w.instance_id)
-        for w in list(self._retiring):
-            w.cancel()
-        for handle_task in list(self._retiring):
+        retiring = list(self._retiring)
+        for t in retiring:
+            t.cancel()
+        for t in retiring:
             with contextlib.suppress(asyncio.CancelledError):
-                await handle_task
+                await t
 
     def workers(self, model: str | None = None) -> list[WorkerHandle]:
         """Live workers, optionally only those serving `model`."""
@@ -167,7 +168,7 @@ class WorkerPool:
     async def _retire(handle: WorkerHandle) -> None:
         """Let in-flight requests on a departed worker finish, then close its channel."""
         deadline = asyncio.get_running_loop().time() + REMOVED_CHANNEL_GRACE_S
-        while handle.session.inflight and asyncio.get_running_loop().time() < deadline:
+        while handle.session.inflight and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.1)
         await handle.session.close()
         await handle.channel.close(None)

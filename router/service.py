@@ -13,17 +13,17 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import grpc
+
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.router.v1 import router_service_pb2 as rpb
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from kvmesh.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
+from kvmesh.grpcutil import error_from_rpc, insecure_channel
 from kvmesh.router.mesh import MeshBackend
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import RouteDecision, Router
-from kvmesh.workers import wire
-
-from kvmesh.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
-from kvmesh.grpcutil import error_from_rpc, insecure_channel
 from kvmesh.tracing import TraceContext
+from kvmesh.workers import wire
 
 ROUTER_SERVICE = rpb.DESCRIPTOR.services_by_name["RouterService"].full_name
 

@@ -29,6 +29,7 @@ from kvmesh.tracing import TraceContext
 
 log = logging.getLogger(__name__)
 
+
 class _Broken(Exception):
     """The stream a request was on ended before the request finished."""
 

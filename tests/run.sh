@@ -44,5 +44,12 @@ step "ruff"
 step "mypy"
 "$VENV/bin/python" tests/typecheck.py
 
+step "etcd server (Debian's etcd-server) for the etcd discovery tests"
+if ! command -v etcd >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+  else echo "etcd not found: its tests will be skipped (sudo apt-get install etcd-server)" >&2; fi
+fi
+
 step "pytest"
 "$VENV/bin/python" -m pytest -q "$@"

@@ -35,8 +35,16 @@ def build(tree: Path) -> Path:
 def main() -> int:
     tree = build(ROOT / ".cache" / "typecheck")
     env = {**os.environ, "MYPYPATH": str(tree)}
-    cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-           "-p", "kvmesh", *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "-p",
+        "kvmesh",
+        *sys.argv[1:],
+    ]
     return subprocess.call(cmd, env=env, cwd=ROOT)
 
 

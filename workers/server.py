@@ -23,17 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.workers import wire
-from kvmesh.workers.engine import Engine, EngineOutput, RequestHandle, Role
-
 from kvmesh.config import opt
 from kvmesh.discovery import Instance, Registration, open_discovery
 from kvmesh.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
 from kvmesh.grpcutil import GrpcServer, status_for
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.tracing import TraceContext
+from kvmesh.workers import wire
+from kvmesh.workers.engine import Engine, EngineOutput, RequestHandle, Role
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class WorkerConfig:
     model: str = opt("", "local Hugging Face model directory; empty: the built-in tiny model")
     served_model_name: str = opt("", "model name clients use; empty: the model directory's name")
     host: str = opt("127.0.0.1", "address to bind the gRPC server to")
+    advertise_host: str = opt(
+        "", "host other machines use to reach this worker; empty: --host (or 127.0.0.1)"
+    )
     port: int = opt(0, "gRPC port; 0 picks a free one")
     role: Role = opt(Role.AGGREGATED, "worker role")
     discovery: str = opt("", "discovery URL (file:///dir, etcd://h:p); empty: do not register")
@@ -101,7 +104,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             await stream.aclose()  # type: ignore[attr-defined]
             self._end(task)
 
-    async def GenerateStream(  # noqa: N802
+    async def GenerateStream(
         self,
         request_iterator: AsyncIterator[wpb.GenerateStreamRequest],
         context: grpc.aio.ServicerContext[Any, Any],
@@ -340,9 +343,8 @@ EngineFactory = Callable[[Any, WorkerConfig, ModelDirInfo], Engine]
 
 
 def _mocker(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
-    from kvmesh.workers.mocker import MockerConfig, MockerEngine
-
     from kvmesh.config import from_args
+    from kvmesh.workers.mocker import MockerConfig, MockerEngine
 
     return MockerEngine(
         from_args(MockerConfig, ns),
@@ -394,23 +396,30 @@ class Worker:
 
     @property
     def address(self) -> str:
-        """host:port of the gRPC server."""
+        """host:port clients dial (the advertised host, if one is set)."""
+        if self.config.advertise_host:
+            return f"{self.config.advertise_host}:{self.server.port}"
         return self.server.address
 
     async def start(self) -> None:
-        """Start the engine, the server, then register."""
+        """Start the engine, the server, then register (undoing it all if that fails)."""
         await self.engine.start()
         await self.server.start()
         if self.config.discovery:
             info = self.engine.info
-            self._registration = await open_discovery(self.config.discovery).register(
-                Instance(
-                    instance_id=self.worker_id,
-                    address=self.address,
-                    model=info.served_model_name,
-                    role=info.role.value,
+            try:
+                self._registration = await open_discovery(self.config.discovery).register(
+                    Instance(
+                        instance_id=self.worker_id,
+                        address=self.address,
+                        model=info.served_model_name,
+                        role=info.role.value,
+                    )
                 )
-            )
+            except BaseException:
+                await self.server.stop(0)
+                await self.engine.stop()
+                raise
         log.info(
             "worker %s serving %s on %s", self.worker_id, self.engine.info.engine, self.address
         )

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pytest
+
+from kvmesh.errors import InvalidRequest, RequestTooLarge, Unavailable
 from kvmesh.workers.engine import (
     Engine,
     EngineOutput,
@@ -24,8 +26,6 @@ from kvmesh.workers.engine import (
 )
 from kvmesh.workers.kv_events import KvStateMirror
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
-
-from kvmesh.errors import InvalidRequest, RequestTooLarge, Unavailable
 
 pytestmark = pytest.mark.unit
 

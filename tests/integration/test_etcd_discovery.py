@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aetcd  # type: ignore[import-untyped,unused-ignore]
+import aetcd
 import pytest
 
 from kvmesh.discovery import (
@@ -87,7 +87,9 @@ class Watcher:
                     self._changed.clear()
                     await self._changed.wait()
         except TimeoutError:
-            raise AssertionError(f"timed out; live {sorted(self.live)}, events {self.events}")
+            raise AssertionError(
+                f"timed out; live {sorted(self.live)}, events {self.events}"
+            ) from None
         return time.monotonic() - start
 
     async def close(self) -> None:
@@ -142,7 +144,7 @@ def test_etcd_url_forms() -> None:
 @pytest.mark.integration
 async def test_unreachable_etcd_is_a_clear_error() -> None:
     disc = etcd_discovery(f"etcd://127.0.0.1:{free_port()}")
-    with pytest.raises(Unavailable, match="is etcd running at 127.0.0.1:"):
+    with pytest.raises(Unavailable, match=r"is etcd running at 127\.0\.0\.1:"):
         await disc.register(Instance("w1", "127.0.0.1:1"))
 
 
@@ -206,11 +208,11 @@ async def test_watch_started_later_sees_existing_instances(etcd: EtcdServer) -> 
     regs = [await disc.register(Instance(f"w{i}", f"127.0.0.1:{i + 1}")) for i in range(3)]
     watchers = [Watcher(disc), Watcher(etcd_discovery(etcd.url))]
     for w in watchers:
-        await w.until(lambda w=w: len(w.live) == 3)  # type: ignore[misc]
+        await w.until(lambda w=w: len(w.live) == 3)
         assert [e.kind for e in w.events] == [EventKind.ADDED] * 3
     await regs[1].close()
     for w in watchers:
-        await w.until(lambda w=w: set(w.live) == {"w0", "w2"})  # type: ignore[misc]
+        await w.until(lambda w=w: set(w.live) == {"w0", "w2"})
         await w.close()
     for reg in regs:
         await reg.close()
@@ -235,23 +237,20 @@ async def test_killed_owner_disappears_within_ttl(etcd: EtcdServer) -> None:
     watcher = Watcher(disc)
     alive = await disc.register(Instance("alive", "127.0.0.1:2"))
     registered_at = time.monotonic()
-    owner = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, f"{etcd.url}?ttl={TTL}", "doomed"],
-        stdout=subprocess.PIPE,
+    owner = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _OWNER, f"{etcd.url}?ttl={TTL}", "doomed", stdout=subprocess.PIPE
     )
     try:
         assert owner.stdout is not None
-        line = await asyncio.to_thread(owner.stdout.readline)
-        assert line == b"registered\n"
+        assert await owner.stdout.readline() == b"registered\n"
         await watcher.until(lambda: {"alive", "doomed"} <= set(watcher.live))
-        await asyncio.sleep(TTL / 2)  # mid-way between two refreshes of the owner
+        await asyncio.sleep(TTL / 2)  # the owner refreshes its lease once or twice meanwhile
         owner.send_signal(signal.SIGKILL)
         took = await watcher.until(lambda: "doomed" not in watcher.live, TTL + 3)
     finally:
-        owner.kill()
-        owner.wait()
-        if owner.stdout is not None:
-            owner.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            owner.kill()
+        await owner.wait()
     print(f"SIGKILL -> REMOVED: {took:.2f} s (ttl {TTL} s)")
     assert took < TTL + EXPIRY_SLACK_S
     # Meanwhile the refreshed registration outlived its TTL more than once.
@@ -273,7 +272,9 @@ async def test_etcd_restart_watchers_reconcile_and_registrations_return(
     reg_a = await disc.register(Instance("a", "127.0.0.1:1"))
     key_a = disc.key("worker", "a")
     # A registration without a lease, which an etcd that lost its data will not have.
-    await raw.put(disc.key("worker", "x"), json.dumps({"instance_id": "x", "address": "h:1"}).encode())
+    await raw.put(
+        disc.key("worker", "x"), json.dumps({"instance_id": "x", "address": "h:1"}).encode()
+    )
     await watcher.until(lambda: set(watcher.live) == {"a", "x"})
     lease_before = await lease_of(raw, key_a)
 
@@ -362,15 +363,15 @@ async def test_worker_processes_join_and_killed_worker_leaves_the_pool(
     etcd: EtcdServer, tiny_model: Path, tmp_path: Path
 ) -> None:
     url = f"{etcd.url}?ttl={TTL}"
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs: dict[str, asyncio.subprocess.Process] = {}
     logs: list[Any] = []
     for i in range(3):
         log = (tmp_path / f"wk{i}.log").open("wb")
         logs.append(log)
-        procs[f"wk{i}"] = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "--log-level", "warning", "worker",
-             "--engine", "mocker", "--model", str(tiny_model), "--discovery", url,
-             "--worker-id", f"wk{i}", "--speedup-ratio", "1000000"],
+        procs[f"wk{i}"] = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", "--log-level", "warning", "worker",
+            "--engine", "mocker", "--model", str(tiny_model), "--discovery", url,
+            "--worker-id", f"wk{i}", "--speedup-ratio", "1000000",
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
     pool = WorkerPool(etcd_discovery(etcd.url))
@@ -386,9 +387,8 @@ async def test_worker_processes_join_and_killed_worker_leaves_the_pool(
         try:
             await pool.wait_for(3, timeout_s=30)
         except TimeoutError:
-            raise AssertionError(
-                "\n".join((tmp_path / f"wk{i}.log").read_text() for i in range(3))
-            )
+            logs_text = "\n".join((tmp_path / f"wk{i}.log").read_text() for i in range(3))
+            raise AssertionError(f"workers did not join:\n{logs_text}") from None
         assert sorted(w.worker_id for w in pool.workers()) == ["wk0", "wk1", "wk2"]
         assert {w.info.served_model_name for w in pool.workers()} == {"tiny-llama"}
 
@@ -406,12 +406,13 @@ async def test_worker_processes_join_and_killed_worker_leaves_the_pool(
         print(f"worker SIGTERM -> left the pool: {took:.2f} s")
         assert took < 1.5
         assert [w.worker_id for w in pool.workers()] == ["wk2"]
-        assert await asyncio.to_thread(procs["wk1"].wait, 10) == 0
+        assert await asyncio.wait_for(procs["wk1"].wait(), 10) == 0
     finally:
         await pool.stop()
         for proc in procs.values():
-            proc.kill()
-            proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
         for log in logs:
             log.close()
 

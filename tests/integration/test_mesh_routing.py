@@ -163,18 +163,18 @@ class RecordingWorker(wpb_grpc.WorkerServiceServicer):
         self.metadata: list[dict[str, str]] = []
         self.traceparents: list[str] = []
 
-    async def GetModelCard(self, request: Any, context: Any) -> wpb.GetModelCardResponse:  # noqa: N802
+    async def GetModelCard(self, request: Any, context: Any) -> wpb.GetModelCardResponse:
         from kvmesh.workers.engine import ModelInfo
 
         info = ModelInfo("tiny", "fake", 16, 10, 1024)
         return wpb.GetModelCardResponse(card=wire.card_to_pb(info), worker_id="fake")
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[wpb.GenerateResponse]:  # noqa: N802
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[wpb.GenerateResponse]:
         self.metadata.append({k: v for k, v in context.invocation_metadata()})
         yield wpb.GenerateResponse(token_ids=[1])
         yield wpb.GenerateResponse(token_ids=[2], finish_reason=2)
 
-    async def GenerateStream(  # noqa: N802
+    async def GenerateStream(
         self, request_iterator: Any, context: Any
     ) -> AsyncIterator[wpb.GenerateStreamResponse]:
         async for msg in request_iterator:

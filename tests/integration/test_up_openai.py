@@ -49,9 +49,25 @@ def start_mesh(tmp: Path, *args: str) -> Mesh:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "--log-level", "warning", "up",
-             "--http-port", str(port), "--workers", "2", "--speedup-ratio", "1000000", *args],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "kvmesh",
+                "--log-level",
+                "warning",
+                "up",
+                "--http-port",
+                str(port),
+                "--workers",
+                "2",
+                "--speedup-ratio",
+                "1000000",
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -98,18 +114,26 @@ def test_models_and_health(mesh: Mesh) -> None:
 def test_streamed_chat_with_usage(mesh: Mesh) -> None:
     client = mesh.client()
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=12, stream=True, temperature=0,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        stream=True,
+        temperature=0,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == ["length"]
     usage = chunks[-1].usage
     assert usage is not None and chunks[-1].choices == []
     assert usage.completion_tokens == 12
     assert usage.total_tokens == usage.prompt_tokens + 12
-    unary = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    unary = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    )
     assert unary.choices[0].message.content == text, "greedy output is deterministic"
     assert unary.usage is not None and unary.usage.prompt_tokens == usage.prompt_tokens
     assert unary.choices[0].finish_reason == "length"
@@ -151,7 +175,9 @@ def test_bad_requests_get_openai_errors(mesh: Mesh) -> None:
         client.completions.create(model=MODEL, prompt="word " * 6000, max_tokens=4)
     assert info.value.status_code in (400, 413)
     req = urllib.request.Request(
-        mesh.base + "/v1/chat/completions", data=b"{not json", method="POST",
+        mesh.base + "/v1/chat/completions",
+        data=b"{not json",
+        method="POST",
         headers={"Content-Type": "application/json"},
     )
     with pytest.raises(urllib.error.HTTPError) as http:

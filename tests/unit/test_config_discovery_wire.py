@@ -14,7 +14,7 @@ import pytest
 
 from kvmesh import errors
 from kvmesh.config import add_args, from_args, opt, to_argv
-from kvmesh.discovery import EventKind, FileDiscovery, Instance, open_discovery
+from kvmesh.discovery import EtcdDiscovery, EventKind, FileDiscovery, Instance, open_discovery
 from kvmesh.grpcutil import error_from_rpc, status_for
 from kvmesh.workers import kv_events as kv
 from kvmesh.workers import wire
@@ -72,7 +72,7 @@ async def test_file_discovery_register_watch_expire(tmp_path: Path) -> None:
     ev = await asyncio.wait_for(anext(events), 2)
     assert (ev.kind, ev.instance.instance_id) == (EventKind.REMOVED, "w1")
     # A registration whose owner died (no refresh) expires after the TTL.
-    stale = next(tmp_path.glob("worker.w2.json"))
+    stale = next(tmp_path.glob("worker.w2.json"))  # noqa: ASYNC240 (test setup)
     await reg2.close()
     stale.write_text('{"instance_id": "w3", "address": "127.0.0.1:3"}')
     old = time.time() - 10
@@ -86,8 +86,7 @@ def test_open_discovery_urls(tmp_path: Path) -> None:
     assert isinstance(open_discovery(f"file://{tmp_path}"), FileDiscovery)
     with pytest.raises(errors.InvalidRequest):
         open_discovery("bogus://x")
-    with pytest.raises(errors.Unimplemented):
-        open_discovery("etcd://127.0.0.1:2379")
+    assert isinstance(open_discovery("etcd://127.0.0.1:2379"), EtcdDiscovery)
 
 
 class FakeRpcError(grpc.aio.AioRpcError):
@@ -141,7 +140,9 @@ def test_request_and_output_roundtrip() -> None:
 
 
 def test_card_and_kv_roundtrip() -> None:
-    info = ModelInfo("m", "mocker", 16, 100, 4096, "/p", Role.DECODE, 8, (2,), ("l",), ("KV_EVENTS",))
+    info = ModelInfo(
+        "m", "mocker", 16, 100, 4096, "/p", Role.DECODE, 8, (2,), ("l",), ("KV_EVENTS",)
+    )
     assert wire.card_from_pb(wire.card_to_pb(info)) == info
     items: list[kv.SnapshotChunk | kv.KvEventRecord] = [
         kv.SnapshotChunk(3, [kv.BlocksStored(None, [kv.StoredBlock(1, (1, 2))])], True, True),

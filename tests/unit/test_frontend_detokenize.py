@@ -22,7 +22,7 @@ TEXTS = [
     "👍🏽 thumbs",
     "👨‍👩‍👧 family",
     "日本語のテキスト",
-    "中文文本：你好",
+    "中文文本：你好",  # noqa: RUF001
     "café crème à Zürich",
     "Привет, мир",
     "a 🚀 b 日本 c é d",
@@ -108,7 +108,9 @@ def test_prompt_context_is_not_emitted(raw: tokenizers.Tokenizer, fast: bool) ->
 
 @pytest.mark.parametrize("fast", MODES)
 def test_special_tokens_are_skipped(raw: tokenizers.Tokenizer, fast: bool) -> None:
-    ids = [*_ids(raw, "hi"), raw.token_to_id("<|eot_id|>"), *_ids(raw, " there")]
+    eot = raw.token_to_id("<|eot_id|>")
+    assert eot is not None
+    ids = [*_ids(raw, "hi"), eot, *_ids(raw, " there")]
     assert "".join(_run(raw, [[i] for i in ids], fast)) == "hi there"
     detok = IncrementalDetokenizer(raw, skip_special_tokens=False, use_decode_stream=fast)
     text = "".join(detok.step([i]) for i in ids) + detok.flush()

@@ -92,7 +92,10 @@ def test_chat_all_options() -> None:
 
 def test_content_parts_and_tool_messages() -> None:
     messages = [
-        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        },
         {"role": "user", "content": "q"},
         {
             "role": "assistant",
@@ -125,9 +128,15 @@ def test_content_parts_and_tool_messages() -> None:
         (json.dumps({"model": "m", "messages": []}).encode(), "messages"),
         (json.dumps({"model": "m", "messages": "hi"}).encode(), "messages"),
         (json.dumps({"model": "m", "messages": [{"content": "x"}]}).encode(), "messages"),
-        (json.dumps({"model": "m", "messages": [{"role": "bot", "content": "x"}]}).encode(), "messages"),
+        (
+            json.dumps({"model": "m", "messages": [{"role": "bot", "content": "x"}]}).encode(),
+            "messages",
+        ),
         (json.dumps({"model": "m", "messages": [{"role": "user"}]}).encode(), "messages"),
-        (json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}).encode(), "messages"),
+        (
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}).encode(),
+            "messages",
+        ),
         (
             json.dumps(
                 {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
@@ -249,7 +258,12 @@ def test_text_chunk_encoder_and_results() -> None:
         "cmpl-1", 5, "m", "text", [ChoiceResult(0, "t", "stop")], UsageInfo(1, 1)
     )
     body = orjson.loads(encode_result(result))
-    assert body["choices"][0] == {"index": 0, "text": "t", "logprobs": None, "finish_reason": "stop"}
+    assert body["choices"][0] == {
+        "index": 0,
+        "text": "t",
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
     chat_result = CompletionResult(
         "c", 5, "m", "chat", [ChoiceResult(0, "t", "length", [lp])], UsageInfo(1, 1)
     )

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+
 from kvmesh.workers.kv_events import (
     AllCleared,
     BlocksRemoved,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvmesh.workers.kv_events import (
     AllCleared,
     BlocksRemoved,

@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from kvmesh.clock import ManualClock
+from kvmesh.errors import InvalidRequest, ResourceExhausted, Unavailable
 from kvmesh.workers.engine import (
     EngineOutput,
     EngineRequest,
@@ -17,9 +20,6 @@ from kvmesh.workers.engine import (
 )
 from kvmesh.workers.kv_events import AllCleared, BlocksRemoved
 from kvmesh.workers.mocker import MockerConfig, MockerEngine, PolynomialTiming
-
-from kvmesh.clock import ManualClock
-from kvmesh.errors import InvalidRequest, ResourceExhausted, Unavailable
 
 pytestmark = pytest.mark.unit
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from kvmesh.errors import RequestTooLarge, ResourceExhausted
 from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
 from kvmesh.workers.kv_events import (
     BlocksRemoved,
@@ -25,8 +27,6 @@ from kvmesh.workers.kv_events import (
     SnapshotChunk,
 )
 from kvmesh.workers.mocker import MockerConfig, MockerScheduler, TokenSampler
-
-from kvmesh.errors import RequestTooLarge, ResourceExhausted
 
 pytestmark = pytest.mark.unit
 

@@ -6,11 +6,11 @@ import dataclasses
 import zlib
 
 import pytest
+
+from kvmesh.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
 from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
 from kvmesh.workers.kv_events import KvEventLog
 from kvmesh.workers.mocker import MockerConfig, MockerScheduler, PolynomialTiming, SeqStatus
-
-from kvmesh.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
 
 pytestmark = pytest.mark.unit
 

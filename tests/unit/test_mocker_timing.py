@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvmesh.workers.mocker import PolynomialTiming, TableTiming, load_timing
 
 pytestmark = pytest.mark.unit

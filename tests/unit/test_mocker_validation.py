@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from kvmesh.workers.engine import EngineRequest, ModelInfo, SamplingParams, StopParams
-from kvmesh.workers.validation import validate_request
 
 from kvmesh.errors import InvalidRequest, RequestTooLarge
+from kvmesh.workers.engine import EngineRequest, ModelInfo, SamplingParams, StopParams
+from kvmesh.workers.validation import validate_request
 
 pytestmark = pytest.mark.unit
 

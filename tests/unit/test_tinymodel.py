@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tokenizers
@@ -62,7 +63,7 @@ def test_tokenizer_roundtrips_multibyte_text(model_dir: Path) -> None:
 
 def test_chat_template_renders_all_roles(model_dir: Path) -> None:
     tok = Tokenizer.from_pretrained(model_dir)
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {

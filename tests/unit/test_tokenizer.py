@@ -83,6 +83,7 @@ def test_loads_model_metadata(tok: Tokenizer) -> None:
 def test_chat_prompt_has_exactly_one_bos(tok: Tokenizer) -> None:
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     ids = tok.encode(text)
+    assert tok.bos_token_id is not None
     assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
     # Completions prompts get BOS from the post-processor instead.
     assert tok.encode("hi", add_special_tokens=True)[0] == tok.bos_token_id
@@ -171,7 +172,7 @@ def test_token_bytes(tok: Tokenizer) -> None:
 # -- exact prefix-chunk cache --------------------------------------------------------------
 
 _ALPHABET = st.sampled_from(
-    list("abcdefghijXYZ      0123'.,!?-\n\t_") + ["é", "日本", "😀", "  ", "'s", "<|eot_id|>"]
+    [*"abcdefghijXYZ      0123'.,!?-\n\t_", "é", "日本", "😀", "  ", "'s", "<|eot_id|>"]
 )
 _TEXTS = st.lists(_ALPHABET, min_size=0, max_size=300).map("".join)
 

@@ -99,7 +99,11 @@ def test_grpc_metadata_roundtrip() -> None:
     bare = TraceContext(TRACE, SPAN)
     assert bare.grpc_metadata() == (("traceparent", VALID),)
     # bytes values, mixed-case keys and unrelated entries are handled
-    mixed = [("user-agent", "x"), ("TraceParent", VALID.encode()), ("tracestate", b"a=1")]
+    mixed: list[tuple[str, str | bytes]] = [
+        ("user-agent", "x"),
+        ("TraceParent", VALID.encode()),
+        ("tracestate", b"a=1"),
+    ]
     assert TraceContext.from_grpc_metadata(mixed) == ctx
     assert TraceContext.from_grpc_metadata(None) is None
     assert TraceContext.from_grpc_metadata([("traceparent", "bad")]) is None

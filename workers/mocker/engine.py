@@ -26,13 +26,12 @@ from ..engine import (
     OutputSink,
     RequestHandle,
     Role,
-    TokenLogprob,
     Usage,
 )
 from ..kv_events import CachedBlock, KvEventLog
 from ..validation import validate_request
 from .config import MockerConfig
-from .scheduler import MockerScheduler, SeqOutput
+from .scheduler import MockerScheduler
 
 __all__ = ["MockerEngine"]
 
