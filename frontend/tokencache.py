@@ -3,8 +3,9 @@
 Serving traffic repeats prefixes (system prompts, few-shot examples, earlier turns); that is
 what KV-aware routing exploits. Tokenizing a 200-word prompt costs ~200 us in the Rust
 tokenizer, the largest per-request cost of the gateway. `ChunkedEncoder` cuts the text into
-~`chunk_chars`-character pieces at positions where tokenization provably restarts, caches the
-token ids of each piece, and only tokenizes pieces it has not seen (in practice: the tail).
+pieces of about `chunk_chars` characters (64 by default) at positions where tokenization
+provably restarts, caches the token ids of each piece, and only tokenizes pieces it has not
+seen (in practice: the tail; tokenizing costs ~3 us per call plus ~0.2 us per character).
 
 Why the cut is exact. Cuts are only made at a space U+0020 whose two neighbours are ASCII
 letters ("...word word..."). For the pre-tokenizers accepted by `supports_chunking` (GPT-2
@@ -113,7 +114,7 @@ class ChunkedEncoder:
         self,
         encode_one: Callable[[str], list[int]],
         *,
-        chunk_chars: int = 128,
+        chunk_chars: int = 64,
         max_entries: int = 32768,
         self_test: bool = True,
     ) -> None:

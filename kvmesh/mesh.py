@@ -18,6 +18,7 @@ from kvmesh.config import opt
 from kvmesh.discovery import open_discovery
 from kvmesh.grpcutil import GrpcServer
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
+from kvmesh.router.kv_router import KvRouter, KvRouterConfig
 from kvmesh.router.mesh import MeshBackend
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router, RouterMode, SimpleRouter
@@ -35,8 +36,31 @@ class MeshConfig:
     """How a frontend or router finds workers and routes to them."""
 
     discovery: str = opt("", "discovery URL: file:///dir, static://h:p,h:p or etcd://h:p")
-    router_mode: RouterMode = opt(RouterMode.ROUND_ROBIN, "routing policy of the in-process router")
+    router_mode: RouterMode = opt(
+        RouterMode.KV,
+        "routing policy of the in-process router; kv: KV-cache-aware (approximate for engines "
+        "without KV events)",
+    )
     router_address: str = opt("", "use a standalone `kvmesh router` at host:port instead")
+    router_overlap_weight: float = opt(
+        1.0, "kv: weight of blocks still to prefill against blocks decoding in the cost"
+    )
+    router_temperature: float = opt(
+        0.0, "kv: 0 picks the lowest cost (ties at random); > 0 samples softmax(-cost/T)"
+    )
+    router_busy_kv_fraction: float = opt(
+        0.0, "kv: skip workers whose KV usage reaches this fraction (0 disables)"
+    )
+    router_busy_waiting: int = opt(
+        0, "kv: skip workers with at least this many queued requests (0 disables)"
+    )
+    router_approx_ttl_s: float = opt(
+        120.0, "kv, engines without KV events: seconds a routed prompt counts as cached"
+    )
+    router_seed: int = opt(0, "seed of the router's tie-breaking and sampling")
+    router_peers: list[str] = opt(
+        [], "kv: host:port of peer `kvmesh router` replicas to share predicted load with"
+    )
 
 
 @dataclass
@@ -55,8 +79,18 @@ def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
     router: Router
     if mesh.router_address:
         router = RemoteRouter(mesh.router_address, pool)
+    elif mesh.router_mode is RouterMode.KV:
+        config = KvRouterConfig(
+            overlap_weight=mesh.router_overlap_weight,
+            temperature=mesh.router_temperature,
+            busy_kv_fraction=mesh.router_busy_kv_fraction,
+            busy_waiting_requests=mesh.router_busy_waiting,
+            approx_ttl_s=mesh.router_approx_ttl_s,
+            seed=mesh.router_seed,
+        )
+        router = KvRouter(pool, config, peers=mesh.router_peers)
     else:
-        router = SimpleRouter(pool, mesh.router_mode)
+        router = SimpleRouter(pool, mesh.router_mode, seed=mesh.router_seed)
     return pool, router
 
 
@@ -98,7 +132,9 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
         # Preload the configured model; other models' tokenizers load from worker cards.
         info = ModelDirInfo.load(resolve_model_dir(config.model))
         name = config.served_model_name or info.name
-        tokenizers[name] = Tokenizer.from_pretrained(info.path)
+        tokenizers[name] = Tokenizer.from_pretrained(
+            info.path, chunk_cache_entries=config.tokenizer_cache_entries
+        )
         configured[name] = ModelInfo(
             served_model_name=name,
             engine="",

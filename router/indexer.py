@@ -119,7 +119,9 @@ class PrefixIndex(Generic[W]):
 
     # -- updates ----------------------------------------------------------------------------
 
-    def apply_stored(self, worker: W, block_hashes: Sequence[int], parent: int | None = None) -> None:
+    def apply_stored(
+        self, worker: W, block_hashes: Sequence[int], parent: int | None = None
+    ) -> None:
         """`worker` now holds the chain `block_hashes`, whose first block follows `parent`."""
         slot = self._slot.get(worker)
         if slot is None:
@@ -132,7 +134,9 @@ class PrefixIndex(Generic[W]):
         for h in block_hashes:  # one touch per entry: faster than C-level multi-pass variants
             masks[h] = get(h, 0) | bit
 
-    def apply_removed(self, worker: W, block_hashes: Iterable[int], *, leaves: bool = False) -> None:
+    def apply_removed(
+        self, worker: W, block_hashes: Iterable[int], *, leaves: bool = False
+    ) -> None:
         """`worker` no longer holds `block_hashes`; hashes it does not hold are ignored."""
         slot = self._slot.get(worker)
         if slot is None:

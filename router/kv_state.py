@@ -78,9 +78,7 @@ class _Tree:
             return blk.router
         return self.retained.get(engine_hash)
 
-    def store(
-        self, ev: BlocksStored, block_size: int
-    ) -> tuple[list[int], int | None] | None:
+    def store(self, ev: BlocksStored, block_size: int) -> tuple[list[int], int | None] | None:
         """Add a stored chain; returns (router hashes, router parent) to index, or None when
         the chain cannot be hashed (unknown parent or malformed blocks)."""
         parent = ev.parent_hash
@@ -265,6 +263,17 @@ class KvIndexer:
             return None
         return w.last_event_id, w.log_id
 
+    def clear_worker(self, worker_id: str) -> None:
+        """Drop the worker's blocks from the index and its stream position (it stays tracked;
+        its next snapshot rebuilds it). For a stream that looks dead."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        self.index.remove_worker(worker_id, w.tree.forget_all())
+        w.last_event_id = None
+        w.pending = None
+        w.pending_chains = []
+
     def reset_stream(self, worker_id: str) -> None:
         """Forget the stream position (after a gap): the next item must start a snapshot. The
         indexed blocks stay until that snapshot replaces them."""
@@ -324,7 +333,9 @@ class KvIndexer:
             retained: dict[int, int] = {}
             if log_id and log_id == w.log_id:
                 retained = dict(w.tree.retained)
-                retained.update((e, b.router) for e, b in w.tree.blocks.items() if b.router is not None)
+                retained.update(
+                    (e, b.router) for e, b in w.tree.blocks.items() if b.router is not None
+                )
             w.pending = _Tree(retained)
             w.pending_chains = []
             w.pending_log_id = log_id

@@ -1,8 +1,10 @@
 """The router as a gRPC service (`kvmesh router`), and its client for frontends.
 
 The service owns a WorkerPool and a Router; `Route` answers with a worker, `Generate` routes
-and proxies the token stream. `RemoteRouter` implements the Router interface over the
-service, so a frontend can swap its in-process router for a shared one without other changes.
+and proxies the token stream, `SubscribeLoadEvents` streams a KV router's bookings to its peer
+replicas (kvmesh.router.kv_subscriber.PeerLoadSync). `RemoteRouter` implements the Router
+interface over the service, so a frontend can swap its in-process router for a shared one
+without other changes.
 """
 
 from __future__ import annotations
@@ -19,11 +21,21 @@ from kvmesh.api.router.v1 import router_service_pb2 as rpb
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
 from kvmesh.grpcutil import error_from_rpc, insecure_channel
+from kvmesh.router.kv_router import KvRouter
+from kvmesh.router.kv_subscriber import load_event_to_pb
 from kvmesh.router.mesh import MeshBackend
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import RouteDecision, Router
 from kvmesh.tracing import TraceContext
 from kvmesh.workers import wire
+from kvmesh.workers.engine import Role
+
+_ROLE_FROM_PB = {
+    cpb.WORKER_ROLE_AGGREGATED: Role.AGGREGATED,
+    cpb.WORKER_ROLE_PREFILL: Role.PREFILL,
+    cpb.WORKER_ROLE_DECODE: Role.DECODE,
+}
+_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 
 ROUTER_SERVICE = rpb.DESCRIPTOR.services_by_name["RouterService"].full_name
 
@@ -60,6 +72,8 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):
             request_id,
             lora_name=request.lora_name,
             exclude=request.exclude_worker_ids,
+            role=_ROLE_FROM_PB.get(request.role),
+            expected_output_tokens=request.expected_output_tokens,
         )
         if request.dry_run:
             self.router.finished(request_id)
@@ -101,21 +115,44 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):
     async def SubscribeLoadEvents(
         self, request: rpb.SubscribeLoadEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[rpb.SubscribeLoadEventsResponse]:
-        raise Unimplemented("router replica load sharing is not implemented yet")
-        yield  # pragma: no cover  (makes this an async generator)
+        if not isinstance(self.router, KvRouter):
+            raise Unimplemented("only the KV router shares predicted load with its replicas")
+        events = self.router.load_events(request.subscriber_id)
+        try:
+            async for event in events:
+                yield load_event_to_pb(event)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
     async def ListWorkers(
         self, request: rpb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> rpb.ListWorkersResponse:
         workers = self.pool.workers(request.model or None)
-        return rpb.ListWorkersResponse(
-            workers=[
-                rpb.WorkerInfo(
-                    worker_id=w.worker_id, address=w.address, card=wire.card_to_pb(w.info)
+        infos = []
+        for w in workers:
+            info = rpb.WorkerInfo(
+                worker_id=w.worker_id, address=w.address, card=wire.card_to_pb(w.info)
+            )
+            if isinstance(self.router, KvRouter):
+                sched = self.router.scheduler
+                info.indexed_blocks = sched.indexer.num_blocks(w.worker_id) or (
+                    sched.approx.num_blocks(w.worker_id)
                 )
-                for w in workers
-            ]
-        )
+                load = sched.worker(w.worker_id)
+                if load is not None and load.sample is not None:
+                    sample = load.sample
+                    info.load.CopyFrom(
+                        cpb.LoadMetrics(
+                            num_running_requests=sample.num_running,
+                            num_waiting_requests=sample.num_waiting,
+                            kv_active_blocks=sample.kv_active_blocks,
+                            kv_total_blocks=sample.kv_total_blocks,
+                            pending_prefill_tokens=sample.pending_prefill_tokens,
+                            draining=sample.draining,
+                        )
+                    )
+            infos.append(info)
+        return rpb.ListWorkersResponse(workers=infos)
 
 
 class RemoteRouter:
@@ -139,6 +176,8 @@ class RemoteRouter:
         *,
         lora_name: str = "",
         exclude: Collection[str] = (),
+        role: Role | None = None,
+        expected_output_tokens: int = 0,
     ) -> RouteDecision:
         try:
             resp = await self._stub.Route(
@@ -147,8 +186,9 @@ class RemoteRouter:
                     token_ids=token_ids,
                     lora_name=lora_name,
                     request_id=request_id,
-                    role=cpb.WORKER_ROLE_UNSPECIFIED,
+                    role=cpb.WORKER_ROLE_UNSPECIFIED if role is None else _ROLE_TO_PB[role],
                     exclude_worker_ids=exclude,
+                    expected_output_tokens=expected_output_tokens,
                 ),
                 timeout=5.0,
             )
