@@ -1,31 +1,47 @@
 """`kvmesh up`: a whole mesh on one machine, as separate processes, with no etcd.
 
 Starts N workers, optionally a standalone router, and the frontend, all pointed at an embedded
-file registry (a temporary directory). Waits for the gateway to report healthy, prints how to
-call it, and on Ctrl-C / SIGTERM shuts down in order: frontend first (drains), then router and
-workers (each drains), killing whatever is still alive after the grace period.
+file registry (a temporary directory). Waits for the gateway to report healthy and prints how
+to call it. While running it keeps the worker pool at its target size (a worker that dies is
+replaced) and serves `ScalingService` on a control port, so a planner (or an operator with
+grpcurl) can scale the pool: scale-up starts workers, scale-down drains the newest ones (they
+leave discovery first, finish their requests, then exit). On Ctrl-C / SIGTERM it shuts down in
+order: frontend first (drains), then router and workers (each drains), killing whatever is
+still alive after the grace period.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
-import subprocess
+import socket
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+import grpc
+
+from kvmesh.api.common.v1 import common_pb2 as cpb
+from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
+from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
 from kvmesh.config import opt, to_argv
+from kvmesh.discovery import EventKind, open_discovery
+from kvmesh.errors import InvalidRequest, NotFound
+from kvmesh.grpcutil import GrpcServer
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.router.routing import RouterMode
 from kvmesh.workers.server import EngineKind, engine_arg_groups
+
+SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 
 @dataclass
@@ -36,8 +52,10 @@ class UpConfig:
     model: str = opt("", "local Hugging Face model directory; empty: the built-in tiny model")
     served_model_name: str = opt("", "model name clients use; empty: the directory's name")
     workers: int = opt(2, "number of worker processes")
+    max_workers: int = opt(64, "largest pool size Scale accepts")
     http_host: str = opt("127.0.0.1", "gateway bind address")
     http_port: int = opt(8000, "gateway HTTP port")
+    control_port: int = opt(0, "port of the ScalingService (gRPC); 0 picks a free one")
     router_mode: RouterMode = opt(RouterMode.ROUND_ROBIN, "routing policy")
     router_process: bool = opt(
         False, "run the router as its own process (kvmesh router) instead of inside the frontend"
@@ -50,168 +68,286 @@ class UpConfig:
 class Child:
     """A child process in its own session, so Ctrl-C reaches only the supervisor."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, proc: asyncio.subprocess.Process) -> None:
         self.name = name
-        self.proc = subprocess.Popen(argv, start_new_session=True)
+        self.proc = proc
+        self.started = time.monotonic()
+        self.draining = False
+
+    @classmethod
+    async def spawn(cls, name: str, argv: list[str]) -> Child:
+        return cls(name, await asyncio.create_subprocess_exec(*argv, start_new_session=True))
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.returncode is None
 
     def terminate(self) -> None:
         if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
 
-    def wait(self, deadline: float) -> None:
+    async def wait(self, timeout_s: float) -> None:
         try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+            await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except TimeoutError:
             print(f"kvmesh up: {self.name} did not exit in time; killing it", file=sys.stderr)
-            self.proc.kill()
-            self.proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
 
 
 def _kvmesh(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvmesh", *args]
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _free_port(host: str) -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def run_up(config: UpConfig, ns: argparse.Namespace) -> int:
-    """Run the mesh until interrupted; returns the process exit code."""
-    model_dir = resolve_model_dir(config.model)
-    served = config.served_model_name or ModelDirInfo.load(model_dir).name
-    registry = None
-    discovery = config.discovery
-    if not discovery:
-        registry = Path(tempfile.mkdtemp(prefix="kvmesh-registry-"))
-        discovery = f"file://{registry}"
-    log_level = ["--log-level", getattr(ns, "log_level", "info")]
-    engine_flags: list[str] = []
-    for group in engine_arg_groups():
-        engine_flags += to_argv(
-            group(**{k: getattr(ns, k) for k in group.__dataclass_fields__ if hasattr(ns, k)})
+class Supervisor:
+    """The processes of one `kvmesh up` and the worker pool's target size."""
+
+    def __init__(self, config: UpConfig, ns: argparse.Namespace) -> None:
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.served = config.served_model_name or ModelDirInfo.load(self.model_dir).name
+        self.registry: Path | None = None
+        self.discovery = config.discovery
+        if not self.discovery:
+            self.registry = Path(tempfile.mkdtemp(prefix="kvmesh-registry-"))
+            self.discovery = f"file://{self.registry}"
+        self.log_level = ["--log-level", getattr(ns, "log_level", "info")]
+        self.engine_flags: list[str] = []
+        for group in engine_arg_groups():
+            fields = {k: getattr(ns, k) for k in group.__dataclass_fields__ if hasattr(ns, k)}
+            self.engine_flags += to_argv(group(**fields))
+        self.target = config.workers
+        self.workers: list[Child] = []
+        self.others: list[Child] = []  # frontend (first), router
+        self.registered: set[str] = set()
+        self._next_worker = 0
+        self._pid = os.getpid()
+
+    def _common(self) -> list[str]:
+        return [
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served,
+            "--discovery",
+            self.discovery,
+        ]
+
+    async def start_worker(self) -> None:
+        i, self._next_worker = self._next_worker, self._next_worker + 1
+        wid = f"worker-{i}-{self._pid}"
+        argv = _kvmesh(
+            *self.log_level,
+            "worker",
+            "--engine",
+            self.config.engine.value,
+            *self._common(),
+            "--worker-id",
+            wid,
+            *self.engine_flags,
         )
-    common = ["--model", str(model_dir), "--served-model-name", served, "--discovery", discovery]
+        self.workers.append(await Child.spawn(wid, argv))
 
-    children: list[Child] = []
-    stopping = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        for i in range(config.workers):
-            argv = _kvmesh(
-                *log_level,
-                "worker",
-                "--engine",
-                config.engine.value,
-                *common,
-                "--worker-id",
-                f"worker-{i}-{os.getpid()}",
-                *engine_flags,
-            )
-            children.append(Child(f"worker-{i}", argv))
+    async def start(self) -> Child:
+        """Start workers, router and frontend; returns the frontend."""
+        for _ in range(self.target):
+            await self.start_worker()
         router_args: list[str] = []
-        if config.router_process:
+        cfg = self.config
+        if cfg.router_process:
             port = _free_port("127.0.0.1")
-            children.append(
-                Child(
-                    "router",
-                    _kvmesh(
-                        *log_level,
-                        "router",
-                        "--port",
-                        str(port),
-                        "--discovery",
-                        discovery,
-                        "--router-mode",
-                        config.router_mode.value,
-                    ),
-                )
-            )
-            router_args = ["--router-address", f"127.0.0.1:{port}"]
-        frontend = Child(
-            "frontend",
-            _kvmesh(
-                *log_level,
-                "frontend",
-                "--http-host",
-                config.http_host,
-                "--http-port",
-                str(config.http_port),
-                *common,
+            argv = _kvmesh(
+                *self.log_level,
+                "router",
+                "--port",
+                str(port),
+                "--discovery",
+                self.discovery,
                 "--router-mode",
-                config.router_mode.value,
-                *router_args,
-            ),
+                cfg.router_mode.value,
+            )
+            self.others.append(await Child.spawn("router", argv))
+            router_args = ["--router-address", f"127.0.0.1:{port}"]
+        argv = _kvmesh(
+            *self.log_level,
+            "frontend",
+            "--http-host",
+            cfg.http_host,
+            "--http-port",
+            str(cfg.http_port),
+            *self._common(),
+            "--router-mode",
+            cfg.router_mode.value,
+            *router_args,
         )
-        children.append(frontend)
+        frontend = await Child.spawn("frontend", argv)
+        self.others.insert(0, frontend)
+        return frontend
 
+    # -- pool ----------------------------------------------------------------------------------
+
+    def active(self) -> list[Child]:
+        """Workers alive and not draining."""
+        return [w for w in self.workers if w.alive() and not w.draining]
+
+    async def scale(self, replicas: int) -> int:
+        """Set the target; start or drain workers now. Returns the previous target."""
+        if replicas > self.config.max_workers:
+            raise InvalidRequest(
+                f"replicas {replicas} exceeds --max-workers {self.config.max_workers}",
+                param="replicas",
+            )
+        previous, self.target = self.target, replicas
+        await self.reconcile()
+        return previous
+
+    async def reconcile(self) -> None:
+        """Reap exited workers, replace dead ones, drain extra ones."""
+        for w in [w for w in self.workers if not w.alive()]:
+            self.workers.remove(w)
+            if not w.draining:
+                print(
+                    f"kvmesh up: {w.name} exited with {w.proc.returncode}; replacing it",
+                    file=sys.stderr,
+                )
+        active = self.active()
+        for _ in range(self.target - len(active)):
+            await self.start_worker()
+        for w in sorted(active, key=lambda c: c.started)[self.target :]:
+            w.draining = True
+            w.terminate()  # the worker deregisters, finishes its requests, exits
+
+    def pool_status(self) -> spb.PoolStatus:
+        active = self.active()
+        ready = sum(1 for w in active if w.name in self.registered)
+        return spb.PoolStatus(
+            model=self.served,
+            role=cpb.WORKER_ROLE_AGGREGATED,
+            target_replicas=self.target,
+            ready_replicas=ready,
+            starting_replicas=len(active) - ready,
+            draining_replicas=sum(1 for w in self.workers if w.alive() and w.draining),
+        )
+
+    async def watch_registrations(self) -> None:
+        async for event in open_discovery(self.discovery).watch("worker"):
+            if event.kind is EventKind.ADDED:
+                self.registered.add(event.instance.instance_id)
+            else:
+                self.registered.discard(event.instance.instance_id)
+
+    async def shutdown(self) -> None:
+        # Frontend first so no new work arrives, then everything else.
+        groups = [self.others[:1], self.others[1:] + self.workers]
+        for group in groups:
+            for c in group:
+                c.terminate()
+            await asyncio.gather(*(c.wait(self.config.shutdown_timeout_s) for c in group))
+        if self.registry is not None:
+            shutil.rmtree(self.registry, ignore_errors=True)
+
+
+class ScalingServicer(spb_grpc.ScalingServiceServicer):
+    """ScalingService over the local supervisor (one aggregated pool)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.sup = supervisor
+
+    def _check(self, model: str, role: int | None = None) -> None:
+        if model and model != self.sup.served:
+            raise NotFound(f"this mesh serves {self.sup.served!r}, not {model!r}")
+        if role is not None and role != cpb.WORKER_ROLE_AGGREGATED:
+            raise InvalidRequest(
+                "kvmesh up runs one aggregated pool; role must be WORKER_ROLE_AGGREGATED",
+                param="role",
+            )
+
+    async def Scale(
+        self, request: spb.ScaleRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> spb.ScaleResponse:
+        self._check(request.model, request.role)
+        previous = await self.sup.scale(request.replicas)
+        if request.reason:
+            print(f"kvmesh up: scaling to {request.replicas} ({request.reason})", file=sys.stderr)
+        return spb.ScaleResponse(previous_replicas=previous, target_replicas=self.sup.target)
+
+    async def ListPools(
+        self, request: spb.ListPoolsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> spb.ListPoolsResponse:
+        self._check(request.model)
+        return spb.ListPoolsResponse(pools=[self.sup.pool_status()])
+
+
+async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def _up(config: UpConfig, ns: argparse.Namespace) -> int:
+    sup = Supervisor(config, ns)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    control = GrpcServer("127.0.0.1", config.control_port)
+    control.add(
+        spb_grpc.add_ScalingServiceServicer_to_server, ScalingServicer(sup), SCALING_SERVICE
+    )
+    watcher = asyncio.create_task(sup.watch_registrations())
+    try:
+        frontend = await sup.start()
+        await control.start()
         host = "127.0.0.1" if config.http_host in ("0.0.0.0", "::") else config.http_host
         base = f"http://{host}:{config.http_port}"
         deadline = time.monotonic() + config.startup_timeout_s
-        while not _healthy(base + "/health"):
-            dead = [c.name for c in children if not c.alive()]
-            if dead or stopping or time.monotonic() > deadline:
-                why = (
-                    f"{', '.join(dead)} exited"
-                    if dead
-                    else "interrupted"
-                    if stopping
-                    else "timed out"
-                )
-                print(f"kvmesh up: mesh did not become healthy ({why})", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        _banner(base, served, config)
-        while not stopping:
+        async with aiohttp.ClientSession() as http:
+            while not await _healthy(http, base + "/health"):
+                dead = [c.name for c in (*sup.others, *sup.workers) if not c.alive()]
+                if dead or stop.is_set() or time.monotonic() > deadline:
+                    why = (
+                        f"{', '.join(dead)} exited"
+                        if dead
+                        else ("interrupted" if stop.is_set() else "timed out")
+                    )
+                    print(f"kvmesh up: mesh did not become healthy ({why})", file=sys.stderr)
+                    return 1
+                await asyncio.sleep(0.2)
+        _banner(base, sup.served, config, control.address)
+        while not stop.is_set():
             if not frontend.alive():
                 print("kvmesh up: the frontend exited; shutting down", file=sys.stderr)
                 return 1
-            for c in children:
-                if c is not frontend and not c.alive() and c.proc.returncode is not None:
-                    print(f"kvmesh up: {c.name} exited with {c.proc.returncode}", file=sys.stderr)
-                    c.proc.returncode = None  # report once
-                    children.remove(c)
-                    break
-            time.sleep(0.2)
+            await sup.reconcile()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
         return 0
     finally:
-        _shutdown(children, config.shutdown_timeout_s)
-        if registry is not None:
-            shutil.rmtree(registry, ignore_errors=True)
+        watcher.cancel()
+        await control.stop(0)
+        await sup.shutdown()
 
 
-def _shutdown(children: list[Child], timeout_s: float) -> None:
-    # Frontend first so no new work arrives, then everything else.
-    ordered = sorted(children, key=lambda c: c.name != "frontend")
-    for group in (ordered[:1], ordered[1:]):
-        for c in group:
-            c.terminate()
-        deadline = time.monotonic() + timeout_s
-        for c in group:
-            c.wait(deadline)
+def run_up(config: UpConfig, ns: argparse.Namespace) -> int:
+    """Run the mesh until interrupted; returns the process exit code."""
+    try:
+        import uvloop
+
+        return uvloop.run(_up(config, ns))
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(_up(config, ns))
 
 
-def _banner(base: str, model: str, config: UpConfig) -> None:
+def _banner(base: str, model: str, config: UpConfig, control: str) -> None:
     body = json.dumps(
         {
             "model": model,
@@ -224,7 +360,8 @@ def _banner(base: str, model: str, config: UpConfig) -> None:
         f"\nkvmesh is up: {config.workers} {config.engine.value} worker(s), "
         f"router {config.router_mode.value}{' (own process)' if config.router_process else ''}\n"
         f"  OpenAI API : {base}/v1   (model {model!r})\n"
-        f"  health     : {base}/health    metrics: {base}/metrics\n\n"
+        f"  health     : {base}/health    metrics: {base}/metrics\n"
+        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n\n"
         f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"       -d '{body}'\n\n"
         "Press Ctrl-C to stop.\n",

@@ -193,3 +193,51 @@ def test_standalone_router_process(tiny_model: Path, tmp_path: Path) -> None:
         assert res.usage is not None and res.usage.completion_tokens == 4
     finally:
         assert stop_mesh(mesh) == 0, mesh.log.read_text()
+
+
+def test_scale_the_worker_pool(tiny_model: Path, tmp_path: Path) -> None:
+    """ScalingService of `kvmesh up`: scale up, scale down (drain), bad requests rejected."""
+    import grpc
+
+    from kvmesh.api.common.v1 import common_pb2 as cpb
+    from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
+    from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
+
+    control = free_port()
+    mesh = start_mesh(tmp_path, "--control-port", str(control))
+    channel = grpc.insecure_channel(f"127.0.0.1:{control}")
+    stub = spb_grpc.ScalingServiceStub(channel)
+
+    def pool() -> spb.PoolStatus:
+        return stub.ListPools(spb.ListPoolsRequest()).pools[0]
+
+    def wait_for(ready: int, draining: int = 0) -> spb.PoolStatus:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            p = pool()
+            if p.ready_replicas == ready and p.draining_replicas == draining:
+                return p
+            time.sleep(0.1)
+        raise AssertionError(f"pool never reached {ready} ready: {pool()}")
+
+    try:
+        wait_for(2)
+        up = stub.Scale(spb.ScaleRequest(role=cpb.WORKER_ROLE_AGGREGATED, replicas=3))
+        assert (up.previous_replicas, up.target_replicas) == (2, 3)
+        assert wait_for(3).target_replicas == 3
+        stub.Scale(spb.ScaleRequest(role=cpb.WORKER_ROLE_AGGREGATED, replicas=1, reason="test"))
+        wait_for(1)
+        res = mesh.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert res.usage is not None and res.usage.completion_tokens == 4
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Scale(spb.ScaleRequest(role=cpb.WORKER_ROLE_PREFILL, replicas=1))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Scale(spb.ScaleRequest(model="other", role=cpb.WORKER_ROLE_AGGREGATED))
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Scale(spb.ScaleRequest(role=cpb.WORKER_ROLE_AGGREGATED, replicas=1000))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        channel.close()
+        assert stop_mesh(mesh) == 0, mesh.log.read_text()
