@@ -4,7 +4,10 @@ Each route parses the request into a typed message (kvmesh.frontend.protocol), c
 method of OpenAIService, and encodes the result: a JSON body, or Server-Sent Events for
 streams. Errors are OpenAI-shaped JSON everywhere, including unknown paths (404), wrong
 methods (405) and oversized bodies (413). After a stream has started, an error is sent as
-`data: {"error": {...}}` followed by `data: [DONE]`.
+`data: {"error": {...}}` followed by `data: [DONE]`. The KServe v2 REST routes
+(kvmesh.frontend.kserve_http, under /v2) share the app and the service but answer with the
+protocol's own `{"error": "..."}`. GET /openapi.json describes every route
+(kvmesh.frontend.openapi).
 
 Performance notes: no middlewares (each costs a call per request), no access log, pre-encoded
 SSE fragments, the last event of a stream coalesced with `[DONE]` and the chunked-encoding
@@ -28,20 +31,25 @@ from aiohttp.http_writer import StreamWriter
 
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.errors import error_body, error_from_exception
+from kvmesh.frontend.kserve_http import KServeRoutes
 from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.protocol import (
     DONE_EVENT,
     ChatChunkEncoder,
     ChatCompletionRequest,
     CompletionRequest,
     CompletionResult,
+    ParsedChatChunkEncoder,
     TextChunkEncoder,
+    encode_embeddings,
     encode_error_event,
     encode_model,
     encode_models,
     encode_result,
     parse_chat_request,
     parse_completion_request,
+    parse_embedding_request,
 )
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.tracing import TraceContext
@@ -55,6 +63,7 @@ CONFIG_KEY = web.AppKey("kvmesh_frontend_config", FrontendConfig)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 _JSON = "application/json"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _CLIENT_CLOSED = 499
@@ -148,6 +157,7 @@ class _Routes:
     def __init__(self, service: OpenAIService) -> None:
         self.service = service
         self.metrics = service.metrics
+        self._openapi: bytes | None = None
 
     # -- generation ------------------------------------------------------------------------
 
@@ -190,8 +200,14 @@ class _Routes:
         if isinstance(result, CompletionResult):
             self.metrics.request_done(endpoint, 200)
             return _json_response(200, encode_result(result))
+        if result.parsed and encoder_cls is ChatChunkEncoder:
+            encoder_cls = ParsedChatChunkEncoder
         encoder = encoder_cls(
-            result.id, result.created, result.model, include_usage=parsed.include_usage
+            result.id,
+            result.created,
+            result.model,
+            include_usage=parsed.include_usage,
+            system_fingerprint=result.system_fingerprint,
         )
         return await self._stream(request, endpoint, result, encoder, parsed.include_usage)
 
@@ -242,6 +258,19 @@ class _Routes:
         self.metrics.request_done(endpoint, status)
         return resp
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        try:
+            parsed = parse_embedding_request(await request.read())
+            headers = request.headers
+            trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
+            result = await self.service.embeddings(parsed, trace)
+        except web.HTTPException as exc:
+            return self._http_error(EMBEDDINGS_PATH, exc)
+        except Exception as exc:
+            return self._error(EMBEDDINGS_PATH, exc)
+        self.metrics.request_done(EMBEDDINGS_PATH, 200)
+        return _json_response(200, encode_embeddings(result, parsed.encoding_format))
+
     # -- errors ----------------------------------------------------------------------------
 
     def _error(self, endpoint: str, exc: Exception) -> web.Response:
@@ -291,6 +320,11 @@ class _Routes:
     async def live(self, request: web.Request) -> web.Response:
         return _json_response(200, b'{"status":"alive"}')
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        if self._openapi is None:
+            self._openapi = orjson.dumps(openapi_document())
+        return _json_response(200, self._openapi)
+
     async def metrics_text(self, request: web.Request) -> web.Response:
         resp = web.Response(status=200, body=self.metrics.render())
         resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
@@ -324,11 +358,14 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
     table: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
         (CHAT_PATH, "POST", routes.chat),
         (COMPLETIONS_PATH, "POST", routes.completions),
+        (EMBEDDINGS_PATH, "POST", routes.embeddings),
         ("/v1/models", "GET", routes.models),
         ("/v1/models/{model}", "GET", routes.model),
         ("/health", "GET", routes.health),
         ("/live", "GET", routes.live),
         ("/metrics", "GET", routes.metrics_text),
+        ("/openapi.json", "GET", routes.openapi),
+        *KServeRoutes(service).table(),
     ]
     for path, method, handler in table:
         resource = app.router.add_resource(path)

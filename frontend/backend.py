@@ -9,12 +9,12 @@ and worker clients; tests use fakes that implement this same Protocol.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvmesh.tracing import TraceContext
 from kvmesh.workers.engine import EngineOutput, EngineRequest, ModelInfo
 
-__all__ = ["GenerateBackend"]
+__all__ = ["EmbeddingBackend", "GenerateBackend"]
 
 
 class GenerateBackend(Protocol):
@@ -52,4 +52,20 @@ class GenerateBackend(Protocol):
         self, model: str, request: EngineRequest, trace: TraceContext | None
     ) -> AsyncIterator[EngineOutput]:
         """Stream output deltas of `request` for `model` (see the class docstring)."""
+        ...
+
+
+@runtime_checkable
+class EmbeddingBackend(Protocol):
+    """A backend that can also reach engines computing embeddings (optional).
+
+    Contract: `embed` returns one vector per prompt, in order, for a model whose card lists
+    the EMBEDDINGS capability; errors as for `generate`. Backends without it make
+    /v1/embeddings answer 501.
+    """
+
+    async def embed(
+        self, model: str, prompts: list[list[int]], trace: TraceContext | None
+    ) -> list[list[float]]:
+        """Embedding vectors of `prompts` (token ids) under `model`."""
         ...

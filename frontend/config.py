@@ -12,7 +12,7 @@ __all__ = ["FrontendConfig"]
 
 @dataclass(slots=True)
 class FrontendConfig:
-    """Settings of the OpenAI-compatible HTTP gateway."""
+    """Settings of the OpenAI-compatible HTTP gateway (and its KServe v2 front doors)."""
 
     http_host: str = opt("127.0.0.1", "address the HTTP server binds")
     http_port: int = opt(8000, "HTTP port (0: pick a free one)")
@@ -36,6 +36,23 @@ class FrontendConfig:
     backlog: int = opt(4096, "listen backlog (many clients connecting at once)")
     drain_timeout_s: float = opt(
         30.0, "on shutdown, how long in-flight requests may run before they are cancelled"
+    )
+    kserve_grpc_port: int = opt(
+        0,
+        "port of the KServe v2 gRPC server (inference.GRPCInferenceService, incl. Triton's "
+        "ModelStreamInfer) on --http-host; 0: off",
+    )
+    tool_call_parser: str = opt(
+        "auto",
+        "how tool calls are read from model output: hermes, llama3_json, mistral, pythonic, "
+        "none, or auto (from the chat template); per model: 'model=parser,...' (an entry "
+        "without 'model=' is the default)",
+    )
+    reasoning_parser: str = opt(
+        "auto",
+        "how <think> reasoning is split from the answer (reasoning_content): qwen3, "
+        "deepseek_r1, none, or auto (from the chat template); per model as for "
+        "--tool-call-parser",
     )
 
     def model_name(self) -> str:

@@ -6,12 +6,20 @@ anything malformed: wrong types, missing fields, out-of-range values. Unknown fi
 ignored, as OpenAI and vLLM do; `null` means "not set" for every optional field.
 
 Encoding is on the hot path of streaming: `ChatChunkEncoder` / `TextChunkEncoder` pre-encode
-the bytes shared by every chunk of a response (id, created, model) once per request and only
-JSON-encode the text of each delta. Unary results are plain orjson dumps.
+the bytes shared by every chunk of a response (id, created, model, system_fingerprint) once per
+request and only JSON-encode the text of each delta. Chats whose output goes through a tool-call
+or reasoning parser use `ParsedChatChunkEncoder`, so plain streams pay nothing for those
+features. Unary results are plain orjson dumps.
+
+Structured output (`response_format`, and vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar` / `structured_outputs`) is parsed into one
+kvmesh.workers.engine.GuidedDecoding; whether the engine can honour it is the service's check.
 """
 
 from __future__ import annotations
 
+import base64
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,7 +27,7 @@ from typing import Any, Literal
 import orjson
 
 from kvmesh.errors import InvalidRequest
-from kvmesh.workers.engine import ModelInfo
+from kvmesh.workers.engine import GuidedDecoding, GuidedKind, ModelInfo
 
 __all__ = [
     "DONE_EVENT",
@@ -30,19 +38,29 @@ __all__ = [
     "ChoiceResult",
     "CompletionRequest",
     "CompletionResult",
+    "EmbeddingRequest",
+    "EmbeddingResult",
     "GenerationOptions",
+    "ParsedChatChunkEncoder",
     "TextChunkEncoder",
     "TokenLogprobInfo",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "UsageInfo",
+    "encode_embeddings",
     "encode_error_event",
     "encode_model",
     "encode_models",
     "encode_result",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_embedding_request",
 ]
 
 MAX_STOP_STRINGS = 4
+_U32 = 2**32 - 1
+"""Largest value of the uint32 fields the worker contract carries (max_tokens, top_k ...)."""
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -77,6 +95,21 @@ class GenerationOptions:
     """None: no logprobs; k >= 0: the chosen token's logprob plus k alternatives."""
     skip_special_tokens: bool = True
     priority: int = 0
+    guided: GuidedDecoding | None = None
+    """Structured-output constraint (response_format / guided_*); None: unconstrained."""
+    guided_param: str = "response_format"
+    """The request field `guided` came from (named in the error if the engine lacks it)."""
+    return_token_ids: bool = False
+    """Deltas carry the generated token ids (KServe output_ids)."""
+
+
+@dataclass(slots=True)
+class ToolChoice:
+    """How the model may call tools: "none", "auto", "required", or one named "function"."""
+
+    mode: Literal["none", "auto", "required", "function"] = "auto"
+    name: str | None = None
+    """The function to call when mode is "function"."""
 
 
 @dataclass(slots=True)
@@ -114,6 +147,10 @@ class ChatCompletionRequest:
     stream: bool = False
     include_usage: bool = False
     tools: list[dict[str, Any]] | None = None
+    """Tool definitions rendered into the prompt (None: no tools, or tool_choice "none")."""
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    """False: only the first tool call the model makes is returned."""
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     user: str | None = None
@@ -132,8 +169,40 @@ class CompletionRequest:
     user: str | None = None
 
 
+@dataclass(slots=True)
+class EmbeddingRequest:
+    """POST /v1/embeddings. Each input is text or token ids."""
+
+    model: str
+    inputs: list[str | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    """Truncate (and re-normalize) vectors to this many dimensions; None: full size."""
+    user: str | None = None
+
+
 # --------------------------------------------------------------------------------------------
 # Typed results
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A complete tool call the model made. `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A streamed fragment of tool call `index`: its first fragment has `id` and `name`; later
+    ones append to `arguments`."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(slots=True)
@@ -148,12 +217,17 @@ class TokenLogprobInfo:
 
 @dataclass(slots=True)
 class ChoiceDelta:
-    """New output of one choice. `finish_reason` ("stop" / "length") is set on its last delta."""
+    """New output of one choice. `finish_reason` ("stop" / "length" / "tool_calls") is set on
+    its last delta. `reasoning` and `tool_calls` are only ever set by the output parsers;
+    `token_ids` only when the request asked for them."""
 
     index: int
     text: str
     finish_reason: str | None = None
     logprobs: list[TokenLogprobInfo] | None = None
+    token_ids: list[int] | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 @dataclass(slots=True)
@@ -187,6 +261,10 @@ class ChoiceResult:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprobInfo] | None = None
+    token_ids: list[int] | None = None
+    reasoning: str | None = None
+    """Reasoning text separated by the reasoning parser (None: no parser, or none found)."""
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass(slots=True)
@@ -199,6 +277,17 @@ class CompletionResult:
     kind: Literal["chat", "text"]
     choices: list[ChoiceResult]
     usage: UsageInfo
+    system_fingerprint: str = ""
+    """Identifies the serving configuration (OpenAI's `system_fingerprint`); "" omits it."""
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    """Embedding vectors, one per input, in input order."""
+
+    model: str
+    vectors: list[list[float]]
+    prompt_tokens: int
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +375,7 @@ def _range(lo: float | None, hi: float | None, *, lo_open: bool = False) -> str:
 
 def _token_ids(value: Any, key: str) -> list[int]:
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _U32 for v in value
     ):
         raise _type_error(key, "a list of non-negative integer token ids")
     return value
@@ -308,15 +397,15 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _options(body: dict[str, Any], *, default_logprobs: int | None) -> GenerationOptions:
-    max_tokens = _int(body, "max_tokens")
-    max_completion = _int(body, "max_completion_tokens")
+    max_tokens = _int(body, "max_tokens", hi=_U32)
+    max_completion = _int(body, "max_completion_tokens", hi=_U32)
     if max_completion is not None:
         max_tokens, key = max_completion, "max_completion_tokens"
     else:
         key = "max_tokens"
     if max_tokens is not None and max_tokens <= 0:
         raise InvalidRequest(f"'{key}' must be >= 1, got {max_tokens}", param=key)
-    min_tokens = _int(body, "min_tokens", lo=0) or 0
+    min_tokens = _int(body, "min_tokens", lo=0, hi=_U32) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(
             f"'min_tokens' ({min_tokens}) must not exceed '{key}' ({max_tokens})",
@@ -358,15 +447,16 @@ def _options(body: dict[str, Any], *, default_logprobs: int | None) -> Generatio
                 ) from None
             if isinstance(bias, bool) or not isinstance(bias, (int, float)):
                 raise _type_error("logit_bias", "an object mapping token ids to numbers")
-            if token_id < 0 or not -100.0 <= bias <= 100.0:
+            if not 0 <= token_id <= _U32 or not -100.0 <= bias <= 100.0:
                 raise InvalidRequest(
                     "'logit_bias' needs token ids >= 0 and biases between -100 and 100",
                     param="logit_bias",
                 )
             logit_bias[token_id] = float(bias)
 
-    top_k = _int(body, "top_k", lo=-1) or 0
+    top_k = _int(body, "top_k", lo=-1, hi=_U32) or 0
     seed = _int(body, "seed", lo=-(2**63), hi=2**63 - 1)
+    guided, guided_param = _guided(body)
     return GenerationOptions(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -382,23 +472,192 @@ def _options(body: dict[str, Any], *, default_logprobs: int | None) -> Generatio
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
-        n=_int(body, "n", lo=1) or 1,
+        n=_int(body, "n", lo=1, hi=_U32) or 1,
         logprobs=default_logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        priority=_int(body, "priority") or 0,
+        priority=_int(body, "priority", lo=-(2**31), hi=2**31 - 1) or 0,
+        guided=guided,
+        guided_param=guided_param,
     )
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _type_error("response_format", "an object")
-        if fmt.get("type", "text") != "text":
+def _schema_text(value: Any, key: str) -> str:
+    """A JSON Schema given as an object (or boolean) or as JSON text -> JSON text."""
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            raise InvalidRequest(f"'{key}' is not valid JSON", param=key) from None
+    if not isinstance(value, (dict, bool)):
+        raise _type_error(key, "a JSON Schema object")
+    return orjson.dumps(value).decode()
+
+
+def _guided_choice(value: Any, key: str) -> GuidedDecoding:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise _type_error(key, "a non-empty list of non-empty strings")
+    return GuidedDecoding(GuidedKind.CHOICE, choices=tuple(value))
+
+
+def _guided_text(kind: GuidedKind, value: Any, key: str) -> GuidedDecoding:
+    if not isinstance(value, str) or not value:
+        raise _type_error(key, "a non-empty string")
+    return GuidedDecoding(kind, value)
+
+
+def _response_format(fmt: Any) -> GuidedDecoding | None:
+    key = "response_format"
+    if not isinstance(fmt, dict):
+        raise _type_error(key, "an object")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedDecoding(GuidedKind.JSON_OBJECT)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
             raise InvalidRequest(
-                f"response_format type {fmt.get('type')!r} is not supported yet",
-                param="response_format",
+                "response_format of type 'json_schema' needs a 'json_schema' object", param=key
             )
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequest("response_format.json_schema.name must be a string", param=key)
+        schema = spec.get("schema")
+        if schema is None:
+            return GuidedDecoding(GuidedKind.JSON_OBJECT)
+        return GuidedDecoding(GuidedKind.JSON_SCHEMA, _schema_text(schema, key))
+    raise InvalidRequest(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+        param=key,
+    )
+
+
+def _structured_outputs(spec: Any) -> GuidedDecoding | None:
+    key = "structured_outputs"
+    if not isinstance(spec, dict):
+        raise _type_error(key, "an object")
+    found: list[GuidedDecoding] = []
+    if spec.get("json") is not None:
+        found.append(GuidedDecoding(GuidedKind.JSON_SCHEMA, _schema_text(spec["json"], key)))
+    if spec.get("json_object"):
+        found.append(GuidedDecoding(GuidedKind.JSON_OBJECT))
+    if spec.get("regex") is not None:
+        found.append(_guided_text(GuidedKind.REGEX, spec["regex"], key))
+    if spec.get("grammar") is not None:
+        found.append(_guided_text(GuidedKind.GRAMMAR, spec["grammar"], key))
+    if spec.get("choice") is not None:
+        found.append(_guided_choice(spec["choice"], key))
+    if len(found) > 1:
+        raise InvalidRequest("structured_outputs may set only one constraint", param=key)
+    return found[0] if found else None
+
+
+def _guided(body: dict[str, Any]) -> tuple[GuidedDecoding | None, str]:
+    """The structured-output constraint of a request and the field it came from."""
+    found: list[tuple[GuidedDecoding, str]] = []
+    sources = (
+        ("response_format", _response_format),
+        ("guided_json", lambda v: GuidedDecoding(
+            GuidedKind.JSON_SCHEMA, _schema_text(v, "guided_json"))),
+        ("guided_regex", lambda v: _guided_text(GuidedKind.REGEX, v, "guided_regex")),
+        ("guided_grammar", lambda v: _guided_text(GuidedKind.GRAMMAR, v, "guided_grammar")),
+        ("guided_choice", lambda v: _guided_choice(v, "guided_choice")),
+        ("structured_outputs", _structured_outputs),
+    )  # fmt: skip
+    for key, parse in sources:
+        value = body.get(key)
+        if value is None:
+            continue
+        guided = parse(value)
+        if guided is not None:
+            found.append((guided, key))
+    if len(found) > 1:
+        keys = ", ".join(k for _, k in found)
+        raise InvalidRequest(
+            f"only one structured-output constraint may be given, got {keys}", param=found[1][1]
+        )
+    return found[0] if found else (None, "response_format")
+
+
+def _tool_name(tool: dict[str, Any]) -> str | None:
+    fn = tool.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        return str(fn["name"])
+    return None
+
+
+def _tools(data: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice]:
+    """`tools` (or the deprecated `functions`) and `tool_choice` (or `function_call`)."""
+    tools = data.get("tools")
+    key = "tools"
+    if tools is None and data.get("functions") is not None:
+        key = "functions"
+        functions = data["functions"]
+        if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
+            raise _type_error(key, "a list of function objects")
+        tools = [{"type": "function", "function": f} for f in functions]
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise _type_error(key, "a list of tool objects")
+    for tool in tools or ():
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise InvalidRequest(
+                f"tool type {kind!r} is not supported (function tools only)", param=key
+            )
+        fn = tool.get("function")
+        if fn is not None and (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
+            raise InvalidRequest("every tool function needs a string 'name'", param=key)
+
+    raw = data.get("tool_choice")
+    choice_key = "tool_choice"
+    if raw is None and data.get("function_call") is not None:
+        choice_key = "function_call"
+        raw = data["function_call"]
+        if isinstance(raw, dict):
+            raw = {"type": "function", "function": raw}
+    if raw is None:
+        choice = ToolChoice("auto" if tools else "none")
+    elif raw in ("none", "auto", "required"):
+        choice = ToolChoice(raw)
+    elif isinstance(raw, dict) and raw.get("type") == "function":
+        fn = raw.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(
+                f"'{choice_key}' of type 'function' needs function.name", param=choice_key
+            )
+        choice = ToolChoice("function", fn["name"])
+    elif isinstance(raw, dict) and raw.get("type") == "allowed_tools":
+        allowed = raw.get("allowed_tools")
+        if not isinstance(allowed, dict) or allowed.get("mode", "auto") not in (
+            "auto",
+            "required",
+        ):
+            raise InvalidRequest(
+                "allowed_tools needs a mode of 'auto' or 'required'", param=choice_key
+            )
+        listed = allowed.get("tools")
+        if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
+            raise InvalidRequest("allowed_tools.tools must be a list of tools", param=choice_key)
+        names = {_tool_name(t) for t in listed}
+        tools = [t for t in tools or () if _tool_name(t) in names]
+        choice = ToolChoice("required" if allowed.get("mode") == "required" else "auto")
+    else:
+        raise InvalidRequest(
+            f"'{choice_key}' must be 'none', 'auto', 'required' or a named function",
+            param=choice_key,
+        )
+    if choice.mode in ("required", "function") and not tools:
+        raise InvalidRequest(
+            f"'{choice_key}' {choice.name or choice.mode!r} needs 'tools'", param=choice_key
+        )
+    if choice.mode == "function" and all(_tool_name(t) != choice.name for t in tools or ()):
+        raise InvalidRequest(
+            f"'{choice_key}' names {choice.name!r}, which is not in 'tools'", param=choice_key
+        )
+    return (tools or None) if choice.mode != "none" else None, choice
 
 
 def _content(value: Any, index: int) -> str | None:
@@ -487,21 +746,14 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     if top_logprobs is not None and top_logprobs > 0 and not want_logprobs:
         raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     stream, include_usage = _stream_flags(data)
-    _reject_unsupported(data)
-
-    tools = data.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
-        raise _type_error("tools", "a list of tool objects")
-    tool_choice = data.get("tool_choice")
-    if tool_choice is not None and tool_choice not in ("none", "auto"):
-        raise InvalidRequest(
-            "only tool_choice 'none' and 'auto' are supported", param="tool_choice"
-        )
+    tools, tool_choice = _tools(data)
     kwargs = data.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise _type_error("chat_template_kwargs", "an object")
+    kwargs = dict(kwargs or {})
+    effort = _str(data, "reasoning_effort")
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
     options = _options(data, default_logprobs=(top_logprobs or 0) if want_logprobs else None)
     if _int(data, "best_of") not in (None, options.n):
         raise InvalidRequest("'best_of' other than n is not supported", param="best_of")
@@ -511,9 +763,11 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         options=options,
         stream=stream,
         include_usage=include_usage,
-        tools=tools if tools and tool_choice != "none" else None,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=_bool(data, "parallel_tool_calls", True),
         add_generation_prompt=_bool(data, "add_generation_prompt", True),
-        chat_template_kwargs=kwargs or {},
+        chat_template_kwargs=kwargs,
         user=_str(data, "user"),
     )
 
@@ -568,11 +822,57 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     )
 
 
+def parse_embedding_request(body: bytes) -> EmbeddingRequest:
+    """Parse and validate an embeddings request body. Raises InvalidRequest."""
+    data = _load(body)
+    model = _str(data, "model", required=True)
+    assert model is not None
+    raw = data.get("input")
+    inputs: list[str | list[int]]
+    if raw is None:
+        raise InvalidRequest("'input' is required", param="input")
+    if isinstance(raw, str):
+        inputs = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+        inputs = list(raw)
+    elif (
+        isinstance(raw, list)
+        and raw
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in raw)
+    ):
+        inputs = [_token_ids(raw, "input")]
+    elif isinstance(raw, list) and raw and all(isinstance(p, list) and p for p in raw):
+        inputs = [_token_ids(p, "input") for p in raw]
+    else:
+        raise _type_error(
+            "input", "a string, a non-empty list of strings, token ids or lists of token ids"
+        )
+    if any(not p for p in inputs):
+        raise InvalidRequest("'input' must not contain empty strings", param="input")
+    fmt = _str(data, "encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise InvalidRequest(
+            "'encoding_format' must be 'float' or 'base64'", param="encoding_format"
+        )
+    return EmbeddingRequest(
+        model=model,
+        inputs=inputs,
+        encoding_format="base64" if fmt == "base64" else "float",
+        dimensions=_int(data, "dimensions", lo=1, hi=1 << 20),
+        user=_str(data, "user"),
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Encoding
 
 DONE_EVENT = b"data: [DONE]\n\n"
-_FINISH = {None: b"null", "stop": b'"stop"', "length": b'"length"'}
+_FINISH = {
+    None: b"null",
+    "stop": b'"stop"',
+    "length": b'"length"',
+    "tool_calls": b'"tool_calls"',
+}
 _dumps = orjson.dumps
 
 
@@ -613,8 +913,8 @@ def _text_logprobs(infos: Sequence[TokenLogprobInfo], offset: int) -> tuple[dict
     )  # fmt: skip
 
 
-def _head(id_: str, object_: str, created: int, model: str) -> bytes:
-    return (
+def _head(id_: str, object_: str, created: int, model: str, fingerprint: str) -> bytes:
+    head = (
         b'data: {"id":'
         + _dumps(id_)
         + b',"object":"'
@@ -624,6 +924,9 @@ def _head(id_: str, object_: str, created: int, model: str) -> bytes:
         + b',"model":'
         + _dumps(model)
     )
+    if fingerprint:
+        head += b',"system_fingerprint":' + _dumps(fingerprint)
+    return head
 
 
 class ChatChunkEncoder:
@@ -636,8 +939,16 @@ class ChatChunkEncoder:
 
     __slots__ = ("_head", "_indexes", "_prefix", "_role_sent", "_tail")
 
-    def __init__(self, id_: str, created: int, model: str, *, include_usage: bool) -> None:
-        self._head = _head(id_, "chat.completion.chunk", created, model)
+    def __init__(
+        self,
+        id_: str,
+        created: int,
+        model: str,
+        *,
+        include_usage: bool,
+        system_fingerprint: str = "",
+    ) -> None:
+        self._head = _head(id_, "chat.completion.chunk", created, model, system_fingerprint)
         self._prefix = self._head + b',"choices":[{"index":'
         self._tail = b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n"
         self._indexes: dict[int, bytes] = {}
@@ -675,13 +986,78 @@ class ChatChunkEncoder:
         return self._head + b',"choices":[],"usage":' + _dumps(usage.to_json()) + b"}\n\n"
 
 
+def _tool_call_deltas(calls: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for c in calls:
+        item: dict[str, Any] = {"index": c.index}
+        fn: dict[str, str] = {}
+        if c.id is not None:
+            item["id"] = c.id
+            item["type"] = "function"
+        if c.name is not None:
+            fn["name"] = c.name
+        fn["arguments"] = c.arguments
+        item["function"] = fn
+        out.append(item)
+    return out
+
+
+class ParsedChatChunkEncoder(ChatChunkEncoder):
+    """ChatChunkEncoder for deltas that may carry `reasoning_content` and `tool_calls` (chats
+    whose output goes through a reasoning or tool-call parser)."""
+
+    __slots__ = ()
+
+    def delta(self, d: ChoiceDelta) -> bytes:
+        """The SSE event of one delta."""
+        index = d.index
+        idx = self._indexes.get(index)
+        if idx is None:
+            idx = self._indexes[index] = str(index).encode() + b',"delta":{'
+        parts: list[bytes] = []
+        if index not in self._role_sent:
+            self._role_sent.add(index)
+            parts.append(b'"role":"assistant"')
+            if d.text or (d.reasoning is None and d.tool_calls is None):
+                parts.append(b'"content":' + _dumps(d.text))
+            else:
+                parts.append(b'"content":null')
+        elif d.text:
+            parts.append(b'"content":' + _dumps(d.text))
+        if d.reasoning:
+            parts.append(b'"reasoning_content":' + _dumps(d.reasoning))
+        if d.tool_calls:
+            parts.append(b'"tool_calls":' + _dumps(_tool_call_deltas(d.tool_calls)))
+        logprobs = (
+            b"null" if d.logprobs is None else _dumps({"content": _chat_logprobs(d.logprobs)})
+        )
+        return (
+            self._prefix
+            + idx
+            + b",".join(parts)
+            + b'},"logprobs":'
+            + logprobs
+            + b',"finish_reason":'
+            + _finish_bytes(d.finish_reason)
+            + self._tail
+        )
+
+
 class TextChunkEncoder:
     """SSE events of one streamed text completion (`text_completion`)."""
 
     __slots__ = ("_head", "_indexes", "_offsets", "_prefix", "_tail")
 
-    def __init__(self, id_: str, created: int, model: str, *, include_usage: bool) -> None:
-        self._head = _head(id_, "text_completion", created, model)
+    def __init__(
+        self,
+        id_: str,
+        created: int,
+        model: str,
+        *,
+        include_usage: bool,
+        system_fingerprint: str = "",
+    ) -> None:
+        self._head = _head(id_, "text_completion", created, model, system_fingerprint)
         self._prefix = self._head + b',"choices":[{"index":'
         self._tail = b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n"
         self._indexes: dict[int, bytes] = {}
@@ -724,10 +1100,28 @@ def encode_result(result: CompletionResult) -> bytes:
     choices: list[dict[str, Any]] = []
     if result.kind == "chat":
         for c in result.choices:
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": c.text
+                if c.text or (c.tool_calls is None and c.reasoning is None)
+                else None,
+                "refusal": None,
+            }
+            if c.reasoning is not None:
+                message["reasoning_content"] = c.reasoning
+            if c.tool_calls is not None:
+                message["tool_calls"] = [
+                    {
+                        "id": t.id,
+                        "type": "function",
+                        "function": {"name": t.name, "arguments": t.arguments},
+                    }
+                    for t in c.tool_calls
+                ]
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "message": message,
                     "logprobs": None
                     if c.logprobs is None
                     else {"content": _chat_logprobs(c.logprobs), "refusal": None},
@@ -746,14 +1140,33 @@ def encode_result(result: CompletionResult) -> bytes:
                 }
             )
         object_ = "text_completion"
+    body: dict[str, Any] = {
+        "id": result.id,
+        "object": object_,
+        "created": result.created,
+        "model": result.model,
+    }
+    if result.system_fingerprint:
+        body["system_fingerprint"] = result.system_fingerprint
+    body["choices"] = choices
+    body["usage"] = result.usage.to_json()
+    return _dumps(body)
+
+
+def encode_embeddings(result: EmbeddingResult, encoding_format: str) -> bytes:
+    """JSON body of POST /v1/embeddings (`base64`: little-endian float32, as OpenAI sends)."""
+    data: list[dict[str, Any]] = []
+    for i, vector in enumerate(result.vectors):
+        embedding: list[float] | str = vector
+        if encoding_format == "base64":
+            embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
     return _dumps(
         {
-            "id": result.id,
-            "object": object_,
-            "created": result.created,
+            "object": "list",
+            "data": data,
             "model": result.model,
-            "choices": choices,
-            "usage": result.usage.to_json(),
+            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
     )
 

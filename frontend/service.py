@@ -1,8 +1,9 @@
 """The OpenAI service: everything between a parsed request and a typed result.
 
-Transports stay thin: the aiohttp routes (kvmesh.frontend.app) and, later, the KServe v2
-servicer parse their wire format into the typed requests of kvmesh.frontend.protocol, call ONE
-method of `OpenAIService`, and encode what it returns.
+Transports stay thin: the aiohttp routes (kvmesh.frontend.app: OpenAI and KServe v2 REST) and
+the KServe v2 gRPC servicer (kvmesh.frontend.kserve_grpc) parse their wire format into the typed
+requests of kvmesh.frontend.protocol, call ONE method of `OpenAIService`, and encode what it
+returns.
 
 Per request the service: refuses new work while draining; resolves the model card and the
 tokenizer; applies the chat template and tokenizes; validates against the context window;
@@ -10,6 +11,14 @@ fans out `n` backend generations (per prompt) concurrently, each with its own se
 and request id; waits for every choice's first output before returning, so errors from the
 backend (no worker, unknown adapter, overload) still become proper HTTP statuses; then
 detokenizes incrementally, applies stop strings (never emitted) and accounts usage and metrics.
+
+Chat output parsing: when the model has a reasoning parser (kvmesh.frontend.reasoning) or the
+request offers tools (kvmesh.frontend.tool_parsers), each choice's deltas pass through a
+per-choice `_OutputParser` that splits reasoning, content and tool calls; plain chats never
+touch it. Parsers are chosen per model from `FrontendConfig.tool_call_parser` /
+`reasoning_parser` ("auto" reads the chat template). tool_choice "required" or a named function
+is enforced with guided decoding (like vLLM), so it needs an engine with GUIDED_DECODING, as
+does `response_format`; without it the request is refused (400) instead of silently ignored.
 
 Context-window policy (documented deviation from vLLM, which answers 400): a prompt that
 leaves no room for a single output token, or whose prompt + max_tokens exceed the context
@@ -21,14 +30,25 @@ generate `default_completion_max_tokens` (16, like OpenAI).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import itertools
+import json
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from typing import Literal
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Literal
 
-from kvmesh.errors import InvalidRequest, KvmeshError, NotFound, RequestTooLarge, Unavailable
-from kvmesh.frontend.backend import GenerateBackend
+from kvmesh import __version__
+from kvmesh.errors import (
+    InvalidRequest,
+    KvmeshError,
+    NotFound,
+    RequestTooLarge,
+    Unavailable,
+    Unimplemented,
+)
+from kvmesh.frontend.backend import EmbeddingBackend, GenerateBackend
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kvmesh.frontend.metrics import FrontendMetrics, ModelMetrics
@@ -38,16 +58,36 @@ from kvmesh.frontend.protocol import (
     ChoiceResult,
     CompletionRequest,
     CompletionResult,
+    EmbeddingRequest,
+    EmbeddingResult,
     GenerationOptions,
     TokenLogprobInfo,
+    ToolCallDelta,
     UsageInfo,
 )
+from kvmesh.frontend.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    detect_reasoning_parser,
+    get_reasoning_parser,
+)
 from kvmesh.frontend.tokenizer import Tokenizer, TokenizerRegistry
+from kvmesh.frontend.tool_parsers import (
+    JsonListParser,
+    NamedToolCallStream,
+    ToolCallStream,
+    ToolParser,
+    collect_calls,
+    detect_tool_parser,
+    get_tool_parser,
+)
 from kvmesh.tracing import TraceContext
 from kvmesh.workers.engine import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    GuidedDecoding,
+    GuidedKind,
     ModelInfo,
     SamplingParams,
     StopParams,
@@ -58,6 +98,10 @@ __all__ = ["CompletionStream", "OpenAIService"]
 
 _FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 _perf = time.perf_counter
+_SEED_MOD = 2**64
+"""Seeds travel as uint64: a negative seed (or seed + i past the range) wraps around."""
+GUIDED_DECODING = "GUIDED_DECODING"
+EMBEDDINGS = "EMBEDDINGS"
 
 
 class _Choice:
@@ -77,6 +121,7 @@ class _Choice:
         "prompt_index",
         "prompt_len",
         "stops",
+        "token_ids",
     )
 
     def __init__(
@@ -90,6 +135,7 @@ class _Choice:
         logprobs: bool,
         min_tokens: int,
         echo: str | None,
+        token_ids: bool = False,
     ) -> None:
         self.index = index
         self.prompt_index = prompt_index
@@ -100,6 +146,8 @@ class _Choice:
         self.logprobs = logprobs
         self.min_tokens = min_tokens
         self.echo = echo
+        self.token_ids = token_ids
+        """Deltas carry the generated token ids."""
         self.first: EngineOutput | None = None
         self.completion_tokens = 0
         self.final: EngineOutput | None = None
@@ -137,7 +185,18 @@ class CompletionStream:
     iteration are kvmesh.errors exceptions (or unexpected ones, to be reported as internal).
     """
 
-    __slots__ = ("_choices", "_closed", "_events", "_on_close", "created", "id", "kind", "model")
+    __slots__ = (
+        "_choices",
+        "_closed",
+        "_events",
+        "_on_close",
+        "created",
+        "id",
+        "kind",
+        "model",
+        "parsed",
+        "system_fingerprint",
+    )
 
     def __init__(
         self,
@@ -148,6 +207,9 @@ class CompletionStream:
         choices: list[_Choice],
         events: AsyncGenerator[ChoiceDelta, None],
         on_close: _InflightSlot,
+        *,
+        system_fingerprint: str = "",
+        parsed: bool = False,
     ) -> None:
         self.id = id_
         """Response id (chatcmpl-... / cmpl-...)."""
@@ -157,6 +219,10 @@ class CompletionStream:
         """Model name as the client gave it."""
         self.kind: Literal["chat", "text"] = kind
         """"chat" or "text" completion."""
+        self.system_fingerprint = system_fingerprint
+        """OpenAI `system_fingerprint` of the serving configuration."""
+        self.parsed = parsed
+        """Deltas may carry reasoning and tool calls (output parsers are active)."""
         self._choices = choices
         self._events = events
         self._on_close = on_close
@@ -171,6 +237,14 @@ class CompletionStream:
     def usage(self) -> UsageInfo:
         """Token usage so far (final once iteration ended)."""
         return _usage(self._choices)
+
+    def prompt_tokens(self, index: int = 0) -> int:
+        """Prompt tokens of choice `index`."""
+        return self._choices[index].prompt_len
+
+    def completion_tokens(self, index: int = 0) -> int:
+        """Tokens choice `index` generated so far."""
+        return self._choices[index].completion_tokens
 
     def __aiter__(self) -> AsyncGenerator[ChoiceDelta, None]:
         return self._events
@@ -248,6 +322,13 @@ class OpenAIService:
         self._idle: asyncio.Event | None = None
         self._id_prefix = f"{random.getrandbits(64):016x}"
         self._counter = itertools.count(1)
+        self._tool_setting = _parser_setting(self.config.tool_call_parser, get_tool_parser)
+        self._reasoning_setting = _parser_setting(
+            self.config.reasoning_parser, get_reasoning_parser
+        )
+        self._tool_parsers: dict[str, type[ToolParser] | None] = {}
+        self._reasoning_parsers: dict[str, ReasoningParser | None] = {}
+        self._fingerprints: dict[tuple[str, str, str], str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -286,6 +367,24 @@ class OpenAIService:
         """Cards of the models served now."""
         return self.backend.models()
 
+    def model_info(self, model: str) -> ModelInfo | None:
+        """The card of `model` (a served model or LoRA adapter name); None if unknown."""
+        return self.backend.model_info(model)
+
+    def model_ready(self, model: str) -> bool:
+        """Whether `model` is known and the service can take requests for it now."""
+        return self.ready() and self.backend.model_info(model) is not None
+
+    def system_fingerprint(self, info: ModelInfo) -> str:
+        """OpenAI `system_fingerprint`: identifies kvmesh's version, the model and its engine,
+        so clients can tell when the serving configuration (hence seeded output) changed."""
+        key = (info.served_model_name, info.engine, info.model_path)
+        fp = self._fingerprints.get(key)
+        if fp is None:
+            digest = hashlib.sha256("|".join((__version__, *key)).encode()).hexdigest()
+            fp = self._fingerprints[key] = "fp_" + digest[:10]
+        return fp
+
     # -- requests --------------------------------------------------------------------------
 
     async def chat_completion(
@@ -306,6 +405,7 @@ class OpenAIService:
             template_kwargs=request.chat_template_kwargs,
         )
         ids = tok.encode(prompt, add_special_tokens=False)
+        options, parsers = self._chat_output(request, info, tok, prompt)
         return await self._start(
             "chat",
             request.model,
@@ -313,11 +413,12 @@ class OpenAIService:
             tok,
             [ids],
             None,
-            request.options,
-            request.options.max_tokens,
+            options,
+            options.max_tokens,
             stream=request.stream,
             trace=trace,
             start=start,
+            parsers=parsers,
         )
 
     async def completion(
@@ -346,6 +447,10 @@ class OpenAIService:
         max_tokens = request.options.max_tokens
         if max_tokens is None:
             max_tokens = self.config.default_completion_max_tokens
+        if request.options.guided is not None:
+            self._require_guided(
+                info, request.model, request.options.guided_param, "structured output"
+            )
         return await self._start(
             "text",
             request.model,
@@ -360,7 +465,145 @@ class OpenAIService:
             start=start,
         )
 
+    async def embeddings(
+        self, request: EmbeddingRequest, trace: TraceContext | None = None
+    ) -> EmbeddingResult:
+        """Embed every input. InvalidRequest when the model's engine has no EMBEDDINGS
+        capability; Unimplemented when the backend cannot reach an embedding engine."""
+        info, tok = await self._resolve(request.model)
+        if EMBEDDINGS not in info.capabilities:
+            raise InvalidRequest(
+                f"model `{request.model}` does not support embeddings (its engine "
+                f"{info.engine or 'unknown'!r} does not advertise the EMBEDDINGS capability)",
+                param="model",
+            )
+        backend = self.backend
+        if not isinstance(backend, EmbeddingBackend):
+            raise Unimplemented("this gateway's backend cannot compute embeddings")
+        prompts: list[list[int]] = []
+        for item in request.inputs:
+            if isinstance(item, str):
+                prompts.append(tok.encode(item, add_special_tokens=True))
+            else:
+                bad = next((t for t in item if t >= tok.vocab_size), None)
+                if bad is not None:
+                    raise InvalidRequest(
+                        f"token id {bad} is out of the vocabulary (size {tok.vocab_size})",
+                        param="input",
+                    )
+                prompts.append(item)
+        context = info.context_length or tok.context_length
+        for ids in prompts:
+            if context > 0 and len(ids) > context:
+                raise RequestTooLarge(
+                    f"This model's maximum context length is {context} tokens. However, an "
+                    f"input has {len(ids)} tokens.",
+                    param="input",
+                )
+        span = trace.child() if trace is not None else TraceContext.new()
+        slot = _InflightSlot(self, self.metrics.model(info.served_model_name))
+        try:
+            vectors = await backend.embed(request.model, prompts, span)
+        finally:
+            slot.release()
+        if request.dimensions is not None:
+            vectors = [_truncate(v, request.dimensions) for v in vectors]
+        return EmbeddingResult(request.model, vectors, sum(len(p) for p in prompts))
+
     # -- internals -------------------------------------------------------------------------
+
+    def _tool_parser(self, model: str, tok: Tokenizer) -> type[ToolParser] | None:
+        if model in self._tool_parsers:
+            return self._tool_parsers[model]
+        name = self._tool_setting.get(model, self._tool_setting.get("", "auto"))
+        if name == "auto":
+            name = (
+                detect_tool_parser(tok.chat_template("tool_use") or tok.chat_template("default"))
+                or "none"
+            )
+        cls = None if name == "none" else get_tool_parser(name)
+        self._tool_parsers[model] = cls
+        return cls
+
+    def _reasoning_parser(self, model: str, tok: Tokenizer) -> ReasoningParser | None:
+        if model in self._reasoning_parsers:
+            return self._reasoning_parsers[model]
+        name = self._reasoning_setting.get(model, self._reasoning_setting.get("", "auto"))
+        if name == "auto":
+            name = detect_reasoning_parser(tok.chat_template("default")) or "none"
+        parser = None if name == "none" else get_reasoning_parser(name)
+        self._reasoning_parsers[model] = parser
+        return parser
+
+    def _require_guided(self, info: ModelInfo, model: str, param: str, what: str) -> None:
+        if GUIDED_DECODING not in info.capabilities:
+            raise InvalidRequest(
+                f"{what} needs guided decoding, which model `{model}` does not support "
+                f"(its engine {info.engine or 'unknown'!r} does not advertise the "
+                "GUIDED_DECODING capability)",
+                param=param,
+            )
+
+    def _chat_output(
+        self, request: ChatCompletionRequest, info: ModelInfo, tok: Tokenizer, prompt: str
+    ) -> tuple[GenerationOptions, Callable[[], _OutputParser] | None]:
+        """Options to generate with, and a factory of per-choice output parsers (None for a
+        plain chat: no reasoning parser, no tools)."""
+        options = request.options
+        name = info.served_model_name
+        reasoning = self._reasoning_parser(name, tok)
+        tools = request.tools
+        choice = request.tool_choice
+        make_tools: Callable[[], ToolCallStream | NamedToolCallStream] | None = None
+        tool_finish = "tool_calls"
+        if tools and choice.mode in ("required", "function"):
+            if options.guided is not None:
+                raise InvalidRequest(
+                    f"tool_choice {choice.name or choice.mode!r} cannot be combined with "
+                    f"'{options.guided_param}'",
+                    param="tool_choice",
+                )
+            what = f"tool_choice {choice.name or choice.mode!r}"
+            self._require_guided(info, request.model, "tool_choice", what)
+            schema = _tool_schema(tools, choice.name)
+            options = _with(
+                options, guided=GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(schema))
+            )
+            options.guided_param = "tool_choice"
+            if choice.name is not None:
+                function = choice.name
+                tool_finish = "stop"
+                make_tools = lambda: NamedToolCallStream(function)  # noqa: E731
+            else:
+                parallel = request.parallel_tool_calls
+                make_tools = lambda: ToolCallStream(  # noqa: E731
+                    JsonListParser(), parallel_tool_calls=parallel
+                )
+        elif tools:
+            parser_cls = self._tool_parser(name, tok)
+            if parser_cls is None:
+                raise InvalidRequest(
+                    f"tool calling is not set up for model `{request.model}`: its chat template "
+                    "names no known tool-call format; start the frontend with "
+                    "--tool-call-parser (hermes, llama3_json, mistral or pythonic)",
+                    param="tools",
+                )
+            names = [n for n in (_tool_name(t) for t in tools) if n is not None]
+            parallel = request.parallel_tool_calls
+            make_tools = lambda: ToolCallStream(  # noqa: E731
+                parser_cls(names), parallel_tool_calls=parallel
+            )
+            if parser_cls.needs_special_tokens and options.skip_special_tokens:
+                options = _with(options, skip_special_tokens=False)
+        if options.guided is not None and options.guided_param != "tool_choice":
+            self._require_guided(info, request.model, options.guided_param, "structured output")
+        if reasoning is None and make_tools is None:
+            return options, None
+        return options, lambda: _OutputParser(
+            reasoning.stream(prompt) if reasoning is not None else None,
+            make_tools() if make_tools is not None else None,
+            tool_finish,
+        )
 
     async def _resolve(self, model: str) -> tuple[ModelInfo, Tokenizer]:
         if self._draining:
@@ -432,6 +675,7 @@ class OpenAIService:
         stream: bool,
         trace: TraceContext | None,
         start: float,
+        parsers: Callable[[], _OutputParser] | None = None,
     ) -> CompletionStream | CompletionResult:
         self._check(tok, info, prompts, options, max_tokens)
         mm = self.metrics.model(info.served_model_name)
@@ -458,9 +702,10 @@ class OpenAIService:
                             presence_penalty=options.presence_penalty,
                             frequency_penalty=options.frequency_penalty,
                             repetition_penalty=options.repetition_penalty,
-                            seed=None if options.seed is None else options.seed + j,
+                            seed=None if options.seed is None else (options.seed + j) % _SEED_MOD,
                             top_logprobs=options.logprobs,
                             logit_bias=options.logit_bias,
+                            guided=options.guided,
                         ),
                         stop=StopParams(
                             max_tokens=max_tokens,
@@ -482,6 +727,7 @@ class OpenAIService:
                             options.logprobs is not None,
                             options.min_tokens,
                             echoes[p] if echoes is not None else None,
+                            options.return_token_ids,
                         )
                     )
             await self._prime(choices)
@@ -491,12 +737,20 @@ class OpenAIService:
             slot.release()
             raise
 
-        if len(choices) == 1:
-            events = self._run_choice(choices[0], tok, mm, start)
-        else:
-            events = _merge([self._run_choice(ch, tok, mm, start) for ch in choices])
+        runs = [self._run_choice(ch, tok, mm, start) for ch in choices]
+        if parsers is not None:
+            runs = [_parse_choice(run, parsers()) for run in runs]
+        events = runs[0] if len(runs) == 1 else _merge(runs)
         stream_obj = CompletionStream(
-            request_id, int(time.time()), model, kind, choices, events, slot
+            request_id,
+            int(time.time()),
+            model,
+            kind,
+            choices,
+            events,
+            slot,
+            system_fingerprint=self.system_fingerprint(info),
+            parsed=parsers is not None,
         )
         if stream:
             return stream_obj
@@ -524,6 +778,9 @@ class OpenAIService:
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprobInfo] | None] = [None] * n
         finish: list[str] = ["stop"] * n
+        token_ids: list[list[int] | None] = [None] * n
+        reasoning: list[list[str] | None] = [None] * n
+        calls: list[list[ToolCallDelta]] = [[] for _ in range(n)]
         async for delta in stream:
             i = delta.index
             if delta.text:
@@ -534,11 +791,42 @@ class OpenAIService:
                     logprobs[i] = list(delta.logprobs)
                 else:
                     existing.extend(delta.logprobs)
+            if delta.token_ids is not None:
+                ids = token_ids[i]
+                if ids is None:
+                    token_ids[i] = list(delta.token_ids)
+                else:
+                    ids.extend(delta.token_ids)
+            if delta.reasoning:
+                parts = reasoning[i]
+                if parts is None:
+                    reasoning[i] = [delta.reasoning]
+                else:
+                    parts.append(delta.reasoning)
+            if delta.tool_calls:
+                calls[i].extend(delta.tool_calls)
             if delta.finish_reason is not None:
                 finish[i] = delta.finish_reason
-        choices = [ChoiceResult(i, "".join(texts[i]), finish[i], logprobs[i]) for i in range(n)]
+        choices = [
+            ChoiceResult(
+                i,
+                "".join(texts[i]),
+                finish[i],
+                logprobs[i],
+                token_ids[i],
+                "".join(parts) if (parts := reasoning[i]) is not None else None,
+                collect_calls(calls[i]) if calls[i] else None,
+            )
+            for i in range(n)
+        ]
         return CompletionResult(
-            stream.id, stream.created, stream.model, stream.kind, choices, stream.usage
+            stream.id,
+            stream.created,
+            stream.model,
+            stream.kind,
+            choices,
+            stream.usage,
+            stream.system_fingerprint,
         )
 
     async def _run_choice(
@@ -552,6 +840,7 @@ class OpenAIService:
         detok_step = ch.detok.step
         stops = ch.stops
         index = ch.index
+        want_ids = ch.token_ids
         last = start
         first_token = True
         try:
@@ -593,7 +882,10 @@ class OpenAIService:
                 logprobs = (
                     _logprob_infos(tok, out.logprobs) if ch.logprobs and out.logprobs else None
                 )
-                if text or reason is not None or logprobs:
+                if want_ids:
+                    if text or reason is not None or logprobs or ids:
+                        yield ChoiceDelta(index, text, reason, logprobs, list(ids))
+                elif text or reason is not None or logprobs:
                     yield ChoiceDelta(index, text, reason, logprobs)
                 if reason is not None:
                     ch.finish_reason = reason
@@ -608,6 +900,143 @@ class OpenAIService:
             mm.osl.observe(ch.completion_tokens)
             mm.duration.observe(_perf() - start)
             await _close(iterator)
+
+
+class _OutputParser:
+    """Splits one choice's text into reasoning, content and tool calls (a reasoning parser
+    first, then a tool-call parser over the content)."""
+
+    __slots__ = ("reasoning", "tool_finish", "tools")
+
+    def __init__(
+        self,
+        reasoning: ReasoningStream | None,
+        tools: ToolCallStream | NamedToolCallStream | None,
+        tool_finish: str,
+    ) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.tool_finish = tool_finish
+        """The finish reason of a choice that called tools and stopped by itself."""
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+    def feed(self, text: str) -> tuple[str, str, list[ToolCallDelta]]:
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+        calls: list[ToolCallDelta] = []
+        if self.tools is not None and text:
+            text, calls = self.tools.feed(text)
+        return text, reasoning, calls
+
+    def finish(self) -> tuple[str, str, list[ToolCallDelta]]:
+        reasoning = text = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.finish()
+        calls: list[ToolCallDelta] = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text) if text else ("", [])
+            more, rest = self.tools.finish()
+            text += more
+            calls += rest
+        return text, reasoning, calls
+
+
+async def _parse_choice(
+    events: AsyncGenerator[ChoiceDelta, None], parser: _OutputParser
+) -> AsyncGenerator[ChoiceDelta, None]:
+    """One choice's deltas with reasoning and tool calls split out of the text."""
+    try:
+        async for d in events:
+            text, reasoning, calls = parser.feed(d.text)
+            reason = d.finish_reason
+            if reason is not None:
+                more, more_reasoning, more_calls = parser.finish()
+                text += more
+                reasoning += more_reasoning
+                calls += more_calls
+                if reason == "stop" and parser.called:
+                    reason = parser.tool_finish
+            elif not (text or reasoning or calls or d.logprobs or d.token_ids):
+                continue
+            yield ChoiceDelta(
+                d.index, text, reason, d.logprobs, d.token_ids, reasoning or None, calls or None
+            )
+            if reason is not None:
+                return
+    finally:
+        await events.aclose()
+
+
+def _tool_name(tool: Mapping[str, Any]) -> str | None:
+    fn = tool.get("function")
+    if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+        return str(fn["name"])
+    return None
+
+
+def _tool_parameters(tool: Mapping[str, Any]) -> Any:
+    fn = tool.get("function")
+    params = fn.get("parameters") if isinstance(fn, Mapping) else None
+    return params if isinstance(params, (dict, bool)) else {"type": "object"}
+
+
+def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[str, Any]:
+    """JSON Schema forcing a tool call: the named function's arguments, or (tool_choice
+    "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them."""
+    if name is not None:
+        for tool in tools:
+            if _tool_name(tool) == name:
+                params = _tool_parameters(tool)
+                return params if isinstance(params, dict) else {"type": "object"}
+    variants = [
+        {
+            "properties": {
+                "name": {"type": "string", "enum": [tool_name]},
+                "parameters": _tool_parameters(tool),
+            },
+            "required": ["name", "parameters"],
+        }
+        for tool in tools
+        if (tool_name := _tool_name(tool)) is not None
+    ]
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+
+
+def _with(options: GenerationOptions, **changes: Any) -> GenerationOptions:
+    """A copy of `options` with `changes` (the parsed request is left as it was)."""
+    return dataclasses.replace(options, **changes)
+
+
+def _parser_setting(spec: str, lookup: Callable[[str], object]) -> dict[str, str]:
+    """`--tool-call-parser` / `--reasoning-parser`: "auto", "none", a parser name, or
+    comma-separated `model=name` entries plus an optional default entry. Names are checked
+    now so a typo fails at startup. Returns {model or "": name}."""
+    out: dict[str, str] = {}
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        model, _, name = entry.rpartition("=")
+        name = name.strip()
+        if name not in ("auto", "none"):
+            lookup(name)
+        out[model.strip()] = name
+    return out or {"": "none"}
+
+
+def _truncate(vector: list[float], dimensions: int) -> list[float]:
+    """The first `dimensions` components, re-normalized to unit length (OpenAI's semantics)."""
+    if dimensions > len(vector):
+        raise InvalidRequest(
+            f"'dimensions' ({dimensions}) exceeds the model's embedding size ({len(vector)})",
+            param="dimensions",
+        )
+    head = vector[:dimensions]
+    norm = sum(x * x for x in head) ** 0.5
+    return [x / norm for x in head] if norm > 0 else head
 
 
 async def _first(iterator: AsyncIterator[EngineOutput]) -> EngineOutput:

@@ -5,7 +5,9 @@ request streams a scripted list of token ids (by default the tokens of `DEFAULT_
 mixes ASCII, accents, CJK and emoji so byte-level detokenization is exercised), cut at
 `max_tokens`. Knobs make it fail before the first output or mid-stream, go slow, report cached
 tokens, or end with a chosen finish reason. It records what it was asked (`calls`) and which
-requests were abandoned by the gateway (`cancelled`), so tests can assert cancellation.
+requests were abandoned by the gateway (`cancelled`), so tests can assert cancellation. To
+script what a model "says" (tool calls, reasoning), set `tokens` to the tokenization of that
+text. With `embedding_dim` > 0 it also serves /v1/embeddings (deterministic unit vectors).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.errors import KvmeshError, Unavailable, Unimplemented
 from kvmesh.tracing import TraceContext
 from kvmesh.workers.engine import (
     EngineOutput,
@@ -31,8 +33,14 @@ __all__ = ["DEFAULT_TEXT", "FakeBackend", "FakeCall", "model_info"]
 DEFAULT_TEXT = "Hello! Un café à Zürich 😀, 日本語のテキスト and 🚀 emoji. The end."
 
 
-def model_info(name: str, *, context_length: int = 4096, model_path: str = "") -> ModelInfo:
-    """A model card for the fake backend."""
+def model_info(
+    name: str,
+    *,
+    context_length: int = 4096,
+    model_path: str = "",
+    capabilities: tuple[str, ...] = ("LOGPROBS",),
+) -> ModelInfo:
+    """A model card for the fake backend (`capabilities`: EngineCapability names)."""
     return ModelInfo(
         served_model_name=name,
         engine="fake",
@@ -40,6 +48,7 @@ def model_info(name: str, *, context_length: int = 4096, model_path: str = "") -
         kv_total_blocks=1024,
         context_length=context_length,
         model_path=model_path,
+        capabilities=capabilities,
     )
 
 
@@ -72,6 +81,8 @@ class FakeBackend:
     finish_reason: FinishReason | None = None
     """Force the final finish reason (default: LENGTH at max_tokens, else STOP)."""
     cached_tokens: int = 0
+    embedding_dim: int = 0
+    """Size of the vectors `embed` returns (0: embeddings are not implemented)."""
     is_ready: bool = True
     history: int = 10_000
     """How many calls / request ids the records below keep (0 for benchmarks)."""
@@ -147,6 +158,22 @@ class FakeBackend:
                     yield EngineOutput(token_ids=ids, logprobs=logprobs)
         finally:
             (self.completed if done else self.cancelled).append(request.request_id)
+
+
+    async def embed(
+        self, model: str, prompts: list[list[int]], trace: TraceContext | None
+    ) -> list[list[float]]:
+        """Deterministic unit vectors derived from the token ids (EmbeddingBackend)."""
+        if self.embedding_dim <= 0:
+            raise Unimplemented("the fake backend has no embedding model")
+        if self.error_before is not None:
+            raise self.error_before
+        out: list[list[float]] = []
+        for ids in prompts:
+            raw = [float((sum(ids) * (i + 1)) % 97 + 1) for i in range(self.embedding_dim)]
+            norm = sum(x * x for x in raw) ** 0.5
+            out.append([x / norm for x in raw])
+        return out
 
 
 def _logprob(token_id: int, top: int) -> TokenLogprob:

@@ -59,6 +59,18 @@ def _cmd_model_create(ns: argparse.Namespace) -> None:
     from kvmesh.tinymodel import create_tiny_model
 
     path = create_tiny_model(Path(ns.path) if ns.path else default_model_dir())
+    if ns.weights:
+        try:
+            from kvmesh.workers.pytorch.weights import create_tiny_weights, has_weights
+        except ImportError:
+            print(
+                "kvmesh model create: random weights need `pip install 'kvmesh[torch]'`; "
+                "wrote the tokenizer and config only (enough for the mocker)",
+                file=sys.stderr,
+            )
+        else:
+            if not has_weights(path):
+                create_tiny_weights(path)
     print(path)
 
 
@@ -110,8 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = command("model", "manage local models", lambda ns: model.print_help())
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
-    create = msub.add_parser("create", help="build the tiny offline test model")
+    create = msub.add_parser(
+        "create", help="build the tiny offline model (tokenizer, chat template, random weights)"
+    )
     create.add_argument("path", nargs="?", default="", help="target dir (default: the cache)")
+    create.add_argument(
+        "--weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also write random Llama weights (needs torch; the mocker needs none)",
+    )
     create.set_defaults(fn=_cmd_model_create)
 
     bench = command("bench", "load-test an OpenAI endpoint (streaming chat)", _cmd_bench)

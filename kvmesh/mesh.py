@@ -20,8 +20,9 @@ from kvmesh.grpcutil import GrpcServer
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.router.kv_router import KvRouter, KvRouterConfig
 from kvmesh.router.mesh import MeshBackend
+from kvmesh.router.metrics import RoutingCollector
 from kvmesh.router.pool import WorkerPool
-from kvmesh.router.routing import Router, RouterMode, SimpleRouter
+from kvmesh.router.routing import Router, RouterMode, RoutingStats, SimpleRouter
 from kvmesh.router.service import ROUTER_SERVICE, RemoteRouter, RouterServicer
 from kvmesh.workers.engine import ModelInfo
 
@@ -94,6 +95,13 @@ def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
     return pool, router
 
 
+async def close_router(router: Router) -> None:
+    """Stop a router's background tasks (subscriptions, peer sync), if it has any."""
+    close = getattr(router, "close", None)
+    if close is not None:
+        await close()
+
+
 async def wait_for_signal() -> None:
     """Return on SIGINT or SIGTERM."""
     stop = asyncio.Event()
@@ -117,12 +125,14 @@ async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
     await wait_for_signal()
     await server.set_serving(False)
     await server.stop(2.0)
+    await close_router(router)
     await pool.stop()
 
 
 async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
     from kvmesh.frontend.app import build_app, serve_http
+    from kvmesh.frontend.kserve_grpc import serve_kserve_grpc
     from kvmesh.frontend.service import OpenAIService
     from kvmesh.frontend.tokenizer import Tokenizer
 
@@ -147,11 +157,23 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     pool, router = build_router(mesh)
     await pool.start()
     service = OpenAIService(MeshBackend(pool, router, configured), tokenizers, config)
+    stats = getattr(router, "stats", None)
+    if isinstance(stats, RoutingStats):
+        service.metrics.registry.register(RoutingCollector(stats))
     runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
     log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)
+    kserve = None
+    if config.kserve_grpc_port > 0:
+        kserve = await serve_kserve_grpc(service, config.http_host, config.kserve_grpc_port)
+        log.info("frontend serving KServe v2 gRPC on %s", kserve.address)
     await wait_for_signal()
     service.start_drain()
+    if kserve is not None:
+        await kserve.set_serving(False)
     if not await service.wait_idle(config.drain_timeout_s):
         log.warning("drain timed out with %d requests in flight", service.in_flight)
+    if kserve is not None:
+        await kserve.stop(1.0)
     await runner.cleanup()
+    await close_router(router)
     await pool.stop()

@@ -55,8 +55,11 @@ class UpConfig:
     max_workers: int = opt(64, "largest pool size Scale accepts")
     http_host: str = opt("127.0.0.1", "gateway bind address")
     http_port: int = opt(8000, "gateway HTTP port")
+    kserve_grpc_port: int = opt(
+        0, "KServe v2 gRPC port of the gateway (0: pick a free one; -1: no KServe gRPC server)"
+    )
     control_port: int = opt(0, "port of the ScalingService (gRPC); 0 picks a free one")
-    router_mode: RouterMode = opt(RouterMode.ROUND_ROBIN, "routing policy")
+    router_mode: RouterMode = opt(RouterMode.KV, "routing policy")
     router_process: bool = opt(
         False, "run the router as its own process (kvmesh router) instead of inside the frontend"
     )
@@ -124,6 +127,8 @@ class Supervisor:
             fields = {k: getattr(ns, k) for k in group.__dataclass_fields__ if hasattr(ns, k)}
             self.engine_flags += to_argv(group(**fields))
         self.target = config.workers
+        self.kserve_grpc_port = config.kserve_grpc_port
+        """The frontend's KServe v2 gRPC port (a free one is picked when configured as 0)."""
         self.workers: list[Child] = []
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
@@ -175,6 +180,8 @@ class Supervisor:
             )
             self.others.append(await Child.spawn("router", argv))
             router_args = ["--router-address", f"127.0.0.1:{port}"]
+        if cfg.kserve_grpc_port == 0:
+            self.kserve_grpc_port = _free_port(cfg.http_host)
         argv = _kvmesh(
             *self.log_level,
             "frontend",
@@ -182,6 +189,8 @@ class Supervisor:
             cfg.http_host,
             "--http-port",
             str(cfg.http_port),
+            "--kserve-grpc-port",
+            str(max(self.kserve_grpc_port, 0)),
             *self._common(),
             "--router-mode",
             cfg.router_mode.value,
@@ -322,7 +331,8 @@ async def _up(config: UpConfig, ns: argparse.Namespace) -> int:
                     print(f"kvmesh up: mesh did not become healthy ({why})", file=sys.stderr)
                     return 1
                 await asyncio.sleep(0.2)
-        _banner(base, sup.served, config, control.address)
+        kserve = f"{host}:{sup.kserve_grpc_port}" if sup.kserve_grpc_port > 0 else ""
+        _banner(base, sup.served, config, control.address, kserve)
         while not stop.is_set():
             if not frontend.alive():
                 print("kvmesh up: the frontend exited; shutting down", file=sys.stderr)
@@ -347,7 +357,7 @@ def run_up(config: UpConfig, ns: argparse.Namespace) -> int:
         return asyncio.run(_up(config, ns))
 
 
-def _banner(base: str, model: str, config: UpConfig, control: str) -> None:
+def _banner(base: str, model: str, config: UpConfig, control: str, kserve: str) -> None:
     body = json.dumps(
         {
             "model": model,
@@ -361,6 +371,9 @@ def _banner(base: str, model: str, config: UpConfig, control: str) -> None:
         f"router {config.router_mode.value}{' (own process)' if config.router_process else ''}\n"
         f"  OpenAI API : {base}/v1   (model {model!r})\n"
         f"  health     : {base}/health    metrics: {base}/metrics\n"
+        f"  KServe v2  : {base}/v2 (REST)"
+        + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
+        + "\n"
         f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n\n"
         f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"       -d '{body}'\n\n"

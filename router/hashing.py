@@ -15,8 +15,9 @@ equal prefixes (up to 64-bit collisions), and the parent of a block is implied b
 Only full blocks are hashed; a trailing partial block is ignored. Token ids must fit uint32
 (the wire type); others raise ValueError.
 
-Cost: one `array('I', tokens)` conversion (about 5 ns per token) plus one xxh3 call per block
-(about 0.3 us for 64 tokens): a 100k-token prompt hashes in about 1 ms.
+Cost: one `array('I', tokens)` conversion (about 5 ns per token, most of the time) plus one xxh3
+call per block (about 0.1 us for 64 tokens): a 100k-token prompt hashes in about 1 ms
+(tests/benchmarks/bench_indexer.py), a few percent of what tokenizing it costs.
 """
 
 from __future__ import annotations
@@ -73,13 +74,8 @@ def block_hashes(
         return []
     data = _as_bytes(tokens[: n * block_size] if len(tokens) != n * block_size else tokens)
     step = block_size * 4
-    out: list[int] = []
-    append = out.append
     h = root_seed(lora_name)
-    for start in range(0, n * step, step):
-        h = xxh3_64_intdigest(data[start : start + step], h)
-        append(h)
-    return out
+    return [h := xxh3_64_intdigest(data[i : i + step], h) for i in range(0, n * step, step)]
 
 
 def chain_hashes(
@@ -96,15 +92,10 @@ def chain_hashes(
     for b in blocks:
         if len(b) != block_size:
             raise ValueError(f"a block holds {len(b)} tokens, expected {block_size}")
-    data = _as_bytes(chain.from_iterable(blocks))
+    data = _as_bytes(list(chain.from_iterable(blocks)))  # array() is fastest from a list
     step = block_size * 4
-    out: list[int] = []
-    append = out.append
     h = root_seed(lora_name) if parent is None else parent
-    for start in range(0, len(blocks) * step, step):
-        h = xxh3_64_intdigest(data[start : start + step], h)
-        append(h)
-    return out
+    return [h := xxh3_64_intdigest(data[i : i + step], h) for i in range(0, len(data), step)]
 
 
 class BlockHasher:

@@ -319,5 +319,10 @@ class ApproxIndex(Generic[W]):
         self.index.remove_worker(worker)
 
     def num_blocks(self, worker: W | None = None) -> int:
-        """Live entries of `worker` (or distinct hashes, worker None)."""
+        """Distinct hashes (worker None), or `worker`'s entries (a scan; see num_live)."""
         return self.index.num_blocks(worker)
+
+    def num_live(self, worker: W) -> int:
+        """`worker`'s entries not expired as of the last call that took `now` (O(1))."""
+        expiry = self._expiry.get(worker)
+        return 0 if expiry is None else len(expiry)

@@ -10,17 +10,25 @@ on any monotonic clock, wall or virtual) holds:
     metrics when they arrive;
   * the cost function and the choice among workers.
 
-Cost of worker w for a request of T prompt tokens (block size B, w holding its first O blocks):
+Cost of worker w for a request of T prompt tokens (block size B, w caching its first O blocks):
 
-    cost(w) = overlap_weight * (prefill(w) + T / B - O) + decode(w)
+    new(w)  = T/B - O                        blocks the request would add on w
+    cost(w) = overlap_weight * (prefill(w) + new(w)) + (decode(w) + new(w))
 
-prefill(w) and decode(w) are the worker's predicted blocks still to prefill and blocks held by
-its running requests (bookings, plus the correction from its last fresh load metrics). The
-lowest cost wins; ties are broken at random (seeded), so an idle fleet is not always sent to its
-first worker. With temperature > 0 the choice is sampled from softmax(-normalized cost / T)
-instead (Dynamo's `router_temperature`). Workers over a busy threshold (KV usage fraction,
-waiting requests, draining; from fresh load metrics) are skipped; if all are, `Unavailable`
-(HTTP 503).
+prefill(w) is the worker's predicted blocks still to prefill and decode(w) the blocks its
+running requests added (each booking counts the blocks it allocates: its prompt and expected
+output minus the prefix the worker had cached), both from bookings plus the correction from the
+worker's last fresh load metrics. The first term is the prefill work queued on the worker with
+this request, the second the KV blocks it would hold (Dynamo's "potential prefill" and
+"potential active blocks"). Every input is the same on every router replica (the KV index is
+exact, bookings are shared as numbers), so replicas that see the same bookings decide alike.
+
+The lowest cost wins; among equal costs the worker holding the fewest cached blocks wins (new
+prefixes spread over the fleet rather than evicting one worker's), then a random one (seeded),
+so an idle fleet is never simply sent to its first worker. With temperature > 0 the choice is
+sampled from softmax(-normalized cost / T) instead (Dynamo's `router_temperature`). Workers
+over a busy threshold (KV usage fraction, waiting requests, draining; from fresh load metrics)
+are skipped; if all are, `Unavailable` (HTTP 503).
 
 Driving it directly (what `kvmesh replay` does with mocker schedulers in virtual time):
 
@@ -33,6 +41,10 @@ Driving it directly (what `kvmesh replay` does with mocker schedulers in virtual
     sched.first_token(request_id)                # when the first token is out
     sched.free(request_id)                       # when it finishes or is cancelled
     sched.update_load("w0", LoadSample(...), now)  # optional: the engine's load metrics
+
+KvEventLog.publish is synchronous, so a simulator can hand each published kind to
+`sched.indexer.apply_event` right away (e.g. from a KvEventLog subclass). Nothing here awaits,
+sleeps or reads a clock.
 
 `KvRouter` implements kvmesh.router.routing.Router over a WorkerPool: it registers the pool's
 workers with the scheduler, subscribes to their KV event and load streams
@@ -50,8 +62,9 @@ import math
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvmesh.clock import Clock, RealClock
 from kvmesh.errors import Unavailable
@@ -92,6 +105,10 @@ class KvRouterConfig:
     """Approximate mode: how long a routed prompt counts as cached on its worker."""
     load_max_age_s: float = 2.0
     """Load metrics older than this are ignored (no correction, no busy verdict)."""
+    load_settle_s: float = 0.25
+    """Bookings younger than this when load metrics arrive are assumed not to show in them yet
+    (the request may still be on its way to the worker): they are added to the measurement
+    instead of being corrected away."""
     seed: int = 0
     """Seed of tie-breaking and sampling."""
 
@@ -106,6 +123,8 @@ class KvRouterConfig:
             raise ValueError("busy_waiting_requests must be >= 0")
         if not self.approx_ttl_s > 0 or not self.load_max_age_s > 0:
             raise ValueError("approx_ttl_s and load_max_age_s must be > 0")
+        if not self.load_settle_s >= 0:
+            raise ValueError("load_settle_s must be >= 0")
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,13 +173,15 @@ class WorkerLoad:
     booked_prefill: int = 0
     """Blocks still to prefill of the requests booked here (until their first token)."""
     booked_decode: int = 0
-    """Blocks held by the requests booked here (until they are freed)."""
+    """Blocks added by the requests booked here (until they are freed)."""
     sample: LoadSample | None = None
     sample_at: float = -math.inf
     prefill_offset: float = 0.0
     """Measured minus booked prefill blocks when the last sample arrived."""
     decode_offset: float = 0.0
     """Measured minus booked decode blocks when the last sample arrived."""
+    recent: deque[tuple[float, _Booking]] = field(default_factory=deque)
+    """Bookings of the last `load_settle_s`, oldest first (may hold freed ones)."""
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         """Whether the last load sample is recent enough to trust."""
@@ -197,13 +218,14 @@ class Selection:
     """Cost of every worker considered (busy ones excluded)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Booking:
     load: WorkerLoad
     """The worker's state object when booked (a worker that left and rejoined gets a new one,
     so late frees never touch the new one's counters)."""
     prefill: int
     decode: int
+    live: bool = True
 
 
 class KvScheduler:
@@ -284,7 +306,8 @@ class KvScheduler:
 
     def update_load(self, worker_id: str, sample: LoadSample, now: float) -> None:
         """Record a worker's load metrics measured at `now`; from now on (until they are older
-        than `load_max_age_s`) its predicted load is corrected by (measured - booked)."""
+        than `load_max_age_s`) its predicted load is the measurement plus the bookings younger
+        than `load_settle_s` (which it cannot show yet) plus the bookings made since."""
         load = self._workers.get(worker_id)
         if load is None:
             return
@@ -292,9 +315,19 @@ class KvScheduler:
         load.sample_at = now
         if sample.kv_total_blocks:
             load.kv_total_blocks = sample.kv_total_blocks
+        recent = load.recent
+        settled = now - self.config.load_settle_s
+        while recent and recent[0][0] <= settled:
+            recent.popleft()
+        young_prefill = young_decode = 0
+        for _, b in recent:
+            if b.live:
+                young_prefill += b.prefill
+                young_decode += b.decode
+        # predicted = measured + what the measurement cannot show yet
         measured_prefill = -(-sample.pending_prefill_tokens // load.block_size)
-        load.prefill_offset = measured_prefill - load.booked_prefill
-        load.decode_offset = sample.kv_active_blocks - load.booked_decode
+        load.prefill_offset = measured_prefill - (load.booked_prefill - young_prefill)
+        load.decode_offset = sample.kv_active_blocks - (load.booked_decode - young_decode)
 
     def busy(self, load: WorkerLoad, now: float) -> bool:
         """Whether the worker is over a busy threshold (fresh metrics only)."""
@@ -349,10 +382,15 @@ class KvScheduler:
                 exact = self.indexer.find_matches(hashes) if hashes else {}
                 approx = self.approx.find_matches(hashes, now) if hashes else {}
                 found = by_size[bs] = (hashes, exact, approx)
-            overlap = (found[1] if w.kv_events else found[2]).get(w.worker_id, 0)
-            overlaps[w.worker_id] = overlap
-            to_prefill = w.prefill_blocks(now, max_age) + n_tokens / bs - overlap
-            costs[w.worker_id] = weight * to_prefill + w.decode_blocks(now, max_age)
+            wid = w.worker_id
+            overlap = (found[1] if w.kv_events else found[2]).get(wid, 0)
+            overlaps[wid] = overlap
+            new = n_tokens / bs - overlap
+            costs[wid] = (
+                weight * (w.prefill_blocks(now, max_age) + new)
+                + w.decode_blocks(now, max_age)
+                + new
+            )
         chosen = self._choose(costs)
         load = self._workers[chosen]
         hashes = by_size[load.block_size][0]
@@ -382,7 +420,20 @@ class KvScheduler:
             return self._rng.choice(ids)
         tol = 1e-9 * max(1.0, abs(lo))
         best = [i for i, v in zip(ids, values, strict=True) if v - lo <= tol]
+        if len(best) > 1:
+            # Equal cost (typically a cache miss on idle workers): prefer the emptiest cache, so
+            # new prefixes spread over the fleet instead of evicting one worker's others; then
+            # pick at random (seeded), never simply the first worker.
+            sizes = [self._cached_blocks(i) for i in best]
+            least = min(sizes)
+            best = [i for i, n in zip(best, sizes, strict=True) if n == least]
         return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _cached_blocks(self, worker_id: str) -> int:
+        load = self._workers[worker_id]
+        if load.kv_events:
+            return self.indexer.num_blocks(worker_id)
+        return self.approx.num_live(worker_id)
 
     # -- bookings ---------------------------------------------------------------------------
 
@@ -390,14 +441,18 @@ class KvScheduler:
         self, request_id: str, selection: Selection, now: float, *, expected_output_tokens: int = 0
     ) -> None:
         """Book the selected request's predicted load on its worker (replacing any booking of
-        the same id); in approximate mode the worker is assumed to cache the prompt from now."""
+        the same id): the blocks it will prefill (prompt minus cached prefix) until its first
+        token, the blocks it adds (the same plus its expected output) until it is freed. In
+        approximate mode the worker is assumed to cache the prompt from `now`."""
         load = self._workers.get(selection.worker_id)
         if load is None:
             raise Unavailable(f"worker {selection.worker_id} left")
         bs = selection.block_size
-        prefill = max(0, -(-selection.prompt_tokens // bs) - selection.overlap_blocks)
-        decode = -(-(selection.prompt_tokens + max(0, expected_output_tokens)) // bs)
-        self._book("", request_id, load, prefill, decode)
+        overlap = selection.overlap_blocks
+        prefill = max(0, -(-selection.prompt_tokens // bs) - overlap)
+        total = -(-(selection.prompt_tokens + max(0, expected_output_tokens)) // bs)
+        decode = max(0, total - overlap)
+        self._book("", request_id, load, prefill, decode, now)
         if not load.kv_events and selection.block_hashes:
             self.approx.insert(load.worker_id, selection.block_hashes, now)
         self._emit(
@@ -407,20 +462,33 @@ class KvScheduler:
         )
 
     def _book(
-        self, source: str, request_id: str, load: WorkerLoad, prefill: int, decode: int
+        self,
+        source: str,
+        request_id: str,
+        load: WorkerLoad,
+        prefill: int,
+        decode: int,
+        now: float | None,
     ) -> None:
-        key = (source, request_id)
-        old = self._bookings.pop(key, None)
-        if old is not None:
-            self._unbook(old)
+        self._drop_booking((source, request_id))
         load.booked_prefill += prefill
         load.booked_decode += decode
-        self._bookings[key] = _Booking(load, prefill, decode)
+        booking = _Booking(load, prefill, decode)
+        self._bookings[(source, request_id)] = booking
+        settle = self.config.load_settle_s
+        if now is not None and settle > 0:
+            recent = load.recent
+            while recent and recent[0][0] <= now - settle:  # bounded without load metrics too
+                recent.popleft()
+            recent.append((now, booking))
 
-    @staticmethod
-    def _unbook(b: _Booking) -> None:
-        b.load.booked_prefill -= b.prefill
-        b.load.booked_decode -= b.decode
+    def _drop_booking(self, key: tuple[str, str]) -> _Booking | None:
+        b = self._bookings.pop(key, None)
+        if b is not None:
+            b.load.booked_prefill -= b.prefill
+            b.load.booked_decode -= b.decode
+            b.live = False
+        return b
 
     def first_token(self, request_id: str, source: str = "") -> bool:
         """The request's prefill is done: its prefill blocks stop counting. False if unknown."""
@@ -445,10 +513,9 @@ class KvScheduler:
 
     def free(self, request_id: str, source: str = "") -> bool:
         """The request ended (any reason): drop its booking. False if unknown."""
-        b = self._bookings.pop((source, request_id), None)
+        b = self._drop_booking((source, request_id))
         if b is None:
             return False
-        self._unbook(b)
         if not source:
             self._emit(LoadEvent(self.router_id, request_id, b.load.worker_id, LoadEventKind.FREED))
         return True
@@ -489,16 +556,19 @@ class KvScheduler:
             if not source
         ]
 
-    def apply_peer(self, source: str, event: LoadEvent) -> None:
-        """Apply a peer replica's booking change (`source` names the peer connection)."""
+    def apply_peer(self, source: str, event: LoadEvent, now: float | None = None) -> None:
+        """Apply a peer replica's booking change (`source` names the peer connection; `now`:
+        when it arrived, for the load correction; None: treat it as settled)."""
         if not source:
             raise ValueError("source must name the peer")
         if event.kind is LoadEventKind.BOOKED:
             load = self._workers.get(event.worker_id)
             if load is None:
-                self.free(event.request_id, source)
+                self._drop_booking((source, event.request_id))
                 return
-            self._book(source, event.request_id, load, event.prefill_blocks, event.decode_blocks)
+            self._book(
+                source, event.request_id, load, event.prefill_blocks, event.decode_blocks, now
+            )
         elif event.kind is LoadEventKind.FIRST_TOKEN:
             self.first_token(event.request_id, source)
         else:
@@ -508,7 +578,7 @@ class KvScheduler:
         """Forget every booking of a peer (its stream ended; a new one restarts from its
         active bookings)."""
         for key in [k for k in self._bookings if k[0] == source]:
-            self._unbook(self._bookings.pop(key))
+            self._drop_booking(key)
 
 
 class KvRouter:

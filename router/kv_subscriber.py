@@ -318,7 +318,7 @@ class PeerLoadSync:
                     async for msg in call:
                         event = load_event_from_pb(msg)
                         if event.router_id != own_id:
-                            self.scheduler.apply_peer(source, event)
+                            self.scheduler.apply_peer(source, event, self.clock.now())
                 except grpc.aio.AioRpcError as exc:
                     log.debug("load events of peer %s failed: %s", address, exc.code())
                 finally:

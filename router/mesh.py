@@ -47,7 +47,11 @@ class MeshBackend:
         self, model: str, request: EngineRequest, trace: TraceContext | None
     ) -> AsyncIterator[EngineOutput]:
         decision = await self.router.route(
-            model, request.prompt, request.request_id, lora_name=request.lora_name
+            model,
+            request.prompt,
+            request.request_id,
+            lora_name=request.lora_name,
+            expected_output_tokens=request.stop.max_tokens or 0,
         )
         child = trace.child() if trace is not None else None
         stream = decision.worker.session.generate(wire.request_to_pb(request), child)

@@ -117,6 +117,9 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):
     ) -> AsyncIterator[rpb.SubscribeLoadEventsResponse]:
         if not isinstance(self.router, KvRouter):
             raise Unimplemented("only the KV router shares predicted load with its replicas")
+        # Headers now: a replica with no bookings sends nothing for a while, and its peers
+        # want to know that the stream is open.
+        await context.send_initial_metadata(())
         events = self.router.load_events(request.subscriber_id)
         try:
             async for event in events:

@@ -63,6 +63,33 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
+class GuidedKind(enum.Enum):
+    """Kinds of structured-output constraint (kvmesh.api.common.v1.GuidedDecoding)."""
+
+    JSON_SCHEMA = "json_schema"
+    """`value`: a JSON Schema document (JSON text) the output must validate against."""
+    JSON_OBJECT = "json_object"
+    """Any syntactically valid JSON object; `value` is empty."""
+    REGEX = "regex"
+    """`value`: a regular expression the whole output must match."""
+    GRAMMAR = "grammar"
+    """`value`: an EBNF / GBNF grammar."""
+    CHOICE = "choice"
+    """`choices`: the output is exactly one of them."""
+
+
+@dataclass(slots=True)
+class GuidedDecoding:
+    """A structured-output constraint. Engines without the GUIDED_DECODING capability never
+    receive one (the gateway refuses such requests)."""
+
+    kind: GuidedKind
+    value: str = ""
+    """The schema, regex or grammar text (empty for JSON_OBJECT and CHOICE)."""
+    choices: tuple[str, ...] = ()
+    """The allowed outputs of CHOICE."""
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling knobs with their semantic defaults (validated by the worker server)."""
@@ -81,6 +108,8 @@ class SamplingParams:
     top_logprobs: int | None = None
     """None: no logprobs; 0: only the chosen token's; k: plus k alternatives."""
     logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: GuidedDecoding | None = None
+    """Structured-output constraint; None: unconstrained."""
 
 
 @dataclass(slots=True)

@@ -357,14 +357,34 @@ def _mocker(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     )
 
 
-ENGINES: dict[EngineKind, EngineFactory] = {EngineKind.MOCKER: _mocker}
+def _torch(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+    # Imports torch and transformers: only when this engine is asked for.
+    from kvmesh.config import from_args
+    from kvmesh.modeldir import default_model_dir
+    from kvmesh.workers.pytorch.config import TorchConfig
+    from kvmesh.workers.pytorch.engine import TorchEngine
+    from kvmesh.workers.pytorch.weights import create_tiny_weights, has_weights
+
+    if model.path == default_model_dir().resolve() and not has_weights(model.path):
+        create_tiny_weights(model.path)  # the built-in tiny model gets deterministic weights
+    return TorchEngine(
+        from_args(TorchConfig, ns),
+        model_dir=model.path,
+        served_model_name=config.served_model_name or model.name,
+        eos_token_ids=model.eos_token_ids,
+        context_length=model.context_length,
+    )
+
+
+ENGINES: dict[EngineKind, EngineFactory] = {EngineKind.MOCKER: _mocker, EngineKind.TORCH: _torch}
 
 
 def engine_arg_groups() -> list[type[Any]]:
     """Config dataclasses whose flags `kvmesh worker` accepts besides WorkerConfig."""
     from kvmesh.workers.mocker import MockerConfig
+    from kvmesh.workers.pytorch.config import TorchConfig  # imports no torch
 
-    return [MockerConfig]
+    return [MockerConfig, TorchConfig]
 
 
 def build_engine(config: WorkerConfig, ns: Any) -> Engine:

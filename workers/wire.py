@@ -12,6 +12,8 @@ from kvmesh.workers.engine import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    GuidedDecoding,
+    GuidedKind,
     LoadInfo,
     ModelInfo,
     Role,
@@ -56,6 +58,8 @@ def request_to_pb(req: EngineRequest) -> wpb.GenerateRequest:
         sampling.seed = s.seed
     if s.top_logprobs is not None:
         sampling.top_logprobs = s.top_logprobs
+    if s.guided is not None:
+        guided_to_pb(s.guided, sampling.guided)
     stop = cpb.StopConditions(
         min_tokens=st.min_tokens, stop_token_ids=st.stop_token_ids, ignore_eos=st.ignore_eos
     )
@@ -85,6 +89,7 @@ def request_from_pb(msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
         seed=s.seed if s.HasField("seed") else None,
         top_logprobs=s.top_logprobs if s.HasField("top_logprobs") else None,
         logit_bias=dict(s.logit_bias),
+        guided=guided_from_pb(s.guided) if s.HasField("guided") else None,
     )
     stop = StopParams(
         max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
@@ -100,6 +105,37 @@ def request_from_pb(msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
         lora_name=msg.lora_name,
         priority=msg.priority,
     )
+
+
+def guided_to_pb(guided: GuidedDecoding, msg: cpb.GuidedDecoding) -> None:
+    """Write `guided` into the (empty) GuidedDecoding message `msg`."""
+    kind = guided.kind
+    if kind is GuidedKind.JSON_SCHEMA:
+        msg.json_schema = guided.value
+    elif kind is GuidedKind.JSON_OBJECT:
+        msg.json_object = True
+    elif kind is GuidedKind.REGEX:
+        msg.regex = guided.value
+    elif kind is GuidedKind.GRAMMAR:
+        msg.grammar = guided.value
+    else:
+        msg.choices.choices.extend(guided.choices)
+
+
+def guided_from_pb(msg: cpb.GuidedDecoding) -> GuidedDecoding | None:
+    """GuidedDecoding message -> GuidedDecoding (None when no constraint is set)."""
+    which = msg.WhichOneof("constraint")
+    if which == "json_schema":
+        return GuidedDecoding(GuidedKind.JSON_SCHEMA, msg.json_schema)
+    if which == "json_object":
+        return GuidedDecoding(GuidedKind.JSON_OBJECT) if msg.json_object else None
+    if which == "regex":
+        return GuidedDecoding(GuidedKind.REGEX, msg.regex)
+    if which == "grammar":
+        return GuidedDecoding(GuidedKind.GRAMMAR, msg.grammar)
+    if which == "choices":
+        return GuidedDecoding(GuidedKind.CHOICE, choices=tuple(msg.choices.choices))
+    return None
 
 
 # --- outputs --------------------------------------------------------------------------------

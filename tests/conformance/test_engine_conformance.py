@@ -10,12 +10,21 @@ shape of KvEventLog.cached()) and `cached_block_hashes()` (just the hashes).
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
+import importlib.util
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvmesh.errors import InvalidRequest, RequestTooLarge, Unavailable
+from kvmesh.modeldir import ModelDirInfo
+from kvmesh.tinymodel import create_tiny_model
 from kvmesh.workers.engine import (
     Engine,
     EngineOutput,
@@ -52,7 +61,51 @@ def _mocker() -> Engine:
     )
 
 
-CASES = [EngineCase("mocker", _mocker, frozenset({0, 1, 2}))]
+_HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+@functools.cache
+def _torch_model() -> tuple[Path, Any]:
+    """The tiny model with random weights, loaded once per process (engines share it)."""
+    from kvmesh.workers.pytorch.config import TorchDType
+    from kvmesh.workers.pytorch.model_runner import load_model
+    from kvmesh.workers.pytorch.weights import create_tiny_weights
+
+    root = Path(tempfile.mkdtemp(prefix="kvmesh-conformance-"))
+    atexit.register(shutil.rmtree, root, True)
+    path = create_tiny_model(root / "tiny-llama")
+    create_tiny_weights(path)
+    return path, load_model(path, "cpu", TorchDType.FLOAT32)
+
+
+def _torch() -> Engine:
+    from kvmesh.workers.pytorch.config import TorchConfig
+    from kvmesh.workers.pytorch.engine import TorchEngine
+
+    path, loaded = _torch_model()
+    info = ModelDirInfo.load(path)
+    return TorchEngine(
+        TorchConfig(device="cpu", num_gpu_blocks=256, max_model_len=1024),
+        model_dir=path,
+        served_model_name="conformance",
+        eos_token_ids=info.eos_token_ids,
+        loaded=loaded,
+    )
+
+
+CASES = [
+    EngineCase("mocker", _mocker, frozenset({0, 1, 2})),
+    EngineCase(
+        "torch",
+        _torch,
+        marks=(
+            pytest.mark.skipif(
+                not _HAS_TORCH,
+                reason="torch/transformers not installed (pip install kvmesh[torch])",
+            ),
+        ),
+    ),
+]
 
 
 @pytest.fixture(params=[pytest.param(c, id=c.name, marks=c.marks) for c in CASES])
@@ -251,6 +304,7 @@ async def test_logprobs(engine: Engine) -> None:
 async def test_bad_options_raise_invalid_request(
     engine: Engine, param: str, kwargs: dict[str, object]
 ) -> None:
+    kwargs = dict(kwargs)  # the parameter dict is shared by every engine case
     max_tokens = kwargs.pop("max_tokens", 4)
     min_tokens = kwargs.pop("min_tokens", 0)
     request = make(max_tokens=max_tokens, min_tokens=min_tokens, **kwargs)  # type: ignore[arg-type]

@@ -38,9 +38,15 @@ def _get(url: str) -> tuple[int, bytes]:
 class Mesh:
     def __init__(self, proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
         self.proc, self.base, self.log = proc, base, log
+        self._client: openai.OpenAI | None = None
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0)
+        """One OpenAI client per mesh (closed by stop_mesh)."""
+        if self._client is None:
+            self._client = openai.OpenAI(
+                base_url=self.base + "/v1", api_key="unused", max_retries=0
+            )
+        return self._client
 
 
 def start_mesh(tmp: Path, *args: str) -> Mesh:
@@ -80,6 +86,8 @@ def start_mesh(tmp: Path, *args: str) -> Mesh:
 
 
 def stop_mesh(mesh: Mesh) -> int:
+    if mesh._client is not None:
+        mesh._client.close()
     mesh.proc.send_signal(signal.SIGINT)
     try:
         return mesh.proc.wait(30)
@@ -241,3 +249,23 @@ def test_scale_the_worker_pool(tiny_model: Path, tmp_path: Path) -> None:
     finally:
         channel.close()
         assert stop_mesh(mesh) == 0, mesh.log.read_text()
+
+
+def test_kv_routing_sends_shared_prefixes_to_the_same_worker(mesh: Mesh) -> None:
+    """The default router is KV-aware: a long shared prefix is served from one worker's cache,
+    visible as prompt_tokens_details.cached_tokens and in the router metrics."""
+    client = mesh.client()
+    prefix = "alpha beta gamma delta " * 100
+    cached = []
+    for i in range(4):
+        res = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"{prefix} question {i}"}],
+            max_tokens=2,
+        )
+        assert res.usage is not None and res.usage.prompt_tokens_details is not None
+        cached.append(res.usage.prompt_tokens_details.cached_tokens or 0)
+    assert cached[0] == 0 or cached[0] < cached[1]
+    assert all(c >= 256 for c in cached[1:]), cached  # 4+ shared 64-token blocks every time
+    status, body = _get(mesh.base + "/metrics")
+    assert b"kvmesh_router_overhead_seconds_bucket" in body

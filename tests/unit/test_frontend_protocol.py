@@ -167,7 +167,7 @@ def test_content_parts_and_tool_messages() -> None:
         (chat(logit_bias={"x": 1}), "logit_bias"),
         (chat(logit_bias={"1": 101}), "logit_bias"),
         (chat(stop_token_ids=[-1]), "stop_token_ids"),
-        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(response_format={"type": "xml"}), "response_format"),
         (chat(tool_choice="required"), "tool_choice"),
         (chat(best_of=3), "best_of"),
         (chat(seed=2**70), "seed"),

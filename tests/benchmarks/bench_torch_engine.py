@@ -1,0 +1,192 @@
+"""Benchmarks of the torch engine (not collected by pytest).
+
+Usage:
+  .venv/bin/python tests/benchmarks/bench_torch_engine.py [--model tiny|large|DIR]
+      [--device cpu] [--dtype float32] [--prefix 1024] [--prompt 128] [--new 128]
+
+  --model tiny   the tiny Llama of kvmesh.tinymodel (hidden 64, 2 layers) with random weights
+  --model large  the same tokenizer with a larger random-weight Llama: hidden 768, 8 layers,
+                 12 heads (4 KV heads), intermediate 2048
+  --model DIR    any local model directory with weights
+
+1. Prefix caching: TTFT of a request whose prompt is `--prefix` tokens + 16 tokens, then of a
+   second request with the same prefix and another 16-token tail (its full prefix blocks come
+   from the cache), and, as a control, the second request on an engine without prefix caching.
+2. Throughput: output tokens/s of the engine with 1 and with 8 concurrent requests (`--prompt`
+   tokens in, `--new` tokens out each, EOS ignored) against transformers' `generate()` called
+   in a loop over the same prompts (greedy, KV cache on, same dtype and device). Each side gets
+   one warm-up run first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvmesh.modeldir import ModelDirInfo
+from kvmesh.tinymodel import create_tiny_model
+from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
+from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
+from kvmesh.workers.pytorch.engine import TorchEngine
+from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
+from kvmesh.workers.pytorch.weights import create_tiny_weights
+
+LARGE = {
+    "hidden_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 2048,
+}
+
+
+def model_dir(kind: str, tmp: Path) -> Path:
+    if kind not in ("tiny", "large"):
+        return Path(kind)
+    path = create_tiny_model(tmp / kind)
+    if kind == "large":
+        config = json.loads((path / "config.json").read_text())
+        config.update(LARGE)
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    create_tiny_weights(path)
+    return path
+
+
+def prompt_of(n: int, salt: int) -> list[int]:
+    return [(salt * 7919 + i * 131) % 3800 + 100 for i in range(n)]
+
+
+def engine(path: Path, loaded: LoadedModel, **cfg: object) -> TorchEngine:
+    config = TorchConfig(**{"device": str(loaded.device), "num_gpu_blocks": 4096, **cfg})  # type: ignore[arg-type]
+    return TorchEngine(
+        config,
+        model_dir=path,
+        served_model_name="bench",
+        eos_token_ids=ModelDirInfo.load(path).eos_token_ids,
+        loaded=loaded,
+    )
+
+
+async def ttft(eng: TorchEngine, prompt: list[int]) -> tuple[float, int]:
+    request = EngineRequest(
+        f"ttft-{time.monotonic_ns()}",
+        prompt,
+        SamplingParams(temperature=0.0),
+        StopParams(max_tokens=1),
+    )
+    t0 = time.perf_counter()
+    cached = 0
+    async for out in eng.generate(request):
+        if out.usage is not None:
+            cached = out.usage.cached_tokens
+    return time.perf_counter() - t0, cached
+
+
+async def bench_prefix(path: Path, loaded: LoadedModel, prefix_len: int) -> None:
+    prefix = prompt_of(prefix_len, 1)
+    first, second = prefix + prompt_of(16, 2), prefix + prompt_of(16, 3)
+    warm = prompt_of(64, 9)
+    eng = engine(path, loaded)
+    await eng.start()
+    await ttft(eng, warm)
+    t1, c1 = await ttft(eng, first)
+    t2, c2 = await ttft(eng, second)
+    await eng.stop()
+    cold = engine(path, loaded, enable_prefix_caching=False)
+    await cold.start()
+    await ttft(cold, warm)
+    await ttft(cold, first)
+    t3, _ = await ttft(cold, second)
+    await cold.stop()
+    n = len(first)
+    print(f"prefix caching ({n}-token prompts sharing a {prefix_len}-token prefix):")
+    print(f"  request 1 (cold):                 TTFT {t1 * 1e3:8.1f} ms  cached {c1} tokens")
+    print(f"  request 2 (shared prefix):        TTFT {t2 * 1e3:8.1f} ms  cached {c2} tokens")
+    print(f"  request 2, prefix caching off:    TTFT {t3 * 1e3:8.1f} ms")
+    print(f"  speed-up of request 2: {t1 / t2:.1f}x")
+
+
+async def engine_tps(eng: TorchEngine, prompts: list[list[int]], new: int) -> float:
+    async def one(i: int, prompt: list[int]) -> int:
+        request = EngineRequest(
+            f"tp-{i}-{time.monotonic_ns()}",
+            prompt,
+            SamplingParams(temperature=0.0),
+            StopParams(max_tokens=new, ignore_eos=True),
+        )
+        return sum([len(o.token_ids) async for o in eng.generate(request)])
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def hf_tps(loaded: LoadedModel, prompts: list[list[int]], new: int) -> float:
+    t0 = time.perf_counter()
+    total = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=loaded.device)
+        out = loaded.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
+        total += out.shape[1] - len(prompt)
+    return total / (time.perf_counter() - t0)
+
+
+async def bench_throughput(path: Path, loaded: LoadedModel, prompt_len: int, new: int) -> None:
+    print(f"throughput ({prompt_len} prompt tokens, {new} output tokens per request):")
+    eng = engine(path, loaded)
+    await eng.start()
+    for batch in (1, 8):
+        prompts = [prompt_of(prompt_len, 100 + i) for i in range(batch)]
+        await engine_tps(eng, [prompt_of(prompt_len, 50 + i) for i in range(batch)], 8)  # warm-up
+        await eng.clear_kv_cache()
+        ours = await engine_tps(eng, prompts, new)
+        hf_tps(loaded, prompts[:1], 8)  # warm-up
+        theirs = hf_tps(loaded, prompts, new)
+        print(
+            f"  batch {batch}: torch engine {ours:8.1f} tok/s   "
+            f"transformers generate() loop {theirs:8.1f} tok/s   ({ours / theirs:.1f}x)"
+        )
+    await eng.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="tiny, large or a model directory")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=[d.value for d in TorchDType])
+    parser.add_argument("--prefix", type=int, default=1024, help="shared prefix length")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt length (throughput)")
+    parser.add_argument("--new", type=int, default=128, help="output tokens (throughput)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ns = parser.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
+        path = model_dir(ns.model, Path(tmp))
+        loaded = load_model(path, ns.device, TorchDType(ns.dtype))
+        params = sum(p.numel() for p in loaded.model.parameters())
+        print(
+            f"model {ns.model}: {loaded.model_type}, {params / 1e6:.1f}M parameters, "
+            f"{loaded.num_layers} layers, on {loaded.device} as {loaded.dtype}, "
+            f"{torch.get_num_threads()} threads"
+        )
+        asyncio.run(bench_prefix(path, loaded, ns.prefix))
+        asyncio.run(bench_throughput(path, loaded, ns.prompt, ns.new))
+
+
+if __name__ == "__main__":
+    main()

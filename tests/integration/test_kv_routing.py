@@ -1,0 +1,304 @@
+"""KV-aware routing over real mocker workers on loopback gRPC (file discovery).
+
+Prompts that share a prefix go to the worker holding it (checked with the workers' own
+counters), a restarted router rebuilds its index from the workers' snapshots, two router
+replicas share predicted load and make the same decisions, a worker that leaves leaves the
+index, and engines without KV events are routed approximately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from kvmesh.api.router.v1 import router_service_pb2 as rpb
+from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from kvmesh.discovery import FileDiscovery
+from kvmesh.grpcutil import GrpcServer, insecure_channel
+from kvmesh.mesh import MeshConfig, build_router
+from kvmesh.router.hashing import block_hashes
+from kvmesh.router.kv_router import KvRouter, KvRouterConfig
+from kvmesh.router.mesh import MeshBackend
+from kvmesh.router.pool import WorkerPool
+from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
+from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
+from kvmesh.workers.server import Worker, WorkerConfig
+
+from .test_worker_contract import make_engine
+
+pytestmark = pytest.mark.integration
+
+BS = 16
+
+
+@pytest.fixture
+async def workers(tiny_model: Path, tmp_path: Path) -> AsyncIterator[list[Worker]]:
+    url = f"file://{tmp_path / 'registry'}"
+    ws = [
+        Worker(
+            WorkerConfig(discovery=url, worker_id=f"w{i}"),
+            make_engine(tiny_model, block_size=BS, num_gpu_blocks=512),
+        )
+        for i in range(4)
+    ]
+    for w in ws:
+        await w.start()
+    yield ws
+    for w in ws:
+        if not w.servicer.draining:
+            await w.stop()
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():  # noqa: ASYNC110 - polling state that has no event to wait on
+            await asyncio.sleep(0.01)
+
+
+def prompt(group: int, variant: int, blocks: int = 6) -> list[int]:
+    """`blocks` full blocks shared by the group, then one block of its own."""
+    shared = [100 + 37 * group + (i % 29) for i in range(blocks * BS)]
+    return shared + [2000 + 50 * group + variant] * BS
+
+
+async def run(backend: MeshBackend, rid: str, tokens: list[int]) -> int:
+    """Generate 2 tokens; returns the prompt tokens the worker served from its cache."""
+    req = EngineRequest(rid, tokens, SamplingParams(temperature=0.0), StopParams(max_tokens=2))
+    cached = -1
+    async for out in backend.generate("tiny", req, None):
+        if out.usage is not None:
+            cached = out.usage.cached_tokens
+    return cached
+
+
+def finished(ws: list[Worker]) -> list[int]:
+    return [w.engine.load().requests_finished_total for w in ws]
+
+
+async def kv_router(tmp_path: Path, **kw: object) -> tuple[WorkerPool, KvRouter]:
+    pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+    router = KvRouter(pool, KvRouterConfig(seed=1), **kw)  # type: ignore[arg-type]
+    await pool.start()
+    await pool.wait_for(4, timeout_s=10)
+    return pool, router
+
+
+def holders(router: KvRouter, tokens: list[int]) -> dict[str, int]:
+    return router.scheduler.indexer.find_matches(block_hashes(tokens, BS))
+
+
+async def test_shared_prefixes_go_to_the_worker_holding_them(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    pool, router = await kv_router(tmp_path)
+    backend = MeshBackend(pool, router)
+    try:
+        await until(lambda: len(router.subscriber.followed()) == 4)
+        owner: dict[int, str] = {}
+        for g in range(4):  # the first prompt of each group seeds one worker's cache
+            before = finished(workers)
+            assert await run(backend, f"seed{g}", prompt(g, 0)) == 0
+            after = finished(workers)
+            (idx,) = [i for i in range(4) if after[i] > before[i]]
+            owner[g] = workers[idx].worker_id
+            await until(lambda g=g: holders(router, prompt(g, 0)).get(owner[g]) == 7)
+        assert len(set(owner.values())) == 4  # misses go to the emptiest caches: spread
+        for v in range(1, 4):
+            for g in range(4):
+                before = finished(workers)
+                cached = await run(backend, f"g{g}v{v}", prompt(g, v))
+                after = finished(workers)
+                served = [workers[i].worker_id for i in range(4) if after[i] > before[i]]
+                assert served == [owner[g]]
+                assert cached == 6 * BS  # the shared blocks came from the worker's cache
+        assert router.stats.decisions == 16
+        assert router.stats.overlap_blocks == 12 * 6
+        assert 0 < router.stats.quantile(0.99) < 0.05  # routing overhead, seconds
+        assert router.scheduler.num_bookings() == 0  # all freed
+    finally:
+        await router.close()
+        await pool.stop()
+
+
+async def test_a_restarted_router_rebuilds_its_index_from_snapshots(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    pool, router = await kv_router(tmp_path)
+    backend = MeshBackend(pool, router)
+    await until(lambda: len(router.subscriber.followed()) == 4)
+    await run(backend, "seed", prompt(7, 0))
+    await until(lambda: bool(holders(router, prompt(7, 0))))
+    (owner,) = holders(router, prompt(7, 0))
+    await router.close()
+    await pool.stop()
+
+    pool2, router2 = await kv_router(tmp_path)
+    try:
+        await until(lambda: holders(router2, prompt(7, 0)) == {owner: 7})
+        for w in workers:
+            stats = router2.scheduler.indexer.stats(w.worker_id)
+            assert stats.snapshots >= 1 and stats.log_id
+        again = await router2.route("tiny", prompt(7, 1), "again")
+        assert again.worker.worker_id == owner and again.overlap_blocks == 6
+        router2.finished("again")
+    finally:
+        await router2.close()
+        await pool2.stop()
+
+
+async def test_two_router_replicas_share_load_and_agree(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    pools: list[WorkerPool] = []
+    routers: list[KvRouter] = []
+    servers: list[GrpcServer] = []
+    for _ in range(2):
+        pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+        server = GrpcServer()
+        pools.append(pool)
+        servers.append(server)
+    for i, pool in enumerate(pools):  # addresses are bound already: peers can be named
+        # Load metrics once at subscription (idle), then stale: decisions here depend on the
+        # bookings only, which is what this test compares across replicas.
+        router = KvRouter(
+            pool,
+            KvRouterConfig(seed=i),
+            peers=[servers[1 - i].address],
+            router_id=f"r{i}",
+            load_interval_ms=600_000,
+        )
+        servers[i].add(
+            rpb_grpc.add_RouterServiceServicer_to_server,
+            RouterServicer(pool, router),
+            ROUTER_SERVICE,
+        )
+        routers.append(router)
+    try:
+        for server in servers:
+            await server.start()
+        for pool in pools:
+            await pool.start()
+            await pool.wait_for(4, timeout_s=10)
+        for router in routers:
+            await router.start()
+        await until(
+            lambda: (
+                all(len(r.subscriber.followed()) == 4 for r in routers)
+                and all(r.peer_sync is not None and r.peer_sync.connected for r in routers)
+            )
+        )
+        a, b = routers
+        backend = MeshBackend(pools[0], a)
+        for g in range(3):
+            await run(backend, f"seed{g}", prompt(g, 0))
+        for g in range(3):
+            await until(lambda g=g: holders(a, prompt(g, 0)) == holders(b, prompt(g, 0)) != {})
+        peer_a, peer_b = f"peer:{servers[0].address}", f"peer:{servers[1].address}"
+        await until(lambda: b.scheduler.num_bookings(peer_a) == 0)  # the seeds' frees arrived
+        # Same index and, once bookings have travelled, the same load: the same decisions,
+        # whichever replica is asked.
+        for g in range(3):
+            da = await a.route("tiny", prompt(g, 1), f"a{g}")
+            await until(lambda g=g: b.scheduler.num_bookings(peer_a) == g + 1)
+            db = await b.route("tiny", prompt(g, 2), f"b{g}")
+            await until(lambda g=g: a.scheduler.num_bookings(peer_b) == g + 1)
+            assert da.worker.worker_id == db.worker.worker_id
+            assert da.overlap_blocks == db.overlap_blocks == 6
+        for w in a.scheduler.workers():
+            la, lb = a.scheduler.worker(w), b.scheduler.worker(w)
+            assert la is not None and lb is not None
+            assert (la.booked_prefill, la.booked_decode) == (lb.booked_prefill, lb.booked_decode)
+        # A fresh prompt on an idle fleet: replica b avoids the worker a just loaded.
+        big = [3000 + i for i in range(30 * BS)]
+        heavy = await a.route("tiny", big, "heavy")
+        await until(lambda: b.scheduler.num_bookings(peer_a) == 4)
+        light = await b.route("tiny", [4000 + i for i in range(2 * BS)], "light")
+        assert light.worker.worker_id != heavy.worker.worker_id
+        for g in range(3):
+            a.finished(f"a{g}")
+            b.finished(f"b{g}")
+        a.finished("heavy")
+        b.finished("light")
+        await until(lambda: b.scheduler.num_bookings() == 0 and a.scheduler.num_bookings() == 0)
+        # The service streams bookings starting with the active ones.
+        channel = insecure_channel(servers[0].address)
+        stub = rpb_grpc.RouterServiceStub(channel)
+        await a.route("tiny", prompt(0, 3), "open")
+        call = stub.SubscribeLoadEvents(rpb.SubscribeLoadEventsRequest(subscriber_id="test"))
+        first = await asyncio.wait_for(anext(aiter(call)), 5)
+        assert (first.router_id, first.request_id, first.state) == (
+            "r0",
+            "open",
+            rpb.REQUEST_STATE_UNSPECIFIED,
+        )
+        a.finished("open")
+        freed = await asyncio.wait_for(anext(aiter(call)), 5)
+        assert freed.state == rpb.REQUEST_STATE_FINISHED
+        call.cancel()
+        listing = await stub.ListWorkers(rpb.ListWorkersRequest())
+        assert sum(w.indexed_blocks for w in listing.workers) >= 3 * 7
+        assert all(w.HasField("load") for w in listing.workers)
+        await channel.close()
+    finally:
+        for router in routers:
+            await router.close()
+        for server in servers:
+            await server.stop(0)
+        for pool in pools:
+            await pool.stop()
+
+
+async def test_a_worker_that_leaves_leaves_the_index(workers: list[Worker], tmp_path: Path) -> None:
+    pool, router = await kv_router(tmp_path)
+    backend = MeshBackend(pool, router)
+    try:
+        await until(lambda: len(router.subscriber.followed()) == 4)
+        await run(backend, "seed", prompt(5, 0))
+        await until(lambda: bool(holders(router, prompt(5, 0))))
+        (owner,) = holders(router, prompt(5, 0))
+        worker = next(w for w in workers if w.worker_id == owner)
+        await worker.stop()
+        await until(lambda: holders(router, prompt(5, 0)) == {})
+        assert owner not in router.scheduler.workers()
+        d = await router.route("tiny", prompt(5, 1), "after")
+        assert d.worker.worker_id != owner and d.overlap_blocks == 0
+        router.finished("after")
+    finally:
+        await router.close()
+        await pool.stop()
+
+
+async def test_engines_without_kv_events_are_routed_approximately(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    url = f"file://{tmp_path / 'plain'}"
+    ws = [
+        Worker(
+            WorkerConfig(discovery=url, worker_id=f"p{i}"),
+            make_engine(tiny_model, block_size=BS, enable_prefix_caching=False),
+        )
+        for i in range(2)
+    ]
+    for w in ws:
+        await w.start()
+    pool, router = build_router(MeshConfig(discovery=url, router_seed=3))
+    assert isinstance(router, KvRouter)
+    await pool.start()
+    try:
+        await pool.wait_for(2, timeout_s=10)
+        await until(lambda: len(router.subscriber.followed()) == 2)
+        assert not any(router.scheduler.worker(w.worker_id).kv_events for w in ws)  # type: ignore[union-attr]
+        first = await router.route("tiny", prompt(1, 0), "x")
+        router.finished("x")
+        for v in range(1, 4):
+            d = await router.route("tiny", prompt(1, v), f"x{v}")
+            assert d.worker.worker_id == first.worker.worker_id and d.overlap_blocks == 6
+            router.finished(f"x{v}")
+    finally:
+        await router.close()
+        await pool.stop()
+        for w in ws:
+            await w.stop()

@@ -1,0 +1,320 @@
+"""KvScheduler: the cost function, choice, busy thresholds, load tracking, peers, approximate
+mode. All synchronous, with explicit `now` (as `kvmesh replay` drives it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmesh.errors import Unavailable
+from kvmesh.router.hashing import block_hashes
+from kvmesh.router.kv_router import (
+    KvRouterConfig,
+    KvScheduler,
+    LoadEvent,
+    LoadEventKind,
+    LoadSample,
+)
+from kvmesh.router.routing import RoutingStats
+from kvmesh.workers.kv_events import BlocksStored, StoredBlock
+from kvmesh.workers.mocker import block_hash as engine_hash
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+
+
+def cache(sched: KvScheduler, worker: str, tokens: list[int]) -> None:
+    """Tell the scheduler `worker` cached the full blocks of `tokens` (as a KV event would)."""
+    blocks, parent = [], None
+    for i in range(len(tokens) // BS):
+        b = tuple(tokens[i * BS : (i + 1) * BS])
+        parent = engine_hash(parent, b)
+        blocks.append(StoredBlock(parent, b))
+    sched.indexer.apply_event(worker, BlocksStored(None, blocks))
+
+
+def make(n: int = 3, **cfg: float) -> KvScheduler:
+    sched = KvScheduler(KvRouterConfig(**cfg), router_id="r1")  # type: ignore[arg-type]
+    for i in range(n):
+        sched.add_worker(f"w{i}", block_size=BS, kv_total_blocks=100)
+    return sched
+
+
+def test_prefers_the_worker_holding_the_prefix() -> None:
+    sched = make()
+    prompt = list(range(40))  # 10 blocks
+    cache(sched, "w1", prompt[:24])
+    cache(sched, "w2", prompt[:8])
+    sel = sched.select(prompt, now=0.0)
+    assert (sel.worker_id, sel.overlap_blocks, sel.prompt_blocks) == ("w1", 6, 10)
+    # idle fleet: twice the blocks the request adds (to prefill, then to hold)
+    assert sel.costs == {"w0": 20.0, "w1": 8.0, "w2": 16.0}
+    assert sel.block_hashes == block_hashes(prompt, BS)
+    assert sel.cost == 8.0 and sel.prompt_tokens == 40 and sel.block_size == BS
+    # A partial block counts as work but never as overlap.
+    assert sched.select([*prompt, 1, 2], now=0.0).costs["w1"] == pytest.approx(9.0)
+
+
+def test_load_outweighs_overlap_and_the_weight_trades_them() -> None:
+    sched = make(2)
+    prompt = list(range(40))
+    cache(sched, "w0", prompt)
+    for i in range(3):  # three decoding requests of 10 blocks on w0
+        sel = sched.select(list(range(1000 + 50 * i, 1040 + 50 * i)), now=0.0, candidates=["w0"])
+        sched.book(f"busy{i}", sel, now=0.0)
+        sched.first_token(f"busy{i}")
+    sel = sched.select(prompt, now=0.0)
+    assert sel.costs == {"w0": 30.0, "w1": 20.0} and sel.worker_id == "w1"
+    heavy = KvScheduler(KvRouterConfig(overlap_weight=4.0))
+    for w in ("w0", "w1"):
+        heavy.add_worker(w, block_size=BS)
+    cache(heavy, "w0", prompt)
+    assert heavy.select(prompt, now=0.0).worker_id == "w0"
+
+
+def test_requests_sharing_a_cached_prefix_add_only_their_tails() -> None:
+    sched = make(2)
+    system = list(range(32))  # 8 blocks every request shares
+    cache(sched, "w0", system)
+    for i in range(3):  # three running requests with that system prompt on w0
+        sel = sched.select([*system, *range(100 + 4 * i, 104 + 4 * i)], 0.0)
+        assert sel.worker_id == "w0" and sel.overlap_blocks == 8
+        sched.book(f"r{i}", sel, now=0.0)
+        sched.first_token(f"r{i}")
+    w0 = sched.worker("w0")
+    assert w0 is not None and (w0.booked_prefill, w0.booked_decode) == (0, 3)
+    sel = sched.select([*system, 7, 7, 7, 7], 0.0)
+    assert sel.costs == {"w0": 1 + (3 + 1), "w1": 9 + 9} and sel.worker_id == "w0"
+    for i in range(3):
+        sched.free(f"r{i}")
+    assert (w0.booked_prefill, w0.booked_decode) == (0, 0)
+
+
+def test_ties_are_broken_at_random_not_always_the_first() -> None:
+    sched = make(4, seed=7)
+    picks = Counter(sched.select([1, 2, 3, 4], now=0.0).worker_id for _ in range(400))
+    assert set(picks) == {"w0", "w1", "w2", "w3"}
+    assert min(picks.values()) > 50
+
+
+def test_choices_are_reproducible_with_a_seed() -> None:
+    a, b = make(4, seed=3), make(4, seed=3)
+    seq_a = [a.select([1, 2, 3, 4], 0.0).worker_id for _ in range(30)]
+    seq_b = [b.select([1, 2, 3, 4], 0.0).worker_id for _ in range(30)]
+    assert seq_a == seq_b
+
+
+def test_softmax_sampling_favours_low_cost() -> None:
+    sched = make(2, temperature=0.5, seed=1)
+    prompt = list(range(40))
+    cache(sched, "w0", prompt)
+    picks = Counter(sched.select(prompt, 0.0).worker_id for _ in range(2000))
+    # normalized costs 0 and 1: p(w0) = 1 / (1 + e^-2) ~ 0.88
+    assert 0.83 < picks["w0"] / 2000 < 0.93
+    flat = make(2, temperature=1.0, seed=1)
+    picks = Counter(flat.select(prompt, 0.0).worker_id for _ in range(1000))
+    assert min(picks.values()) > 400  # equal costs: uniform
+
+
+def test_busy_workers_are_skipped_and_all_busy_is_unavailable() -> None:
+    sched = make(3, busy_kv_fraction=0.9, busy_waiting_requests=5, load_max_age_s=1.0)
+    prompt = list(range(40))
+    cache(sched, "w0", prompt)
+    sched.update_load("w0", LoadSample(kv_active_blocks=95, kv_total_blocks=100), now=10.0)
+    sched.update_load("w1", LoadSample(num_waiting=5), now=10.0)
+    sched.update_load("w2", LoadSample(draining=True), now=10.0)
+    with pytest.raises(Unavailable, match="busy"):
+        sched.select(prompt, now=10.5)
+    sched.update_load("w2", LoadSample(num_waiting=4), now=10.5)
+    assert sched.select(prompt, now=10.6).worker_id == "w2"
+    # Stale metrics give no verdict (and no correction): w0 wins on overlap again.
+    assert sched.select(prompt, now=12.0).worker_id == "w0"
+    with pytest.raises(Unavailable, match="no workers"):
+        sched.select(prompt, now=12.0, candidates=["nope"])
+    with pytest.raises(Unavailable):
+        KvScheduler().select(prompt, now=0.0)
+
+
+def test_bookings_track_prefill_until_first_token_and_decode_until_free() -> None:
+    sched = make(1)
+    events: list[LoadEvent] = []
+    sched.add_listener(events.append)
+    prompt = list(range(38))  # 9 full blocks + 2 tokens: 10 blocks of KV
+    cache(sched, "w0", prompt[:12])
+    sel = sched.select(prompt, now=0.0)
+    sched.book("r1", sel, now=0.0, expected_output_tokens=6)  # 44 tokens: 11 blocks
+    load = sched.worker("w0")
+    assert load is not None
+    assert (load.booked_prefill, load.booked_decode) == (7, 8)  # 3 of 10 (11) blocks cached
+    assert sched.booking_worker("r1") == "w0" and sched.num_bookings() == 1
+    assert sched.first_token("r1") and sched.first_token("r1")
+    assert (load.booked_prefill, load.booked_decode) == (0, 8)
+    assert sched.free("r1") and not sched.free("r1") and not sched.first_token("r1")
+    assert (load.booked_prefill, load.booked_decode) == (0, 0)
+    assert [e.kind for e in events] == [
+        LoadEventKind.BOOKED,
+        LoadEventKind.FIRST_TOKEN,
+        LoadEventKind.FREED,
+    ]
+    assert events[0] == LoadEvent("r1", "r1", "w0", LoadEventKind.BOOKED, 7, 8)
+    # Re-booking an id (a retry) replaces its booking.
+    sched.book("r2", sel, now=0.0)
+    sched.book("r2", sel, now=0.0)
+    assert (load.booked_prefill, load.booked_decode) == (7, 7)
+    sched.remove_listener(events.append)
+    sched.remove_listener(events.append)
+
+
+def test_load_metrics_correct_the_prediction_while_fresh() -> None:
+    sched = make(2, load_max_age_s=1.0)
+    sel = sched.select(list(range(40)), now=0.0, candidates=["w0"])
+    sched.book("r", sel, now=0.0)  # w0: 10 prefill, 10 decode booked
+    # The engine reports fewer active blocks (shared prefixes) and its prefill queue.
+    sched.update_load("w0", LoadSample(kv_active_blocks=4, pending_prefill_tokens=8), now=1.0)
+    load = sched.worker("w0")
+    assert load is not None
+    assert load.decode_blocks(1.0, 1.0) == 4 and load.prefill_blocks(1.0, 1.0) == 2
+    sched.book("r2", sched.select(list(range(100, 140)), 1.0, candidates=["w0"]), now=1.0)
+    assert load.decode_blocks(1.5, 1.0) == 14 and load.prefill_blocks(1.5, 1.0) == 12
+    assert load.decode_blocks(3.0, 1.0) == 20  # stale: bookings only
+    sched.update_load("nobody", LoadSample(), now=1.0)
+    # A booking younger than load_settle_s (0.25 s) cannot show in a measurement yet: it is
+    # added to it rather than corrected away.
+    sched.book("r3", sched.select(list(range(200, 240)), 3.0, candidates=["w0"]), now=3.0)
+    sched.update_load("w0", LoadSample(kv_active_blocks=4, pending_prefill_tokens=8), now=3.1)
+    assert load.decode_blocks(3.1, 1.0) == 4 + 10 and load.prefill_blocks(3.1, 1.0) == 2 + 10
+    sched.update_load("w0", LoadSample(kv_active_blocks=4, pending_prefill_tokens=8), now=3.5)
+    assert load.decode_blocks(3.5, 1.0) == 4 and load.prefill_blocks(3.5, 1.0) == 2
+
+
+def test_peer_bookings_count_and_drop_with_the_peer() -> None:
+    sched = make(2)
+    sched.apply_peer("peer:a", LoadEvent("r2", "x", "w0", LoadEventKind.BOOKED, 5, 9))
+    sched.apply_peer("peer:a", LoadEvent("r2", "y", "w0", LoadEventKind.BOOKED, 3, 3))
+    sched.apply_peer("peer:a", LoadEvent("r2", "z", "gone", LoadEventKind.BOOKED, 3, 3))
+    load = sched.worker("w0")
+    assert load is not None
+    assert (load.booked_prefill, load.booked_decode) == (8, 12)
+    sched.apply_peer("peer:a", LoadEvent("r2", "x", "w0", LoadEventKind.FIRST_TOKEN))
+    sched.apply_peer("peer:a", LoadEvent("r2", "y", "w0", LoadEventKind.FREED))
+    assert (load.booked_prefill, load.booked_decode) == (0, 9)
+    assert sched.num_bookings("peer:a") == 1 and sched.own_bookings() == []
+    assert sched.select(list(range(8)), 0.0).worker_id == "w1"
+    sched.drop_peer("peer:a")
+    assert (load.booked_prefill, load.booked_decode) == (0, 0)
+    with pytest.raises(ValueError):
+        sched.apply_peer("", LoadEvent("r2", "x", "w0", LoadEventKind.FREED))
+
+
+def test_a_worker_that_rejoins_is_not_touched_by_old_bookings() -> None:
+    sched = make(1)
+    sched.book("r", sched.select(list(range(8)), 0.0), now=0.0)
+    sched.remove_worker("w0")
+    with pytest.raises(Unavailable):
+        sched.book("r3", sched.select(list(range(8)), 0.0), now=0.0)
+    sched.add_worker("w0", block_size=BS)
+    sched.free("r")
+    load = sched.worker("w0")
+    assert load is not None and (load.booked_prefill, load.booked_decode) == (0, 0)
+
+
+def test_approximate_mode_learns_from_decisions_and_forgets_after_ttl() -> None:
+    sched = KvScheduler(KvRouterConfig(approx_ttl_s=10.0, seed=2))
+    for w in ("a", "b"):
+        sched.add_worker(w, block_size=BS, kv_events=False)
+    prompt = list(range(40))
+    first = sched.select(prompt, now=0.0)
+    sched.book("r1", first, now=0.0)
+    sched.free("r1")
+    again = sched.select(prompt, now=5.0)
+    assert again.worker_id == first.worker_id and again.overlap_blocks == 10
+    assert sched.select(prompt, now=10.0).overlap_blocks == 0  # expired
+    # Switching a worker to exact mode drops what approximate mode knew.
+    sched.book("r2", sched.select(prompt, now=11.0), now=11.0)
+    sched.set_kv_events("a", True)
+    sched.set_kv_events("b", True)
+    sched.set_kv_events("b", True)
+    assert sched.select(prompt, now=12.0).overlap_blocks == 0
+    sched.set_kv_events("a", False)
+    assert sched.workers() == ["a", "b"]
+
+
+def test_config_is_validated() -> None:
+    for bad in (
+        {"overlap_weight": -1.0},
+        {"temperature": -0.1},
+        {"busy_kv_fraction": 1.5},
+        {"busy_waiting_requests": -1},
+        {"approx_ttl_s": 0.0},
+        {"load_settle_s": -1.0},
+    ):
+        with pytest.raises(ValueError):
+            KvRouterConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_routing_stats_histogram() -> None:
+    stats = RoutingStats(bounds=(1e-5, 1e-4))
+    assert stats.quantile(0.5) == 0.0 and stats.mean_s == 0.0
+    for v in (5e-6, 5e-5, 5e-5, 1.0):
+        stats.observe(v, overlap_blocks=1, prompt_blocks=2)
+    assert stats.buckets() == [(1e-5, 1), (1e-4, 3), (float("inf"), 4)]
+    assert stats.quantile(0.5) == 1e-4 and stats.quantile(1.0) == float("inf")
+    assert stats.decisions == 4 and stats.overlap_blocks == 4 and stats.prompt_blocks == 8
+    assert stats.mean_s == pytest.approx((5e-6 + 1e-4 + 1.0) / 4)
+
+
+booking_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["book", "first", "free", "peer_book", "peer_first", "peer_free", "drop"]),
+        st.integers(0, 5),
+        st.integers(0, 2),
+        st.integers(0, 60),
+    ),
+    max_size=80,
+)
+
+
+@given(booking_ops)
+@settings(max_examples=200, deadline=None)
+def test_booked_load_equals_the_sum_of_active_bookings(
+    ops: list[tuple[str, int, int, int]],
+) -> None:
+    sched = make(3)
+    active: dict[tuple[str, str], tuple[str, int, int]] = {}
+    for op, rid_n, wi, size in ops:
+        rid, w = f"r{rid_n}", f"w{wi}"
+        if op == "book":
+            sel = sched.select(list(range(size)), 0.0, candidates=[w])
+            sched.book(rid, sel, 0.0, expected_output_tokens=size)
+            active[("", rid)] = (w, -(-size // BS), -(-2 * size // BS))
+        elif op == "first" and ("", rid) in active:
+            assert sched.first_token(rid)
+            w0, _, d = active[("", rid)]
+            active[("", rid)] = (w0, 0, d)
+        elif op == "free":
+            assert sched.free(rid) == (("", rid) in active)
+            active.pop(("", rid), None)
+        elif op == "peer_book":
+            sched.apply_peer("p", LoadEvent("x", rid, w, LoadEventKind.BOOKED, size, size + 1))
+            active[("p", rid)] = (w, size, size + 1)
+        elif op == "peer_first" and ("p", rid) in active:
+            sched.apply_peer("p", LoadEvent("x", rid, w, LoadEventKind.FIRST_TOKEN))
+            w0, _, d = active[("p", rid)]
+            active[("p", rid)] = (w0, 0, d)
+        elif op == "peer_free":
+            sched.apply_peer("p", LoadEvent("x", rid, w, LoadEventKind.FREED))
+            active.pop(("p", rid), None)
+        elif op == "drop":
+            sched.drop_peer("p")
+            active = {k: v for k, v in active.items() if k[0] != "p"}
+        for i in range(3):
+            load = sched.worker(f"w{i}")
+            assert load is not None
+            mine = [v for v in active.values() if v[0] == f"w{i}"]
+            assert load.booked_prefill == sum(v[1] for v in mine)
+            assert load.booked_decode == sum(v[2] for v in mine)
+        assert len(sched.own_bookings()) == sum(1 for k in active if not k[0])
