@@ -1,4 +1,4 @@
-"""The `kvmesh` command: up, frontend, router, worker, model, bench.
+"""The `kvmesh` command: up, frontend, router, worker, model, bench, replay.
 
 Parsing happens in main() only; each subcommand builds its config dataclasses from the flags
 and calls one function that wires the object graph explicitly.
@@ -80,11 +80,23 @@ def _cmd_bench(ns: argparse.Namespace) -> None:
     _run(run_bench(from_args(BenchConfig, ns)))
 
 
+def _cmd_replay(ns: argparse.Namespace) -> None:
+    from kvmesh.replay import ReplayConfig, ReplayError, run_replay
+    from kvmesh.workers.mocker.config import MockerConfig
+
+    try:
+        mocker = from_args(MockerConfig, ns)
+    except ValueError as exc:
+        raise ReplayError(str(exc)) from None
+    sys.exit(run_replay(from_args(ReplayConfig, ns, mocker=mocker)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (built on demand, never at import time)."""
     from kvmesh.bench import BenchConfig
     from kvmesh.frontend.config import FrontendConfig
     from kvmesh.mesh import MeshConfig, RouterServerConfig
+    from kvmesh.replay import add_replay_args
     from kvmesh.supervisor import UpConfig
     from kvmesh.workers.server import WorkerConfig, engine_arg_groups
 
@@ -136,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", "load-test an OpenAI endpoint (streaming chat)", _cmd_bench)
     add_args(bench, BenchConfig)
+
+    replay = command(
+        "replay",
+        "offline virtual-time trace replay of the real router and mocker code",
+        _cmd_replay,
+    )
+    add_replay_args(replay)
     return parser
 
 

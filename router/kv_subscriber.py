@@ -36,7 +36,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.clock import Clock, RealClock
 from kvmesh.grpcutil import insecure_channel
 from kvmesh.router.kv_router import KvScheduler, LoadEvent, LoadEventKind, LoadSample
-from kvmesh.router.pool import WorkerHandle
+from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.workers import wire
 from kvmesh.workers.kv_events import KvEventGap
 
@@ -221,6 +221,7 @@ class KvSubscriber:
                     if failures:
                         failures = 0
                         backoff.reset()
+                        handle.down_until = 0.0
                 failures += 1  # the worker ended the stream: reconnect
             except KvEventGap as exc:
                 log.warning("KV events of %s: %s; resyncing from a snapshot", wid, exc)
@@ -239,6 +240,7 @@ class KvSubscriber:
                 call.cancel()
             if failures >= 2:
                 indexer.clear_worker(wid)  # the stream looks dead: stop trusting its blocks
+                WorkerPool.mark_down(handle)  # and stop routing to it until it answers again
             await self.clock.sleep(backoff.next())
 
     async def _follow_load(self, handle: WorkerHandle) -> None:

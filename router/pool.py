@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 # (a draining worker deregisters first and then finishes its requests).
 REMOVED_CHANNEL_GRACE_S = 120.0
 
+# How long a worker that failed to answer is avoided (about one discovery lease: by then it
+# has either answered again or left discovery).
+DOWN_S = 5.0
+
 
 @dataclass(eq=False)
 class WorkerHandle:
@@ -44,6 +49,9 @@ class WorkerHandle:
     """The multiplexed Generate stream the gateway uses."""
     inflight: int = 0
     """Requests this process has in flight on the worker."""
+    down_until: float = 0.0
+    """Monotonic time until which routers avoid this worker: it failed to answer (it may
+    have died; discovery removes it when its lease expires). 0: healthy."""
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -98,6 +106,12 @@ class WorkerPool:
         if model is None:
             return list(self._workers.values())
         return [w for w in self._workers.values() if w.info.served_model_name == model]
+
+    @staticmethod
+    def mark_down(handle: WorkerHandle, seconds: float = DOWN_S) -> None:
+        """Avoid `handle` for `seconds` (it failed to answer); routers skip it meanwhile unless
+        no other worker is left."""
+        handle.down_until = time.monotonic() + seconds
 
     def models(self) -> dict[str, ModelInfo]:
         """Served model name -> the model card of one of its workers."""

@@ -109,7 +109,8 @@ def pick_candidates(
 
     `role` None: aggregated workers, or decode workers when the model has no aggregated ones.
     NotFound when nobody serves the model while other models are served; Unavailable when no
-    worker is live at all, or none is left after the role filter and `exclude`.
+    worker is live at all, or none is left after the role filter and `exclude`. Workers marked
+    down (WorkerPool.mark_down) are left out while others remain.
     """
     workers = pool.workers(model)
     if not workers:
@@ -128,7 +129,9 @@ def pick_candidates(
         chosen = [w for w in chosen if w.worker_id not in exclude]
         if not chosen:
             raise Unavailable(f"no other worker serves model {model!r}")
-    return chosen
+    now = time.monotonic()
+    up = [w for w in chosen if w.down_until <= now]
+    return up or chosen  # workers that just failed are a last resort, not excluded
 
 
 class Router(Protocol):
