@@ -373,7 +373,8 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
         if method == "GET":
             resource.add_route("HEAD", handler)
         resource.add_route("*", routes.method_not_allowed)
-    app.router.add_route("*", "/{tail:.*}", routes.not_found)
+    # [\s\S]: also paths with a (percent-encoded) newline, which "." does not match.
+    app.router.add_route("*", r"/{tail:[\s\S]*}", routes.not_found)
     return app
 
 

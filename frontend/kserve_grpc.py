@@ -10,6 +10,11 @@ UNAVAILABLE, INTERNAL without details); on ModelStreamInfer a failing request ge
 with `error_message` (and its id) and the stream stays open. Requests on one stream run
 concurrently; their responses interleave and are matched by `id`. Closing the stream (or
 cancelling the call) cancels every request still running on it.
+
+Importing this module registers the `inference.*` protobuf symbols, exactly as tritonclient's
+generated modules do, so it cannot share a Python process with `tritonclient.grpc` (protobuf
+refuses duplicate symbols; KServe and MLServer have the same clash). Only the frontend process
+imports it (lazily, in kvmesh.mesh); tests run it in a subprocess (tests/fake_gateway.py).
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ class KServeRoutes:
         ]
         # Model names may contain "/": the routes with a suffix come first (aiohttp tries
         # dynamic routes in registration order), the bare metadata routes last.
-        model, version = "/v2/models/{model:.+}", "/versions/{version:[^/]+}"
+        model, version = r"/v2/models/{model:[\s\S]+}", "/versions/{version:[^/]+}"
         for suffix, method, handler in (
             ("/ready", "GET", self.model_ready),
             ("/config", "GET", self.model_config),

@@ -33,6 +33,12 @@ _BOOL: Schema = {"type": "boolean"}
 _NUM: Schema = {"type": "number"}
 _OBJ: Schema = {"type": "object"}
 _U32 = 2**32 - 1
+_SSE_EVENT: Schema = {
+    "description": "One Server-Sent Event; `data` is a JSON document (or `[DONE]`)",
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": _STR, "event": _STR, "id": _STR},
+}
 
 
 def _json(schema: Schema, description: str) -> Schema:
@@ -577,7 +583,7 @@ def _kserve_model_paths() -> dict[str, Schema]:
                 {
                     "200": {
                         "description": "data: {generate response} events",
-                        "content": {"text/event-stream": {"schema": _STR}},
+                        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
                     },
                     **_kserve_errors(*_GENERATION_ERRORS),
                 },
@@ -590,7 +596,7 @@ def _kserve_model_paths() -> dict[str, Schema]:
 
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document."""
-    sse = {"text/event-stream": {"schema": _STR}}
+    sse = {"text/event-stream": {"schema": _SSE_EVENT}}
     return {
         "openapi": "3.1.0",
         "info": {

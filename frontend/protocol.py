@@ -553,8 +553,25 @@ def _structured_outputs(spec: Any) -> GuidedDecoding | None:
     return found[0] if found else None
 
 
+_GUIDED_KEYS = frozenset(
+    {
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "structured_outputs",
+    }
+)
+_TOOL_KEYS = frozenset({"tools", "functions", "tool_choice", "function_call"})
+_NO_TOOLS = ToolChoice("none")
+"""Shared by requests without tools (never mutated)."""
+
+
 def _guided(body: dict[str, Any]) -> tuple[GuidedDecoding | None, str]:
     """The structured-output constraint of a request and the field it came from."""
+    if _GUIDED_KEYS.isdisjoint(body):
+        return None, "response_format"
     found: list[tuple[GuidedDecoding, str]] = []
     sources = (
         ("response_format", _response_format),
@@ -589,6 +606,8 @@ def _tool_name(tool: dict[str, Any]) -> str | None:
 
 def _tools(data: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice]:
     """`tools` (or the deprecated `functions`) and `tool_choice` (or `function_call`)."""
+    if _TOOL_KEYS.isdisjoint(data):
+        return None, _NO_TOOLS
     tools = data.get("tools")
     key = "tools"
     if tools is None and data.get("functions") is not None:
@@ -750,10 +769,9 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     kwargs = data.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise _type_error("chat_template_kwargs", "an object")
-    kwargs = dict(kwargs or {})
     effort = _str(data, "reasoning_effort")
     if effort is not None:
-        kwargs.setdefault("reasoning_effort", effort)
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     options = _options(data, default_logprobs=(top_logprobs or 0) if want_logprobs else None)
     if _int(data, "best_of") not in (None, options.n):
         raise InvalidRequest("'best_of' other than n is not supported", param="best_of")
@@ -767,7 +785,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=_bool(data, "parallel_tool_calls", True),
         add_generation_prompt=_bool(data, "add_generation_prompt", True),
-        chat_template_kwargs=kwargs,
+        chat_template_kwargs=kwargs or {},
         user=_str(data, "user"),
     )
 

@@ -159,7 +159,6 @@ class FakeBackend:
         finally:
             (self.completed if done else self.cancelled).append(request.request_id)
 
-
     async def embed(
         self, model: str, prompts: list[list[int]], trace: TraceContext | None
     ) -> list[list[float]]:

@@ -30,69 +30,79 @@ import subprocess
 import sys
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
-
-from kvmesh.errors import ResourceExhausted, Unavailable
-from kvmesh.frontend.app import build_app, serve_http
-from kvmesh.frontend.config import FrontendConfig
-from kvmesh.frontend.kserve_grpc import serve_kserve_grpc
-from kvmesh.frontend.service import OpenAIService
-from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
-from kvmesh.frontend.tokenizer import Tokenizer
-from kvmesh.tinymodel import create_tiny_model
-from kvmesh.tracing import TraceContext
-from kvmesh.workers.engine import EngineOutput, EngineRequest
-
-_DIRECTIVE = re.compile(r"@(error:[a-z]+|midfail|slow|say:[^@]*)@")
+from typing import Any
 
 
-class ScriptedBackend(FakeBackend):
-    """FakeBackend whose behaviour per request comes from directives in the prompt."""
+def _scripted_backend() -> Any:
+    """The ScriptedBackend class (built lazily: it needs kvmesh imports)."""
+    from kvmesh.errors import ResourceExhausted, Unavailable
+    from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend
+    from kvmesh.frontend.tokenizer import Tokenizer
+    from kvmesh.tracing import TraceContext
+    from kvmesh.workers.engine import EngineOutput, EngineRequest
 
-    tok: Tokenizer | None = None
+    directive = re.compile(r"@(error:[a-z]+|midfail|slow|say:[^@]*)@")
 
-    def _directives(self, request: EngineRequest) -> list[str]:
-        assert self.tok is not None
-        return _DIRECTIVE.findall(self.tok.decode(request.prompt, skip_special_tokens=False))
+    class ScriptedBackend(FakeBackend):
+        """FakeBackend whose behaviour per request comes from directives in the prompt."""
 
-    def _script(self, request: EngineRequest) -> Sequence[int]:
-        assert self.tok is not None
-        for d in self._directives(request):
-            if d.startswith("say:"):
-                return self.tok.encode(d[4:])
-        return self.tok.encode(DEFAULT_TEXT)
+        tok: Tokenizer | None = None
 
-    def generate(
-        self, model: str, request: EngineRequest, trace: TraceContext | None
-    ) -> AsyncGenerator[EngineOutput, None]:
-        return self._scripted(model, request, trace)
+        def _directives(self, request: EngineRequest) -> list[str]:
+            assert self.tok is not None
+            return directive.findall(self.tok.decode(request.prompt, skip_special_tokens=False))
 
-    async def _scripted(
-        self, model: str, request: EngineRequest, trace: TraceContext | None
-    ) -> AsyncGenerator[EngineOutput, None]:
-        directives = self._directives(request)
-        if "error:unavailable" in directives:
-            raise Unavailable("no worker (scripted)")
-        if "error:exhausted" in directives:
-            raise ResourceExhausted("overloaded (scripted)")
-        if "error:internal" in directives:
-            raise RuntimeError("scripted internal failure")
-        delay = 0.02 if "slow" in directives else 0.0
-        count = 0
-        async for out in super().generate(model, request, trace):
-            if "midfail" in directives and count == 2:
-                raise Unavailable("worker went away (scripted)")
-            count += 1
-            if delay:
-                await asyncio.sleep(delay)
-            yield out
+        def _script(self, request: EngineRequest) -> Sequence[int]:
+            assert self.tok is not None
+            for d in self._directives(request):
+                if d.startswith("say:"):
+                    return self.tok.encode(d[4:])
+            return self.tok.encode(DEFAULT_TEXT)
 
-    async def embed(
-        self, model: str, prompts: list[list[int]], trace: TraceContext | None
-    ) -> list[list[float]]:
-        return [[float(len(p)), 1.0, 0.5, 0.25] for p in prompts]
+        def generate(
+            self, model: str, request: EngineRequest, trace: TraceContext | None
+        ) -> AsyncGenerator[EngineOutput, None]:
+            return self._scripted(model, request, trace)
+
+        async def _scripted(
+            self, model: str, request: EngineRequest, trace: TraceContext | None
+        ) -> AsyncGenerator[EngineOutput, None]:
+            directives = self._directives(request)
+            if "error:unavailable" in directives:
+                raise Unavailable("no worker (scripted)")
+            if "error:exhausted" in directives:
+                raise ResourceExhausted("overloaded (scripted)")
+            if "error:internal" in directives:
+                raise RuntimeError("scripted internal failure")
+            delay = 0.02 if "slow" in directives else 0.0
+            count = 0
+            async for out in super().generate(model, request, trace):
+                if "midfail" in directives and count == 2:
+                    raise Unavailable("worker went away (scripted)")
+                count += 1
+                if delay:
+                    await asyncio.sleep(delay)
+                yield out
+
+        async def embed(
+            self, model: str, prompts: list[list[int]], trace: TraceContext | None
+        ) -> list[list[float]]:
+            return [[float(len(p)), 1.0, 0.5, 0.25] for p in prompts]
+
+    return ScriptedBackend
 
 
 async def serve(model_dir: Path) -> None:
+    """Run the gateway until SIGTERM (imports kvmesh's KServe protos: never in pytest)."""
+    from kvmesh.frontend.app import build_app, serve_http
+    from kvmesh.frontend.config import FrontendConfig
+    from kvmesh.frontend.kserve_grpc import serve_kserve_grpc
+    from kvmesh.frontend.service import OpenAIService
+    from kvmesh.frontend.testing import model_info
+    from kvmesh.frontend.tokenizer import Tokenizer
+    from kvmesh.tinymodel import create_tiny_model
+
+    ScriptedBackend = _scripted_backend()
     tok = Tokenizer.from_pretrained(create_tiny_model(model_dir))
     backend = ScriptedBackend(
         [
@@ -133,12 +143,14 @@ class RunningGateway:
 
 
 @contextlib.contextmanager
-def running(model_dir: Path) -> Iterator[RunningGateway]:
-    """Start `python -m tests.fake_gateway` and stop it afterwards."""
+def running(model_dir: Path, log: Path | None = None) -> Iterator[RunningGateway]:
+    """Start `python -m tests.fake_gateway` and stop it afterwards (stderr to `log`)."""
     root = Path(__file__).resolve().parent.parent
+    stderr = log.open("wb") if log is not None else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.fake_gateway", "--model-dir", str(model_dir)],
         stdout=subprocess.PIPE,
+        stderr=stderr,
         cwd=root,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -158,6 +170,10 @@ def running(model_dir: Path) -> Iterator[RunningGateway]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if stderr is not None:
+            stderr.close()
 
 
 def main() -> None:

@@ -3,13 +3,15 @@
 A real aiohttp server on port 0 runs the gateway over FakeBackend, scripted per test to "say" a
 given text (tool calls in each model format, `<think>` reasoning, JSON), so tool-call and
 reasoning parsing, guided decoding pass-through and capability errors are exercised end to end.
+Every request the backend sees went through the worker contract's protobuf conversion and back
+(kvmesh.workers.wire), as with real workers.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,9 @@ from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
 from kvmesh.frontend.tokenizer import Tokenizer
 from kvmesh.tinymodel import create_tiny_model
-from kvmesh.workers.engine import GuidedDecoding, GuidedKind
+from kvmesh.tracing import TraceContext
+from kvmesh.workers import wire
+from kvmesh.workers.engine import EngineOutput, EngineRequest, GuidedDecoding, GuidedKind
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +53,16 @@ WEATHER: list[ChatCompletionToolParam] = [
     },
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
 ]
+
+
+class WireBackend(FakeBackend):
+    """FakeBackend receiving requests as a worker would: through protobuf and back."""
+
+    def generate(
+        self, model: str, request: EngineRequest, trace: TraceContext | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        request = wire.request_from_pb(wire.request_to_pb(request), request.request_id)
+        return super().generate(model, request, trace)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +92,7 @@ class Gateway:
 async def gw(tok: Tokenizer) -> AsyncIterator[Gateway]:
     guided = ("LOGPROBS", "GUIDED_DECODING", "EMBEDDINGS")
     names = [PLAIN, HERMES, MISTRAL, PYTHONIC, THINK]
-    backend = FakeBackend(
+    backend = WireBackend(
         [model_info(n) for n in names] + [model_info(GUIDED, capabilities=guided)],
         tokens=tok.encode(DEFAULT_TEXT),
         eos_token_id=tok.eos_token_ids[-1],
@@ -144,8 +158,14 @@ async def test_multi_turn_with_system_prompt_and_tool_results(gw: Gateway) -> No
     )
     assert resp.choices[0].message.content == gw.tok.decode(gw.tok.encode(DEFAULT_TEXT)[:4])
     prompt = gw.tok.decode(gw.backend.calls[-1].request.prompt, skip_special_tokens=False)
-    for part in ("You are terse.", '"name": "get_weather", "parameters": {"city": "Paris"}',
-                 '{"temp_c": 21}', "21 °C.", "And tomorrow?", "Environment: ipython"):  # fmt: skip
+    for part in (
+        "You are terse.",
+        '"name": "get_weather", "parameters": {"city": "Paris"}',
+        '{"temp_c": 21}',
+        "21 °C.",
+        "And tomorrow?",
+        "Environment: ipython",
+    ):
         assert part in prompt
 
 
@@ -447,8 +467,14 @@ async def test_embeddings(gw: Gateway) -> None:
 async def test_openapi_document(gw: Gateway) -> None:
     status, doc = await gw.get("/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.1")
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
-                 "/v2/models/{model}/infer", "/v2/health/ready"):  # fmt: skip
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/v2/models/{model}/infer",
+        "/v2/health/ready",
+    ):
         assert path in doc["paths"], path
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert {"tools", "tool_choice", "response_format", "seed", "n"} <= set(chat["properties"])

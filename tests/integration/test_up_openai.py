@@ -267,5 +267,5 @@ def test_kv_routing_sends_shared_prefixes_to_the_same_worker(mesh: Mesh) -> None
         cached.append(res.usage.prompt_tokens_details.cached_tokens or 0)
     assert cached[0] == 0 or cached[0] < cached[1]
     assert all(c >= 256 for c in cached[1:]), cached  # 4+ shared 64-token blocks every time
-    status, body = _get(mesh.base + "/metrics")
+    _, body = _get(mesh.base + "/metrics")
     assert b"kvmesh_router_overhead_seconds_bucket" in body

@@ -183,7 +183,7 @@ def test_rest_json_and_binary_bodies() -> None:
                     "parameters": {"binary_data_size": 8},
                 }
             ]
-        }  # fmt: skip
+        }
     ).encode()
     infer, _, _ = decode_infer(header + struct.pack("<2i", 3, 4), str(len(header)), "m", "")
     assert infer.inputs[0].data == [3, 4]
@@ -215,7 +215,7 @@ def test_generate_extension_body() -> None:
                 "stop": ["a", "b"],
                 "temperature": 0.5,
                 "parameters": {"top_k": 2},
-            }  # fmt: skip
+            }
         ).encode(),
         "m",
         "",

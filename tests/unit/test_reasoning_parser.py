@@ -18,7 +18,9 @@ pytestmark = pytest.mark.unit
 
 QWEN3_PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 QWEN3_NO_THINK = QWEN3_PROMPT + "<think>\n\n</think>\n\n"
-R1_PROMPT = "<｜User｜>What is 2+2?<｜Assistant｜><think>\n"
+BAR = "\uff5c"  # DeepSeek's special tokens use a fullwidth vertical line
+R1_PROMPT = f"<{BAR}User{BAR}>What is 2+2?<{BAR}Assistant{BAR}><think>\n"
+R1_BARE = f"<{BAR}Assistant{BAR}>"
 
 CASES: list[tuple[str, str, str, tuple[str, str]]] = [
     # (parser, rendered prompt, model output, (reasoning, content))
@@ -31,7 +33,12 @@ CASES: list[tuple[str, str, str, tuple[str, str]]] = [
     ("qwen3", QWEN3_NO_THINK, "The answer is 4.", ("", "The answer is 4.")),
     ("qwen3", QWEN3_NO_THINK, "<think> is a tag.", ("", "<think> is a tag.")),
     ("qwen3", QWEN3_PROMPT, "Plain answer, no thinking.", ("", "Plain answer, no thinking.")),
-    ("qwen3", QWEN3_PROMPT, "<think>\nStill thinking when max_tokens hit", ("Still thinking when max_tokens hit", "")),
+    (
+        "qwen3",
+        QWEN3_PROMPT,
+        "<think>\nStill thinking when max_tokens hit",
+        ("Still thinking when max_tokens hit", ""),
+    ),
     ("qwen3", QWEN3_PROMPT, "<think></think>Direct.", ("", "Direct.")),
     ("qwen3", QWEN3_PROMPT, "  <thi", ("", "  <thi")),
     (
@@ -48,19 +55,24 @@ CASES: list[tuple[str, str, str, tuple[str, str]]] = [
     ),
     (  # older R1 templates: the model writes the opening tag itself
         "deepseek_r1",
-        "<｜Assistant｜>",
+        R1_BARE,
         "<think>\nHmm.\n</think>\n\n4",
         ("Hmm.", "4"),
     ),
     (  # R1 without any opening tag: reasoning until </think>
         "deepseek_r1",
-        "<｜Assistant｜>",
+        R1_BARE,
         "Hmm, 日本語で考える.</think>4",
         ("Hmm, 日本語で考える.", "4"),
     ),
     ("deepseek_r1", "", "Never closed", ("Never closed", "")),
-    ("qwen3", R1_PROMPT, "Reasoning from the prompt's tag</think>Answer", ("Reasoning from the prompt's tag", "Answer")),
-]  # fmt: skip
+    (
+        "qwen3",
+        R1_PROMPT,
+        "Reasoning from the prompt's tag</think>Answer",
+        ("Reasoning from the prompt's tag", "Answer"),
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "prompt", "text", "expected"), CASES)

@@ -26,8 +26,15 @@ from kvmesh.tinymodel import CHAT_TEMPLATE, create_tiny_model
 
 pytestmark = pytest.mark.unit
 
-TOOLS = ["get_weather", "get_time", "get_current_temperature", "get_temperature_date",
-         "get_stock_fundamentals", "search", "f"]  # fmt: skip
+TOOLS = [
+    "get_weather",
+    "get_time",
+    "get_current_temperature",
+    "get_temperature_date",
+    "get_stock_fundamentals",
+    "search",
+    "f",
+]
 
 Expected = tuple[str, list[tuple[str, Any]]]
 """(content, [(name, arguments as JSON value)])"""
@@ -59,7 +66,7 @@ CASES: list[tuple[str, str, Expected]] = [
                 ),
             ],
         ),
-    ),  # fmt: skip
+    ),
     (
         "hermes",
         "I'll check the weather for you.\n\n<tool_call>\n"
@@ -95,7 +102,7 @@ CASES: list[tuple[str, str, Expected]] = [
                 )
             ],
         ),
-    ),  # fmt: skip
+    ),
     (  # arguments given as a JSON string
         "hermes",
         '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
@@ -159,7 +166,7 @@ CASES: list[tuple[str, str, Expected]] = [
             "Let me check.",
             [("get_weather", {"location": "Paris, France"}), ("get_time", {"tz": "CET"})],
         ),
-    ),  # fmt: skip
+    ),
     (
         "mistral",
         '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"location": "Oslo"}',
@@ -198,7 +205,7 @@ CASES: list[tuple[str, str, Expected]] = [
                 )
             ],
         ),
-    ),  # fmt: skip
+    ),
     ("pythonic", "[get_weather(city=foo)]", ("[get_weather(city=foo)]", [])),
     ("pythonic", "[1, 2, 3] are numbers", ("[1, 2, 3] are numbers", [])),
     ("pythonic", "Sure! Here you go.", ("Sure! Here you go.", [])),
@@ -316,7 +323,7 @@ def test_json_list_for_required_tool_choice() -> None:
 
 def test_named_tool_choice_stream() -> None:
     stream = NamedToolCallStream("get_weather", new_id=lambda: "call_n")
-    deltas = stream.feed('{"city": ') [1] + stream.feed('"Oslo"}')[1] + stream.finish()[1]  # fmt: skip
+    deltas = stream.feed('{"city": ')[1] + stream.feed('"Oslo"}')[1] + stream.finish()[1]
     assert collect_calls(deltas) == [ToolCall("call_n", "get_weather", '{"city": "Oslo"}')]
     empty = NamedToolCallStream("f", new_id=lambda: "c")
     assert collect_calls(empty.finish()[1]) == [ToolCall("c", "f", "")]
