@@ -57,6 +57,11 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         prime = list(prompt_ids[-_PRIME_TOKENS:]) if prompt_ids else []
+        # A prompt given as token ids may end inside a multi-byte character; context that
+        # ends there would make the first output re-emit prompt text. Prime only up to the
+        # last complete character (the orphaned continuation bytes then decode as U+FFFD).
+        while prime and tokenizer.decode(prime, skip_special_tokens=False).endswith(_REPLACEMENT):
+            prime.pop()
         if use_decode_stream is None:
             use_decode_stream = HAS_DECODE_STREAM
         if use_decode_stream:

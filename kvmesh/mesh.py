@@ -19,8 +19,8 @@ from kvmesh.discovery import open_discovery
 from kvmesh.grpcutil import GrpcServer
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.router.kv_router import KvRouter, KvRouterConfig
-from kvmesh.router.mesh import MeshBackend
-from kvmesh.router.metrics import RoutingCollector
+from kvmesh.router.mesh import DisaggConfig, MeshBackend
+from kvmesh.router.metrics import DisaggCollector, RoutingCollector
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router, RouterMode, RoutingStats, SimpleRouter
 from kvmesh.router.service import ROUTER_SERVICE, RemoteRouter, RouterServicer
@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class MeshConfig:
-    """How a frontend or router finds workers and routes to them."""
+class MeshConfig(DisaggConfig):
+    """How a frontend or router finds workers and routes to them (with the conditional
+    disaggregation thresholds of DisaggConfig)."""
 
     discovery: str = opt("", "discovery URL: file:///dir, static://h:p,h:p or etcd://h:p")
     router_mode: RouterMode = opt(
@@ -156,10 +157,12 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
         )
     pool, router = build_router(mesh)
     await pool.start()
-    service = OpenAIService(MeshBackend(pool, router, configured), tokenizers, config)
+    backend = MeshBackend(pool, router, configured, disagg=mesh)
+    service = OpenAIService(backend, tokenizers, config)
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
+    service.metrics.registry.register(DisaggCollector(backend.stats))
     runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
     log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)
     kserve = None

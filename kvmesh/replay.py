@@ -120,6 +120,16 @@ class ReplayConfig:
     json: bool = opt(False, "print one JSON object per router mode instead of tables")
     plot: str = opt("", "write a PNG of the TTFT CDF per router mode here (needs matplotlib)")
     progress: bool = opt(True, "progress bar on stderr (only on a terminal, never with --json)")
+    prefill_workers: int = opt(
+        0,
+        "also replay disaggregated pools (kv routing): this many of --workers prefill, the "
+        "others decode, so aggregated and disaggregated use the same total (kvmesh.replay_disagg)",
+    )
+    disagg_local_prefill_tokens: int = opt(
+        512,
+        "disaggregated replay: prefill on the decode worker when at most this many prompt tokens "
+        "are not cached there",
+    )
     mocker: MockerConfig = field(
         default_factory=MockerConfig,
         metadata={"help": "the simulated engine (mocker flags)", "cli": False},
@@ -144,6 +154,10 @@ class ReplayConfig:
             raise ReplayError("--trace-block-size must be >= 1")
         if not self.load_interval_ms >= 0:
             raise ReplayError("--load-interval-ms must be >= 0")
+        if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
+            raise ReplayError("--prefill-workers must be between 1 and --workers - 1")
+        if self.disagg_local_prefill_tokens < 0:
+            raise ReplayError("--disagg-local-prefill-tokens must be >= 0")
         try:
             KvRouterConfig(
                 overlap_weight=self.router_overlap_weight, temperature=self.router_temperature
@@ -904,8 +918,44 @@ def run_replay(
         if config.json:
             out.write(json.dumps(result.to_json()) + "\n")
             out.flush()
+    notes: list[str] = []
+    if config.prefill_workers:
+        from kvmesh.replay_disagg import simulate_disaggregated
+
+        label = f"kv-disagg-{config.prefill_workers}p"
+        bar = _ProgressBar(err, label) if show_progress else None
+        try:
+            result, dstats = simulate_disaggregated(
+                trace,
+                config,
+                config.prefill_workers,
+                config.disagg_local_prefill_tokens,
+                progress=bar,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        result.prefix_hit_rate_bound = bound_blocks
+        result.prefix_hit_rate_bound_tokens = bound_tokens
+        results.append(result)
+        disagg = {
+            "remote_prefills": dstats.remote_prefills,
+            "local_prefills": dstats.local_prefills,
+            "transfer_fallbacks": dstats.transfer_fallbacks,
+            "kv_transfer_bytes": dstats.kv_transfer_bytes,
+        }
+        if config.json:
+            out.write(json.dumps({**result.to_json(), "disagg": disagg}) + "\n")
+            out.flush()
+        notes.append(
+            f"{result.mode}: {dstats.remote_prefills} remote prefills, {dstats.local_prefills} "
+            f"local (short uncached part), {dstats.transfer_fallbacks} transfer fallbacks, "
+            f"{dstats.kv_transfer_bytes / 1e9:.2f} GB of KV moved"
+        )
     if not config.json:
         out.write(format_table(results) + "\n")
+        for note in notes:
+            out.write(f"\n{note}\n")
     if config.plot:
         write_plot(results, config.plot)
         if not config.json:

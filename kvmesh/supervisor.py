@@ -2,12 +2,17 @@
 
 Starts N workers, optionally a standalone router, and the frontend, all pointed at an embedded
 file registry (a temporary directory). Waits for the gateway to report healthy and prints how
-to call it. While running it keeps the worker pool at its target size (a worker that dies is
+to call it. While running it keeps each worker pool at its target size (a worker that dies is
 replaced) and serves `ScalingService` on a control port, so a planner (or an operator with
-grpcurl) can scale the pool: scale-up starts workers, scale-down drains the newest ones (they
+grpcurl) can scale the pools: scale-up starts workers, scale-down drains the newest ones (they
 leave discovery first, finish their requests, then exit). On Ctrl-C / SIGTERM it shuts down in
 order: frontend first (drains), then router and workers (each drains), killing whatever is
 still alive after the grace period.
+
+Pools: `--workers N` aggregated workers, or a disaggregated mesh with `--prefill-workers N
+--decode-workers M` (workers started with `--role prefill` / `--role decode`; the gateway
+prefills on the prefill pool and decodes on the decode pool, see kvmesh.router.mesh). Only the
+pools a mesh starts with can be scaled.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +43,30 @@ from kvmesh.discovery import EventKind, open_discovery
 from kvmesh.errors import InvalidRequest, NotFound
 from kvmesh.grpcutil import GrpcServer
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
+from kvmesh.router.mesh import DisaggConfig
 from kvmesh.router.routing import RouterMode
+from kvmesh.workers.engine import Role
 from kvmesh.workers.server import EngineKind, engine_arg_groups
 
 SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 
 @dataclass
-class UpConfig:
-    """Settings of `kvmesh up`."""
+class UpConfig(DisaggConfig):
+    """Settings of `kvmesh up` (with the gateway's conditional disaggregation thresholds)."""
 
     engine: EngineKind = opt(EngineKind.MOCKER, "engine every worker runs")
     model: str = opt("", "local Hugging Face model directory; empty: the built-in tiny model")
     served_model_name: str = opt("", "model name clients use; empty: the directory's name")
-    workers: int = opt(2, "number of worker processes")
+    workers: int = opt(
+        -1,
+        "number of aggregated worker processes; -1: 2, or 0 when --prefill-workers or "
+        "--decode-workers is set",
+    )
+    prefill_workers: int = opt(
+        0, "number of prefill worker processes (disaggregated serving, with --decode-workers)"
+    )
+    decode_workers: int = opt(0, "number of decode worker processes (disaggregated serving)")
     max_workers: int = opt(64, "largest pool size Scale accepts")
     http_host: str = opt("127.0.0.1", "gateway bind address")
     http_port: int = opt(8000, "gateway HTTP port")
@@ -66,6 +81,41 @@ class UpConfig:
     discovery: str = opt("", "discovery URL; empty: an embedded file registry in a temp dir")
     startup_timeout_s: float = opt(60.0, "how long to wait for the mesh to become healthy")
     shutdown_timeout_s: float = opt(15.0, "grace period for children to exit before SIGKILL")
+
+    def __post_init__(self) -> None:
+        DisaggConfig.__post_init__(self)
+        if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
+            raise ValueError("worker counts must be >= 0")
+        if self.prefill_workers and not self.decode_workers:
+            raise ValueError("--prefill-workers needs --decode-workers (they decode)")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the mesh runs prefill/decode pools."""
+        return bool(self.prefill_workers or self.decode_workers)
+
+    def pool_sizes(self) -> dict[Role, int]:
+        """The pools this mesh runs and their initial sizes."""
+        aggregated = self.workers if self.workers >= 0 else (0 if self.disaggregated else 2)
+        sizes = {Role.AGGREGATED: aggregated} if aggregated or not self.disaggregated else {}
+        if self.disaggregated:
+            sizes[Role.PREFILL] = self.prefill_workers
+            sizes[Role.DECODE] = self.decode_workers
+        return sizes
+
+
+@dataclass
+class _Pool:
+    """The workers of one role and their target count."""
+
+    role: Role
+    target: int
+    children: list[Child] = field(default_factory=list)
+    next_index: int = 0
+
+    def active(self) -> list[Child]:
+        """Workers alive and not draining."""
+        return [w for w in self.children if w.alive() and not w.draining]
 
 
 class Child:
@@ -126,14 +176,17 @@ class Supervisor:
         for group in engine_arg_groups():
             fields = {k: getattr(ns, k) for k in group.__dataclass_fields__ if hasattr(ns, k)}
             self.engine_flags += to_argv(group(**fields))
-        self.target = config.workers
+        self.pools = {role: _Pool(role, n) for role, n in config.pool_sizes().items()}
         self.kserve_grpc_port = config.kserve_grpc_port
         """The frontend's KServe v2 gRPC port (a free one is picked when configured as 0)."""
-        self.workers: list[Child] = []
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
-        self._next_worker = 0
         self._pid = os.getpid()
+
+    @property
+    def workers(self) -> list[Child]:
+        """Every worker process of every pool."""
+        return [w for pool in self.pools.values() for w in pool.children]
 
     def _common(self) -> list[str]:
         return [
@@ -145,9 +198,11 @@ class Supervisor:
             self.discovery,
         ]
 
-    async def start_worker(self) -> None:
-        i, self._next_worker = self._next_worker, self._next_worker + 1
-        wid = f"worker-{i}-{self._pid}"
+    async def start_worker(self, role: Role = Role.AGGREGATED) -> None:
+        pool = self.pools[role]
+        i, pool.next_index = pool.next_index, pool.next_index + 1
+        prefix = "worker" if role is Role.AGGREGATED else role.value
+        wid = f"{prefix}-{i}-{self._pid}"
         argv = _kvmesh(
             *self.log_level,
             "worker",
@@ -156,14 +211,17 @@ class Supervisor:
             *self._common(),
             "--worker-id",
             wid,
+            "--role",
+            role.value,
             *self.engine_flags,
         )
-        self.workers.append(await Child.spawn(wid, argv))
+        pool.children.append(await Child.spawn(wid, argv))
 
     async def start(self) -> Child:
         """Start workers, router and frontend; returns the frontend."""
-        for _ in range(self.target):
-            await self.start_worker()
+        for pool in self.pools.values():
+            for _ in range(pool.target):
+                await self.start_worker(pool.role)
         router_args: list[str] = []
         cfg = self.config
         if cfg.router_process:
@@ -195,6 +253,7 @@ class Supervisor:
             "--router-mode",
             cfg.router_mode.value,
             *router_args,
+            *to_argv(DisaggConfig(**{f.name: getattr(cfg, f.name) for f in fields(DisaggConfig)})),
         )
         frontend = await Child.spawn("frontend", argv)
         self.others.insert(0, frontend)
@@ -202,47 +261,58 @@ class Supervisor:
 
     # -- pool ----------------------------------------------------------------------------------
 
-    def active(self) -> list[Child]:
-        """Workers alive and not draining."""
-        return [w for w in self.workers if w.alive() and not w.draining]
+    def active(self, role: Role = Role.AGGREGATED) -> list[Child]:
+        """Workers of `role` alive and not draining."""
+        pool = self.pools.get(role)
+        return pool.active() if pool is not None else []
 
-    async def scale(self, replicas: int) -> int:
-        """Set the target; start or drain workers now. Returns the previous target."""
+    async def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
+        """Set a pool's target; start or drain workers now. Returns the previous target."""
+        pool = self.pools.get(role)
+        if pool is None:
+            raise InvalidRequest(
+                f"this mesh runs no {role.value} pool (pools: "
+                + ", ".join(r.value for r in self.pools)
+                + ")",
+                param="role",
+            )
         if replicas > self.config.max_workers:
             raise InvalidRequest(
                 f"replicas {replicas} exceeds --max-workers {self.config.max_workers}",
                 param="replicas",
             )
-        previous, self.target = self.target, replicas
+        previous, pool.target = pool.target, replicas
         await self.reconcile()
         return previous
 
     async def reconcile(self) -> None:
-        """Reap exited workers, replace dead ones, drain extra ones."""
-        for w in [w for w in self.workers if not w.alive()]:
-            self.workers.remove(w)
-            if not w.draining:
-                print(
-                    f"kvmesh up: {w.name} exited with {w.proc.returncode}; replacing it",
-                    file=sys.stderr,
-                )
-        active = self.active()
-        for _ in range(self.target - len(active)):
-            await self.start_worker()
-        for w in sorted(active, key=lambda c: c.started)[self.target :]:
-            w.draining = True
-            w.terminate()  # the worker deregisters, finishes its requests, exits
+        """Reap exited workers, replace dead ones, drain extra ones, in every pool."""
+        for pool in self.pools.values():
+            for w in [w for w in pool.children if not w.alive()]:
+                pool.children.remove(w)
+                if not w.draining:
+                    print(
+                        f"kvmesh up: {w.name} exited with {w.proc.returncode}; replacing it",
+                        file=sys.stderr,
+                    )
+            active = pool.active()
+            for _ in range(pool.target - len(active)):
+                await self.start_worker(pool.role)
+            for w in sorted(active, key=lambda c: c.started)[pool.target :]:
+                w.draining = True
+                w.terminate()  # the worker deregisters, finishes its requests, exits
 
-    def pool_status(self) -> spb.PoolStatus:
-        active = self.active()
+    def pool_status(self, role: Role = Role.AGGREGATED) -> spb.PoolStatus:
+        pool = self.pools[role]
+        active = pool.active()
         ready = sum(1 for w in active if w.name in self.registered)
         return spb.PoolStatus(
             model=self.served,
-            role=cpb.WORKER_ROLE_AGGREGATED,
-            target_replicas=self.target,
+            role=_ROLE_TO_PB[role],
+            target_replicas=pool.target,
             ready_replicas=ready,
             starting_replicas=len(active) - ready,
-            draining_replicas=sum(1 for w in self.workers if w.alive() and w.draining),
+            draining_replicas=sum(1 for w in pool.children if w.alive() and w.draining),
         )
 
     async def watch_registrations(self) -> None:
@@ -263,35 +333,51 @@ class Supervisor:
             shutil.rmtree(self.registry, ignore_errors=True)
 
 
+_ROLE_TO_PB: dict[Role, cpb.WorkerRole.ValueType] = {
+    Role.AGGREGATED: cpb.WORKER_ROLE_AGGREGATED,
+    Role.PREFILL: cpb.WORKER_ROLE_PREFILL,
+    Role.DECODE: cpb.WORKER_ROLE_DECODE,
+}
+_ROLE_FROM_PB: dict[int, Role] = {v: k for k, v in _ROLE_TO_PB.items()}
+
+
 class ScalingServicer(spb_grpc.ScalingServiceServicer):
-    """ScalingService over the local supervisor (one aggregated pool)."""
+    """ScalingService over the local supervisor (its aggregated, or prefill and decode, pools)."""
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.sup = supervisor
 
-    def _check(self, model: str, role: int | None = None) -> None:
+    def _check(self, model: str) -> None:
         if model and model != self.sup.served:
             raise NotFound(f"this mesh serves {self.sup.served!r}, not {model!r}")
-        if role is not None and role != cpb.WORKER_ROLE_AGGREGATED:
-            raise InvalidRequest(
-                "kvmesh up runs one aggregated pool; role must be WORKER_ROLE_AGGREGATED",
-                param="role",
-            )
+
+    def _role(self, role: int) -> Role:
+        found = _ROLE_FROM_PB.get(role)
+        if found is None or found not in self.sup.pools:
+            pools = ", ".join(cpb.WorkerRole.Name(_ROLE_TO_PB[r]) for r in self.sup.pools)
+            raise InvalidRequest(f"this mesh runs the pools {pools}; role must be one of them")
+        return found
 
     async def Scale(
         self, request: spb.ScaleRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> spb.ScaleResponse:
-        self._check(request.model, request.role)
-        previous = await self.sup.scale(request.replicas)
+        self._check(request.model)
+        role = self._role(request.role)
+        previous = await self.sup.scale(request.replicas, role)
         if request.reason:
-            print(f"kvmesh up: scaling to {request.replicas} ({request.reason})", file=sys.stderr)
-        return spb.ScaleResponse(previous_replicas=previous, target_replicas=self.sup.target)
+            print(
+                f"kvmesh up: scaling {role.value} to {request.replicas} ({request.reason})",
+                file=sys.stderr,
+            )
+        return spb.ScaleResponse(
+            previous_replicas=previous, target_replicas=self.sup.pools[role].target
+        )
 
     async def ListPools(
         self, request: spb.ListPoolsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> spb.ListPoolsResponse:
         self._check(request.model)
-        return spb.ListPoolsResponse(pools=[self.sup.pool_status()])
+        return spb.ListPoolsResponse(pools=[self.sup.pool_status(r) for r in self.sup.pools])
 
 
 async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
@@ -366,8 +452,9 @@ def _banner(base: str, model: str, config: UpConfig, control: str, kserve: str) 
             "stream": True,
         }
     )
+    pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     print(
-        f"\nkvmesh is up: {config.workers} {config.engine.value} worker(s), "
+        f"\nkvmesh is up: {config.engine.value} workers ({pools}), "
         f"router {config.router_mode.value}{' (own process)' if config.router_process else ''}\n"
         f"  OpenAI API : {base}/v1   (model {model!r})\n"
         f"  health     : {base}/health    metrics: {base}/metrics\n"

@@ -1,4 +1,5 @@
-"""Prometheus export of a router's RoutingStats (registered by the process that owns it)."""
+"""Prometheus export of a router's RoutingStats and of the gateway's disaggregation counters
+(registered by the process that owns them)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
+from kvmesh.router.mesh import DisaggStats, LocalPrefill
 from kvmesh.router.routing import RoutingStats
 
 PREFIX = "kvmesh_router_"
@@ -37,6 +39,40 @@ class RoutingCollector:
         prompt = CounterMetricFamily(PREFIX + "prompt_blocks", "Full prompt blocks routed.")
         prompt.add_metric([], s.prompt_blocks)
         yield prompt
+
+
+class DisaggCollector:
+    """Collector for a MeshBackend's DisaggStats: which path requests of disaggregated pools
+    took, and how many KV bytes moved."""
+
+    def __init__(self, stats: DisaggStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        remote = CounterMetricFamily(
+            "kvmesh_remote_prefill",
+            "Requests prefilled on a prefill worker (PrefillRemote) and continued on a decode "
+            "worker that pulled their KV.",
+        )
+        remote.add_metric([], s.remote_prefills)
+        yield remote
+        local = CounterMetricFamily(
+            "kvmesh_local_prefill",
+            "Requests of disaggregated pools prefilled on their decode worker instead, by reason "
+            "(short_prompt, no_prefill_worker, prefill_saturated: conditional disaggregation; "
+            "prefill_failed, transfer_failed: fallbacks).",
+            labels=["reason"],
+        )
+        for reason in LocalPrefill:
+            local.add_metric([reason.value], s.local_prefills[reason])
+        yield local
+        moved = CounterMetricFamily(
+            "kvmesh_kv_transfer_bytes",
+            "Prompt KV bytes decode workers pulled from prefill workers.",
+        )
+        moved.add_metric([], s.kv_transfer_bytes)
+        yield moved
 
 
 def _le(bound: float) -> str:

@@ -29,6 +29,18 @@ KV events
 
 Idempotency
     `release_kv` and `clear_kv_cache` may be called any number of times.
+
+Disaggregated serving (optional; engines listing the DISAGGREGATION capability)
+    The worker calls `configure_disaggregation(settings)` once, before `start()`, with its role
+    and how to tell a prefill worker to release blocks. On a prefill worker, `prefill_remote`
+    computes the prompt's KV and samples the first token; the blocks stay pinned (referenced,
+    neither evicted nor reused) under a transfer id until `release_kv(transfer_id)` or until
+    they expire. On a decode worker, `submit` of a request with `remote_prefill` set pulls the
+    blocks named by its handle into free blocks, calls `settings.release_remote(handle)`, uses
+    the pulled KV only if that confirms the blocks were still pinned (else it recomputes the
+    prompt), caches the full blocks (they appear in its prefix cache and KV events), and
+    decodes after `first_token_id`: its outputs start with the second token. Every path
+    (success, failed pull, cancellation, stop) releases every block it took.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import abc
 import asyncio
 import collections
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -125,18 +137,6 @@ class StopParams:
 
 
 @dataclass(slots=True)
-class EngineRequest:
-    """One generation request."""
-
-    request_id: str
-    prompt: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: StopParams = field(default_factory=StopParams)
-    lora_name: str = ""
-    priority: int = 0
-
-
-@dataclass(slots=True)
 class TokenLogprob:
     """Logprob of a generated token and its top alternatives (token id, logprob)."""
 
@@ -154,6 +154,146 @@ class Usage:
     cached_tokens: int = 0
 
 
+# --- disaggregated serving (kvmesh.api.common.v1 KvLayout ... RemotePrefillResult) -----------
+
+
+@dataclass(slots=True, frozen=True)
+class KvLayout:
+    """Shape of a KV block in memory, so a puller can compute offsets and check compatibility."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    """Element type name, e.g. "bfloat16"."""
+    block_bytes: int
+    """Bytes of one block across all layers, keys and values."""
+    chunk_bytes: int = 0
+    """Bytes of one contiguous piece of a block (pieces ordered by layer, keys before values);
+    0: a block is one contiguous region."""
+    chunk_stride_bytes: int = 0
+    """Distance from one piece of a block to the next (unused when chunk_bytes is 0)."""
+
+    def compatible(self, other: KvLayout) -> bool:
+        """Whether KV of `other`'s blocks can be used as KV of this layout's blocks."""
+        return (
+            self.num_layers == other.num_layers
+            and self.num_kv_heads == other.num_kv_heads
+            and self.head_dim == other.head_dim
+            and self.block_size == other.block_size
+            and self.dtype == other.dtype
+            and self.block_bytes == other.block_bytes
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class KvBlockDescriptor:
+    """Where one pinned block sits in the prefill worker's registered memory."""
+
+    block_hash: int
+    """The prefill engine's hash of the block; 0 for a partial (unhashed) last block."""
+    address: int
+    """Address of the block (of its first piece, for a chunked layout)."""
+    length_bytes: int
+    device_id: int = 0
+    """GPU ordinal; 0 for host memory."""
+
+
+@dataclass(slots=True)
+class KvTransferHandle:
+    """What a decode worker needs to pull a prompt's KV from the prefill worker holding it."""
+
+    transfer_id: str
+    layout: KvLayout
+    blocks: list[KvBlockDescriptor]
+    """The prompt's blocks in order (the last one partial when the prompt does not fill it)."""
+    num_computed_tokens: int
+    """Prompt tokens whose KV the blocks hold."""
+    agent_name: str = ""
+    """NIXL agent of the prefill worker; empty: not NIXL (e.g. the mocker's simulation)."""
+    agent_metadata: bytes = b""
+    """NIXL agent metadata (add_remote_agent)."""
+    memory_kind: str = "DRAM"
+    """"DRAM" (host memory) or "VRAM" (GPU memory)."""
+    expires_after_ms: int = 0
+    """The prefill worker frees the blocks by itself after this long without release."""
+    prefill_worker_id: str = ""
+    prefill_address: str = ""
+    """gRPC address of the prefill worker (set by its worker server)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every block of the handle."""
+        return sum(b.length_bytes for b in self.blocks)
+
+
+@dataclass(slots=True)
+class RemotePrefill:
+    """The result of a remote prefill, handed to the decode worker with the request."""
+
+    first_token_id: int
+    first_logprob: TokenLogprob | None = None
+    handle: KvTransferHandle | None = None
+    """Where the prompt KV is; None: the decode worker recomputes it (or the engine moves it
+    by its own means, described in engine_params_json)."""
+    engine_params_json: str = ""
+    """Engine-specific transfer parameters (vLLM kv_transfer_params, SGLang bootstrap room,
+    TRT-LLM disaggregated_params) as a JSON object; empty: none."""
+    cached_tokens: int = 0
+    """Prompt tokens the prefill worker served from its prefix cache."""
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What Engine.prefill_remote returns."""
+
+    remote: RemotePrefill
+    usage: Usage
+    """Prompt tokens, 1 completion token, cached tokens on the prefill side."""
+    finish_reason: FinishReason | None = None
+    """Set when the first token already ends the request (nothing is pinned then)."""
+    stop_token_id: int | None = None
+
+
+KvReleaser = Callable[[KvTransferHandle], Awaitable[bool]]
+"""Tells the prefill worker holding a handle's blocks to release them; True when they were
+still pinned (so KV read from them before the call is intact), False when they were already
+released or expired, or the prefill worker cannot be reached."""
+
+
+async def _never_confirmed(handle: KvTransferHandle) -> bool:
+    return False
+
+
+@dataclass(slots=True)
+class DisaggSettings:
+    """How a worker takes part in disaggregated serving (Engine.configure_disaggregation)."""
+
+    role: Role = Role.AGGREGATED
+    release_remote: KvReleaser = _never_confirmed
+    """Decode side: release a handle's blocks on its prefill worker (the worker server calls
+    ReleaseKvBlocks over gRPC)."""
+    pin_timeout_s: float = 30.0
+    """Prefill side: pinned blocks nobody released are freed after this long."""
+    transfer_timeout_s: float = 10.0
+    """Decode side: a pull that takes longer is abandoned (the prompt is recomputed)."""
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopParams = field(default_factory=StopParams)
+    lora_name: str = ""
+    priority: int = 0
+    remote_prefill: RemotePrefill | None = None
+    """Set on a decode worker: the prompt was prefilled remotely (see the module docstring)."""
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """Tokens generated since the previous output; the last one carries finish_reason/usage."""
@@ -163,6 +303,11 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     stop_token_id: int | None = None
+    kv_transfer_bytes: int = 0
+    """Last output of a remote-prefilled request: prompt KV bytes pulled."""
+    remote_prefill_fallback: bool = False
+    """Last output of a remote-prefilled request: the pulled KV could not be used and the
+    prompt was recomputed locally."""
 
 
 @dataclass(slots=True)
@@ -196,6 +341,8 @@ class LoadInfo:
     prefix_cache_hit_rate: float = 0.0
     requests_finished_total: int = 0
     preemptions_total: int = 0
+    kv_pinned_blocks: int = 0
+    """Blocks pinned for remote prefill transfers (included in kv_active_blocks)."""
 
 
 class OutputSink(Protocol):
@@ -265,7 +412,15 @@ class _Channel:
                 tokens += out.token_ids
                 if logprobs is not None and out.logprobs is not None:
                     logprobs += out.logprobs
-            out = EngineOutput(tokens, logprobs, out.finish_reason, out.usage, out.stop_token_id)
+            out = EngineOutput(
+                tokens,
+                logprobs,
+                out.finish_reason,
+                out.usage,
+                out.stop_token_id,
+                out.kv_transfer_bytes,
+                out.remote_prefill_fallback,
+            )
         return out
 
 
@@ -316,10 +471,24 @@ class Engine(abc.ABC):
         """Drop every unreferenced cached block; returns how many. Default: nothing cached."""
         return 0
 
+    def configure_disaggregation(self, settings: DisaggSettings) -> None:
+        """Called once by the worker before start(): the worker's role and how to release
+        remote blocks (see the module docstring). Default: only the aggregated role."""
+        if settings.role is not Role.AGGREGATED:
+            raise Unimplemented(
+                f"engine {type(self).__name__} does not support disaggregated serving "
+                f"(role {settings.role.value})"
+            )
+
     async def release_kv(self, transfer_id: str) -> bool:
-        """Release blocks pinned for a remote prefill. Default: nothing is ever pinned."""
+        """Release blocks pinned for a remote prefill: True if this call released them, False
+        if they were already released or expired (or never existed). Default: nothing is ever
+        pinned."""
         return False
 
-    async def prefill_remote(self, request: EngineRequest) -> object:
-        """Prefill and pin the prompt's KV for a decode worker (disaggregated serving)."""
+    async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
+        """Prefill `request`'s prompt, sample its first token and pin its KV for a decode
+        worker (disaggregated serving). `request.stop` decides whether the first token already
+        ends the request (then nothing is pinned). Cancelling the call aborts the prefill and
+        frees its blocks. Raises like submit; Unimplemented when unsupported."""
         raise Unimplemented(f"engine {self.info.engine!r} does not support PrefillRemote yet")

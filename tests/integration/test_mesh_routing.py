@@ -208,3 +208,23 @@ async def test_trace_context_travels_to_the_worker() -> None:
     finally:
         await pool.stop()
         await server.stop(0)
+
+
+async def test_a_dead_worker_is_retried_elsewhere_and_avoided(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    """A worker that dies without leaving discovery: the request that hits it is retried on
+    another worker (nothing was streamed yet), and the dead one is avoided afterwards."""
+    pool = WorkerPool(FileDiscovery(tmp_path / "registry", ttl_s=30.0, poll_s=0.05))
+    await pool.start()
+    await pool.wait_for(2, timeout_s=10)
+    backend = MeshBackend(pool, SimpleRouter(pool, RouterMode.ROUND_ROBIN))
+    # Kill w0's gRPC server but keep its registration alive (as a SIGKILLed process would
+    # until its lease expires).
+    await workers[0].server.stop(0)
+    for i in range(4):
+        assert len(await run(backend, request(f"d{i}"))) == 3
+    assert await finished(workers[1]) == 4
+    dead = next(w for w in pool.workers() if w.worker_id == "w0")
+    assert dead.down_until > 0
+    await pool.stop()

@@ -164,3 +164,21 @@ def test_stop_string_never_emitted_at_any_split() -> None:
                 if hit:
                     break
             assert hit and out == "The quick brown "
+
+
+@pytest.mark.parametrize("fast", MODES)
+def test_prompt_ending_inside_a_character_does_not_leak_prompt_text(
+    raw: tokenizers.Tokenizer, fast: bool
+) -> None:
+    """Token-id prompts can end in the middle of a multi-byte character; the completion must
+    not repeat prompt text (the orphaned continuation bytes decode as U+FFFD)."""
+    ids = _ids(raw, "x 😀😂 señor niño")
+    cuts = [c for c in range(1, len(ids)) if raw.decode(ids[:c]).endswith("\ufffd")]
+    assert cuts, "the text must split a character somewhere"
+    for cut in cuts:
+        pieces = _run(raw, [[t] for t in ids[cut:]], fast, prompt=ids[:cut])
+        text = "".join(pieces)
+        assert text.endswith("señor niño")
+        assert "x" not in text, (cut, text)  # no prompt text re-emitted
+        full = raw.decode(ids)
+        assert len(text) <= len(full) - len(raw.decode(ids[:cut]).rstrip("\ufffd")) + 1

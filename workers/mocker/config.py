@@ -35,6 +35,17 @@ class MockerConfig:
     )
     max_model_len: int = opt(0, "maximum sequence length (0: the model's context length)")
     seed: int = opt(0, "seed of the per-request seeds drawn for unseeded sampled requests")
+    kv_bytes_per_token: int = opt(
+        131072,
+        "disaggregation: simulated KV cache bytes per token (default: Llama-3-8B in bf16, "
+        "2 x 32 layers x 8 KV heads x 128 dims x 2 bytes)",
+    )
+    kv_transfer_gbps: float = opt(
+        25.0, "disaggregation: simulated KV transfer bandwidth between workers, GB/s"
+    )
+    kv_transfer_latency_ms: float = opt(
+        1.0, "disaggregation: simulated fixed cost of one KV transfer (setup, completion), ms"
+    )
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1:
@@ -51,8 +62,21 @@ class MockerConfig:
             raise ValueError("speedup_ratio must be > 0")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError("kv_bytes_per_token must be >= 1")
+        if not self.kv_transfer_gbps > 0 or not self.kv_transfer_latency_ms >= 0:
+            raise ValueError("kv_transfer_gbps must be > 0 and kv_transfer_latency_ms >= 0")
 
     @property
     def watermark_blocks(self) -> int:
         """Blocks admission keeps free (vLLM: int(watermark * num_blocks))."""
         return int(self.watermark * self.num_gpu_blocks)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Simulated bytes of one KV block."""
+        return self.kv_bytes_per_token * self.block_size
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Simulated time (before speedup) to move `nbytes` of KV between two workers."""
+        return self.kv_transfer_latency_ms / 1000.0 + nbytes / (self.kv_transfer_gbps * 1e9)

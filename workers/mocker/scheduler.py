@@ -24,6 +24,16 @@ One `step(now)`:
      request and the position, see sampling.py) and is checked for stop conditions: length
      (max_tokens, the model length) first, then stop token ids once min_tokens are reached.
      Blocks that became full are cached (KV events), finished requests release their blocks.
+
+Disaggregated serving (the same contract as the torch scheduler's):
+  * prefill side: `add(request, now, pin=True)`; unless its first token ends it, the request is
+    handed off after that token (SeqOutput.handoff) and its blocks stay referenced in
+    `pinned[request_id]` until `release_pinned(request_id)`;
+  * decode side: `reserve_prefilled(prompt)` takes blocks for a prompt whose KV arrives from
+    elsewhere (reusing its cached prefix), `commit_prefilled` caches them once the KV is there,
+    and `add(request, now, first_token=t, blocks=b)` decodes after the first token `t`, ahead
+    of ordinary waiting requests (without `blocks` it recomputes prompt + t, never emitting t).
+    Tokens are the same as aggregated serving's: the stream key depends on the prompt only.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ from __future__ import annotations
 import enum
 import heapq
 import random
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
@@ -64,6 +75,9 @@ class SeqOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     usage: Usage | None = None
+    handoff: bool = False
+    """A pinned request's first token that does not end it: the request left the scheduler and
+    its blocks are in `MockerScheduler.pinned` (usage is set, finish_reason is not)."""
 
 
 @dataclass(slots=True)
@@ -98,6 +112,7 @@ class _Seq:
         "min_len",
         "num_cached_blocks",
         "num_computed",
+        "pin",
         "priority",
         "prompt_len",
         "request_id",
@@ -130,6 +145,7 @@ class _Seq:
             frozenset(request.stop.stop_token_ids) if request.stop.stop_token_ids else None
         )
         self.top_logprobs = request.sampling.top_logprobs
+        self.pin = False
 
     def usage(self) -> Usage:
         return Usage(
@@ -195,17 +211,16 @@ class MockerScheduler:
         self.num_steps = 0
         self._query_tokens = 0
         self._hit_tokens = 0
+        self.pinned: dict[str, list[int]] = {}
+        """Handed-off requests' blocks, referenced until release_pinned (disaggregation)."""
+        self._num_pinned_blocks = 0
+        self._prefilled: deque[_Seq] = deque()
+        """Remote-prefilled requests holding their blocks, admitted before the waiting heap."""
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add(self, request: EngineRequest, now: float) -> None:
-        """Queue `request` (assumed validated, see kvmesh.workers.validation).
-
-        Raises InvalidRequest for a duplicate request id, RequestTooLarge when the prompt does not
-        leave room for one token within max_model_len, ResourceExhausted when the prompt can never
-        be scheduled (more blocks than the pool has beyond the watermark, or, without chunked
-        prefill, more tokens than one step's budget).
-        """
+    def check(self, request: EngineRequest) -> None:
+        """Raise what `add` would raise for `request`, without queueing it."""
         rid = request.request_id
         if rid in self._seqs:
             raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
@@ -231,12 +246,42 @@ class MockerScheduler:
                 f"prompt of {n} tokens exceeds max_num_batched_tokens={cfg.max_num_batched_tokens}"
                 " and chunked prefill is disabled"
             )
+
+    def max_len(self, request: EngineRequest) -> int:
+        """The sequence length (prompt + output) at which `request` ends with LENGTH."""
+        max_tokens = request.stop.max_tokens
+        n = len(request.prompt)
+        return self.max_seq_len if max_tokens is None else min(self.max_seq_len, n + max_tokens)
+
+    def add(
+        self,
+        request: EngineRequest,
+        now: float,
+        *,
+        pin: bool = False,
+        first_token: int | None = None,
+        blocks: list[int] | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
+        """Queue `request` (assumed validated, see kvmesh.workers.validation).
+
+        `pin`, `first_token`, `blocks`, `cached_tokens`: disaggregated serving (see the module
+        docstring).
+
+        Raises InvalidRequest for a duplicate request id, RequestTooLarge when the prompt does not
+        leave room for one token within max_model_len, ResourceExhausted when the prompt can never
+        be scheduled (more blocks than the pool has beyond the watermark, or, without chunked
+        prefill, more tokens than one step's budget).
+        """
+        self.check(request)
+        rid = request.request_id
+        n = len(request.prompt)
+        if blocks is not None and (first_token is None or len(blocks) * self.block_size < n):
+            raise ValueError("blocks need first_token and must hold the whole prompt")
         seq = _Seq(request, self._arrivals, now)
         self._arrivals += 1
-        max_tokens = request.stop.max_tokens
-        seq.max_len = (
-            self.max_seq_len if max_tokens is None else min(self.max_seq_len, n + max_tokens)
-        )
+        seq.max_len = self.max_len(request)
+        seq.pin = pin
         if seq.greedy:
             seed = None
         elif request.sampling.seed is not None:
@@ -245,8 +290,57 @@ class MockerScheduler:
             seed = self._rng.getrandbits(64)
         seq.key = self.sampler.stream_key(seq.tokens, seed)
         self._seqs[rid] = seq
-        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
         self._num_waiting += 1
+        if first_token is not None:
+            seq.tokens.append(first_token)
+            if blocks is not None:
+                seq.blocks = blocks
+                seq.num_computed = n
+                seq.num_cached_blocks = n // self.block_size if self.pool.enable_caching else 0
+                seq.cached_tokens = cached_tokens
+                seq.decoding = True
+                self._prefilled.append(seq)
+                return
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
+
+    def prefix_hashes(self, token_ids: Sequence[int], lora_name: str = "") -> list[int]:
+        """Chained hashes of the full blocks of `token_ids`."""
+        bs = self.block_size
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(len(token_ids) // bs):
+            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs], lora_name)
+            hashes.append(parent)
+        return hashes
+
+    def reserve_prefilled(
+        self, prompt: Sequence[int], lora_name: str = ""
+    ) -> tuple[list[int], list[int], int] | None:
+        """Take referenced blocks for a prompt whose KV comes from another worker: its cached
+        leading blocks, then fresh ones. Returns (blocks, full-block hashes, number of cached
+        leading blocks, which need no transfer), or None when the pool cannot take them now
+        (keeping the watermark free)."""
+        pool = self.pool
+        bs = self.block_size
+        nb = -(-len(prompt) // bs)
+        hashes = self.prefix_hashes(prompt, lora_name)
+        have = pool.match_prefix(hashes, len(hashes))
+        need = nb - len(have)
+        if pool.num_free - pool.count_evictable(have) - need < self._watermark_blocks:
+            return None
+        pool.acquire(have)
+        return have + pool.allocate(need), hashes, len(have)
+
+    def commit_prefilled(
+        self,
+        blocks: list[int],
+        hashes: Sequence[int],
+        num_had: int,
+        prompt: Sequence[int],
+        lora_name: str = "",
+    ) -> None:
+        """The KV of reserved `blocks` arrived: cache their full blocks (BlocksStored events)."""
+        self.pool.cache_full_blocks(blocks, hashes, num_had, len(hashes), prompt, lora_name)
 
     def abort(self, request_id: str) -> bool:
         """Remove an unfinished request and release its blocks; False if unknown/finished."""
@@ -254,7 +348,9 @@ class MockerScheduler:
         if seq is None:
             return False
         if seq.status is SeqStatus.WAITING:
-            self._num_waiting -= 1  # its heap entry is skipped lazily
+            self._num_waiting -= 1  # its heap / prefilled entry is skipped lazily
+            self.pool.release(seq.blocks)  # a remote-prefilled request holds its blocks
+            seq.blocks = []
         else:
             self._running.remove(seq)
             self.pool.release(seq.blocks)
@@ -269,7 +365,22 @@ class MockerScheduler:
         for rid in ids:
             self.abort(rid)
         self._waiting.clear()
+        self._prefilled.clear()
         return ids
+
+    def release_pinned(self, request_id: str) -> bool:
+        """Release a handed-off request's pinned blocks; False if none are pinned for it."""
+        blocks = self.pinned.pop(request_id, None)
+        if blocks is None:
+            return False
+        self._num_pinned_blocks -= len(blocks)
+        self.pool.release(blocks)
+        return True
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks held for handed-off requests."""
+        return self._num_pinned_blocks
 
     def status(self, request_id: str) -> SeqStatus | None:
         """Status of an unfinished request (None: unknown or finished)."""
@@ -316,6 +427,7 @@ class MockerScheduler:
             prefix_cache_hit_rate=self.prefix_cache_hit_rate,
             requests_finished_total=self.num_finished,
             preemptions_total=self.num_preemptions,
+            kv_pinned_blocks=self._num_pinned_blocks,
         )
 
     # -- the step ------------------------------------------------------------------------------
@@ -436,10 +548,12 @@ class MockerScheduler:
             elif seq.stop_ids is not None and t in seq.stop_ids and pos + 1 >= seq.min_len:
                 out.finish_reason = FinishReason.STOP
                 out.stop_token_id = t
+            elif seq.pin:
+                out.handoff = True
             else:
                 continue
             out.usage = seq.usage()
-            self._finish(seq)
+            self._finish(seq, handoff=out.handoff)
             finished = True
         if finished:
             self._running = [s for s in running if s.status is SeqStatus.RUNNING]
@@ -461,6 +575,26 @@ class MockerScheduler:
         waiting = self._waiting
         running = self._running
         caching = pool.enable_caching
+        prefilled = self._prefilled
+        while prefilled and budget > 0 and len(running) < cfg.max_num_seqs:
+            seq = prefilled[0]
+            if seq.status is not SeqStatus.WAITING:
+                prefilled.popleft()  # aborted while waiting
+                continue
+            n = len(seq.tokens) - seq.num_computed
+            if n > budget:
+                break
+            need = (seq.num_computed + n + bs - 1) // bs - len(seq.blocks)
+            if need > pool.num_free:
+                break
+            prefilled.popleft()
+            self._num_waiting -= 1
+            seq.blocks.extend(pool.allocate(need))
+            seq.status = SeqStatus.RUNNING
+            running.append(seq)
+            sched.append(seq)
+            counts.append(n)
+            budget -= n
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = waiting[0][2]
             if seq.status is not SeqStatus.WAITING:
@@ -500,8 +634,12 @@ class MockerScheduler:
             counts.append(n)
             budget -= n
 
-    def _finish(self, seq: _Seq) -> None:
+    def _finish(self, seq: _Seq, handoff: bool = False) -> None:
         seq.status = SeqStatus.FINISHED
+        if handoff:  # keep the prompt's blocks for the decode worker
+            self.pinned[seq.request_id] = seq.blocks
+            self._num_pinned_blocks += len(seq.blocks)
+            seq.blocks = []
         self.pool.release(seq.blocks)
         seq.blocks = []
         del self._seqs[seq.request_id]
@@ -526,7 +664,13 @@ class MockerScheduler:
             assert len(seq.blocks) * self.block_size >= seq.num_computed, seq.request_id
         for seq in self._seqs.values():
             if seq.status is SeqStatus.WAITING:
-                assert not seq.blocks, seq.request_id
+                assert not seq.blocks or seq in self._prefilled, seq.request_id
+                for b in seq.blocks:
+                    refs[b] += 1
+        for blocks in self.pinned.values():
+            for b in blocks:
+                refs[b] += 1
+        assert self._num_pinned_blocks == sum(len(b) for b in self.pinned.values())
         pool = self.pool
         for b in range(self.num_blocks):
             assert pool.ref_count(b) == refs[b], (b, pool.ref_count(b), refs[b])

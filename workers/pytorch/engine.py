@@ -7,6 +7,14 @@ sinks, on the loop thread. With nothing to do it awaits an event (no busy loop).
 
 Everything that touches the KV tensors (forwards, block export/import) runs on that one thread,
 in submission order, so a KV copy never races a forward.
+
+Disaggregated serving (kvmesh.workers.disagg): the KV cache tensor is registered with a NIXL
+agent (host memory on CPU, GPU memory on CUDA). `prefill_remote` runs the prompt as a pinned
+request (TorchScheduler `pin`) and returns a handle whose descriptors point into that tensor;
+`submit` of a request with `remote_prefill` pulls the blocks with a NIXL READ straight into free
+blocks of this engine's cache (after the forward in flight, which may still write blocks an
+abort just freed), releases them on the prefill worker, caches them, and decodes from the first
+token (TorchScheduler `first_token`/`blocks`).
 """
 
 from __future__ import annotations
@@ -16,21 +24,31 @@ import concurrent.futures
 import contextlib
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvmesh.errors import InvalidRequest, ResourceExhausted, Unavailable
+from kvmesh.errors import InvalidRequest, KvmeshError, ResourceExhausted, Unavailable, Unimplemented
 
+from ..disagg.layout import block_pieces
+from ..disagg.nixl_agent import NixlKvAgent, nixl_available
+from ..disagg.pins import PinnedTransfers
 from ..engine import (
+    DisaggSettings,
     Engine,
     EngineOutput,
     EngineRequest,
     FinishReason,
+    KvBlockDescriptor,
+    KvLayout,
+    KvTransferHandle,
     LoadInfo,
     ModelInfo,
     OutputSink,
+    PrefillResult,
+    RemotePrefill,
     RequestHandle,
     Role,
     Usage,
@@ -54,12 +72,46 @@ _CUDA_MEMORY_FRACTION = 0.9
 class _Request:
     """A submitted request: where its outputs go and what was delivered."""
 
-    __slots__ = ("delivered", "prompt_tokens", "sink")
+    __slots__ = ("delivered", "fallback", "kv_bytes", "prompt_tokens", "sink")
 
     def __init__(self, sink: OutputSink, prompt_tokens: int) -> None:
         self.sink = sink
         self.prompt_tokens = prompt_tokens
         self.delivered = 0
+        self.kv_bytes = 0
+        self.fallback = False
+
+
+class _FirstOutput:
+    """OutputSink of a PrefillRemote request: its one output resolves a future."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
+
+    def output(self, out: EngineOutput) -> None:
+        if not self.future.done():
+            self.future.set_result(out)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+@dataclass(slots=True)
+class _Pulled:
+    """Blocks pulled from a prefill worker, referenced, not yet cached."""
+
+    blocks: list[int]
+    hashes: list[int]
+    num_had: int
+    """Leading blocks that were already cached here (not pulled)."""
+    nbytes: int
+
+
+def _barrier() -> None:
+    """Runs on the executor thread: returns once the forward in flight has finished."""
 
 
 class _Handle:
@@ -134,6 +186,11 @@ class TorchEngine(Engine):
         self._forward: asyncio.Future[Any] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._accepting = False
+        self._disagg = DisaggSettings()
+        self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
+        self._agent: NixlKvAgent | None = None
+        self._pulls: set[asyncio.Task[None]] = set()
+        self._pump: asyncio.Task[None] | None = None
 
     # -- Engine --------------------------------------------------------------------------------
 
@@ -170,6 +227,8 @@ class TorchEngine(Engine):
         if self._runner is None or self._scheduler is None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, self._setup)
+        if self._disagg.role is not Role.AGGREGATED:
+            self._ensure_agent()  # fail at startup, not on the first request
         self._accepting = True
         self._task = asyncio.create_task(self._run(), name="torch-engine-loop")
 
@@ -203,10 +262,14 @@ class TorchEngine(Engine):
             kv_total_blocks=num_blocks,
             context_length=sched.max_seq_len,
             model_path=str(self.model_dir),
-            role=Role.AGGREGATED,
+            role=self._disagg.role,
             max_num_seqs=cfg.max_num_seqs,
             eos_token_ids=self._eos,
-            capabilities=("KV_EVENTS", "LOGPROBS") if self._events is not None else ("LOGPROBS",),
+            capabilities=(
+                *(("KV_EVENTS",) if self._events is not None else ()),
+                "LOGPROBS",
+                *(("DISAGGREGATION",) if self._disagg.role is not Role.AGGREGATED else ()),
+            ),
         )
         log.info(
             "torch engine: %s (%s) on %s as %s, %d KV blocks of %d tokens (%.1f MiB), "
@@ -223,6 +286,18 @@ class TorchEngine(Engine):
 
     async def stop(self) -> None:
         self._accepting = False
+        pulls = list(self._pulls)
+        for t in pulls:
+            t.cancel()
+        for t in pulls:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._pins.release_all()
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
         sched = self._scheduler
         requests, self._requests = self._requests, {}
         for rid, req in requests.items():
@@ -249,6 +324,9 @@ class TorchEngine(Engine):
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.close()  # before the KV cache it registered goes away
         # Release the KV cache (and the model, if this engine loaded it); start() rebuilds them.
         if sched is not None and self._events is not None and sched.pool.num_cached:
             self._events.publish(AllCleared())
@@ -264,6 +342,8 @@ class TorchEngine(Engine):
         rid = request.request_id
         if rid in self._requests:
             raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
+        if request.remote_prefill is not None:
+            return self._submit_remote(request, sink)
         self._scheduler.add(request)
         self._requests[rid] = _Request(sink, len(request.prompt))
         self._wake.set()
@@ -281,6 +361,273 @@ class TorchEngine(Engine):
 
     async def clear_kv_cache(self) -> int:
         return self._scheduler.clear_cache() if self._scheduler is not None else 0
+
+    # -- disaggregated serving -----------------------------------------------------------------
+
+    def configure_disaggregation(self, settings: DisaggSettings) -> None:
+        self._disagg = settings
+        self._pins.default_ttl_s = settings.pin_timeout_s
+        if self._info is not None:  # already started: the card follows
+            self._info.role = settings.role
+            caps = tuple(c for c in self._info.capabilities if c != "DISAGGREGATION")
+            if settings.role is not Role.AGGREGATED:
+                caps += ("DISAGGREGATION",)
+            self._info.capabilities = caps
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        """The KV cache's block layout as transfers see it (valid after start): each block is
+        `2 * num_layers` pieces (a layer's keys, then its values), one per [layer, k|v] slab."""
+        spec = self.kv_spec
+        cache = self.kv_cache
+        chunk = spec.block_bytes // (2 * spec.num_layers)
+        return KvLayout(
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            block_size=spec.block_size,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            block_bytes=spec.block_bytes,
+            chunk_bytes=chunk,
+            chunk_stride_bytes=cache.num_blocks * chunk,
+        )
+
+    def _block_address(self, block: int) -> int:
+        """Address of block `block`'s first piece (layer 0 keys)."""
+        return int(self.kv_cache.data[0, 0, block].data_ptr())
+
+    def _ensure_agent(self) -> NixlKvAgent:
+        """The NIXL agent with the KV cache registered (created on first use)."""
+        if self._agent is None:
+            if not nixl_available():
+                raise Unimplemented(
+                    "disaggregated serving with the torch engine needs NIXL: "
+                    "pip install 'kvmesh[nixl]'"
+                )
+            agent = NixlKvAgent()
+            try:
+                agent.register(self.kv_cache.data)
+            except BaseException:
+                agent.close()
+                raise
+            self._agent = agent
+        return self._agent
+
+    async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
+        if not self._accepting or self._scheduler is None:
+            raise Unavailable("the torch engine is not running")
+        validate_request(request, self.info)
+        agent = self._ensure_agent()
+        sched = self._scheduler
+        tid = self._pins.new_id()  # also the internal request id: never collides
+        internal = EngineRequest(
+            tid, request.prompt, request.sampling, request.stop, request.lora_name, request.priority
+        )
+        sink = _FirstOutput()
+        sched.add(internal, pin=True)
+        self._requests[tid] = _Request(sink, len(request.prompt))
+        self._wake.set()
+        try:
+            out = await sink.future
+        except BaseException:  # cancelled (the caller went away) or the engine failed
+            self._cancel(tid)
+            if self._scheduler is sched:
+                sched.release_pinned(tid)
+            raise
+        if out.finish_reason is FinishReason.CANCELLED:
+            raise Unavailable("the torch engine stopped during the prefill")
+        assert out.usage is not None and out.token_ids
+        usage = out.usage
+        remote = RemotePrefill(
+            first_token_id=out.token_ids[0],
+            first_logprob=out.logprobs[0] if out.logprobs else None,
+            cached_tokens=usage.cached_tokens,
+        )
+        if out.finish_reason is not None:  # the first token ends the request: nothing pinned
+            return PrefillResult(remote, usage, out.finish_reason, out.stop_token_id)
+        blocks = sched.pinned[tid]
+        expires_ms = self._pins.pin(tid, tid)
+        if self._pump is None or self._pump.done():  # progress while decode workers read
+            self._pump = asyncio.create_task(agent.pump(lambda: len(self._pins) > 0))
+        layout = self.kv_layout
+        n_full = len(request.prompt) // layout.block_size
+        pool = sched.pool
+        remote.handle = KvTransferHandle(
+            transfer_id=tid,
+            layout=layout,
+            blocks=[
+                KvBlockDescriptor(
+                    (pool.hash_of(b) or 0) if i < n_full else 0,
+                    self._block_address(b),
+                    layout.block_bytes,
+                    agent.device_id,
+                )
+                for i, b in enumerate(blocks)
+            ],
+            num_computed_tokens=len(request.prompt),
+            agent_name=agent.name,
+            agent_metadata=agent.metadata,
+            memory_kind=agent.memory_kind,
+            expires_after_ms=expires_ms,
+        )
+        return PrefillResult(remote, usage)
+
+    async def release_kv(self, transfer_id: str) -> bool:
+        return self._pins.release(transfer_id)
+
+    def _release_pinned(self, key: str) -> None:
+        if self._scheduler is not None:
+            self._scheduler.release_pinned(key)
+
+    def _submit_remote(self, request: EngineRequest, sink: OutputSink) -> RequestHandle:
+        """Start a remote-prefilled request: pull its KV, then decode (a task per request)."""
+        assert self._scheduler is not None
+        self._scheduler.check(request)
+        rid = request.request_id
+        entry = _Request(sink, len(request.prompt))
+        entry.delivered = 1  # the first token, sampled on the prefill worker
+        self._requests[rid] = entry
+        task = asyncio.create_task(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
+        self._pulls.add(task)
+        task.add_done_callback(self._pulls.discard)
+        return _Handle(self, rid)
+
+    async def _guard_remote(self, request: EngineRequest, entry: _Request) -> None:
+        try:
+            await self._continue_remote(request, entry)
+        except Exception as exc:  # a bug: fail the request rather than leave it hanging
+            log.exception("continuing remote prefill of %s failed", request.request_id)
+            if self._requests.get(request.request_id) is entry:
+                del self._requests[request.request_id]
+                entry.sink.fail(Unavailable(f"the torch engine failed: {exc!r}"))
+
+    async def _continue_remote(self, request: EngineRequest, entry: _Request) -> None:
+        rp = request.remote_prefill
+        assert rp is not None
+        sched = self.scheduler
+        pool = sched.pool
+        handle = rp.handle
+        blocks: list[int] | None = None
+        if handle is not None:
+            pulled = await self._pull(request, handle)
+            try:
+                confirmed = await self._disagg.release_remote(handle)
+            except Exception:
+                log.exception("releasing transfer %s failed", handle.transfer_id)
+                confirmed = False
+            except BaseException:
+                if pulled is not None:
+                    pool.release(pulled.blocks)
+                raise
+            if pulled is not None and confirmed:
+                blocks = pulled.blocks
+                n_full = len(request.prompt) // sched.block_size
+                pool.cache_full_blocks(
+                    blocks, pulled.hashes, pulled.num_had, n_full, request.prompt, request.lora_name
+                )
+                entry.kv_bytes = pulled.nbytes
+            elif pulled is not None:
+                log.warning(
+                    "transfer %s was released or expired before the pull was confirmed; "
+                    "recomputing the prompt",
+                    handle.transfer_id,
+                )
+                pool.release(pulled.blocks)
+            entry.fallback = blocks is None
+        rid = request.request_id
+        if self._requests.get(rid) is not entry or self._scheduler is not sched:
+            if blocks is not None:
+                pool.release(blocks)  # cancelled meanwhile: the pulled prefix stays cached
+            return
+        if len(request.prompt) + 1 >= sched.max_len(request):
+            # This engine's context ends right after the first token.
+            if blocks is not None:
+                pool.release(blocks)
+            del self._requests[rid]
+            entry.sink.output(
+                EngineOutput(
+                    [],
+                    finish_reason=FinishReason.LENGTH,
+                    usage=Usage(len(request.prompt), 1, rp.cached_tokens),
+                    kv_transfer_bytes=entry.kv_bytes,
+                    remote_prefill_fallback=entry.fallback,
+                )
+            )
+            return
+        try:
+            sched.add(
+                request,
+                first_token=rp.first_token_id,
+                blocks=blocks,
+                cached_tokens=rp.cached_tokens,
+            )
+        except KvmeshError as exc:
+            if blocks is not None:
+                pool.release(blocks)
+            del self._requests[rid]
+            entry.sink.fail(exc)
+            return
+        self._wake.set()
+
+    async def _pull(self, request: EngineRequest, handle: KvTransferHandle) -> _Pulled | None:
+        """Pull the prompt's blocks that are not cached here; None when the KV cannot be
+        pulled (the caller recomputes the prompt). The blocks returned are referenced."""
+        try:
+            agent = self._ensure_agent()
+        except (KvmeshError, ImportError) as exc:
+            log.warning("cannot pull remote KV: %s", exc)
+            return None
+        local = self.kv_layout
+        remote = handle.layout
+        sched = self.scheduler
+        pool = sched.pool
+        bs = sched.block_size
+        prompt = request.prompt
+        n = len(prompt)
+        nb = -(-n // bs)
+        if (
+            not handle.agent_name
+            or not local.compatible(remote)
+            or local.chunk_bytes != remote.chunk_bytes
+            or handle.num_computed_tokens != n
+            or len(handle.blocks) != nb
+        ):
+            log.warning("transfer %s does not fit this engine's KV layout", handle.transfer_id)
+            return None
+        hashes = sched.prefix_hashes(prompt, request.lora_name)
+        have = pool.match_prefix(hashes, n // bs)
+        need = nb - len(have)
+        if pool.num_free - pool.count_evictable(have) < need:
+            log.warning("no room for %d pulled KV blocks; recomputing the prompt", need)
+            return None
+        pool.acquire(have)
+        fresh = pool.allocate(need)
+        blocks = have + fresh
+        try:
+            if fresh:
+                await self._on_executor(_barrier)
+                nbytes = await agent.read(
+                    handle.agent_name,
+                    handle.agent_metadata,
+                    block_pieces([self._block_address(b) for b in fresh], local, agent.device_id),
+                    block_pieces(
+                        [d.address for d in handle.blocks[len(have) :]],
+                        remote,
+                        handle.blocks[0].device_id,
+                    ),
+                    remote_kind=handle.memory_kind,
+                    timeout_s=self._disagg.transfer_timeout_s,
+                )
+            else:
+                nbytes = 0
+        except BaseException as exc:
+            if self._scheduler is sched:
+                pool.release(blocks)
+            if not isinstance(exc, Exception):
+                raise
+            log.warning("pulling transfer %s failed: %s", handle.transfer_id, exc, exc_info=True)
+            return None
+        return _Pulled(blocks, hashes, len(have), nbytes)
 
     # -- extras --------------------------------------------------------------------------------
 
@@ -426,12 +773,18 @@ class TorchEngine(Engine):
                 continue  # cancelled while the step ran
             req.delivered += 1
             logprobs = [out.logprob] if out.logprob is not None else None
-            if out.finish_reason is None:
+            if out.finish_reason is None and not out.handoff:
                 req.sink.output(EngineOutput([out.token_id], logprobs))
             else:
                 del requests[out.request_id]
                 req.sink.output(
                     EngineOutput(
-                        [out.token_id], logprobs, out.finish_reason, out.usage, out.stop_token_id
+                        [out.token_id],
+                        logprobs,
+                        out.finish_reason,
+                        out.usage,
+                        out.stop_token_id,
+                        req.kv_bytes,
+                        req.fallback,
                     )
                 )

@@ -32,6 +32,17 @@ A step is split in two so the forward pass can run on another thread:
 Aborting (cancel) releases a request's blocks at once, even while a forward that uses them is
 running: freed blocks are only handed out again by the next `schedule()` or by an import, both of
 which happen after the running forward (the engine runs forwards and KV copies on one thread).
+
+Disaggregated serving
+  * Prefill side: `add(request, pin=True)` prefills and samples the first token like any request;
+    unless that token ends it, the request is then handed off: it leaves the scheduler, its
+    SeqOutput has `handoff` set, and its blocks stay referenced in `pinned[request_id]` (never
+    evicted or reused) until `release_pinned(request_id)`.
+  * Decode side: `add(request, first_token=t, blocks=b)` starts a request whose prompt KV is
+    already in blocks `b` (referenced by the caller, full blocks cached; the reference passes to
+    the request) and whose first token `t` was sampled elsewhere: it decodes from there, ahead of
+    ordinary waiting requests. Without `blocks` it recomputes prompt + t (like a preempted
+    request), never emitting t again.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from __future__ import annotations
 import enum
 import heapq
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,6 +86,9 @@ class SeqOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     usage: Usage | None = None
+    handoff: bool = False
+    """A pinned request's first token that does not end it: the request left the scheduler and
+    its blocks are in `TorchScheduler.pinned` (usage is set, finish_reason is not)."""
 
 
 class _Seq:
@@ -94,6 +109,7 @@ class _Seq:
         "num_cached_blocks",
         "num_computed",
         "params",
+        "pin",
         "priority",
         "prompt_len",
         "request_id",
@@ -126,6 +142,7 @@ class _Seq:
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
         self.bias_values = [float(b) for _, b in bias]
+        self.pin = False
 
     def usage(self) -> Usage:
         return Usage(
@@ -199,17 +216,16 @@ class TorchScheduler:
         """Tokens whose KV the forward passes computed so far (prefill, recompute and decode)."""
         self._query_tokens = 0
         self._hit_tokens = 0
+        self.pinned: dict[str, list[int]] = {}
+        """Handed-off requests' blocks, referenced until release_pinned (disaggregation)."""
+        self._num_pinned_blocks = 0
+        self._prefilled: deque[_Seq] = deque()
+        """Remote-prefilled requests holding their blocks, admitted before the waiting heap."""
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add(self, request: EngineRequest) -> None:
-        """Queue `request` (assumed to pass kvmesh.workers.validation).
-
-        Raises InvalidRequest for a duplicate id, token ids outside the vocabulary or a LoRA
-        adapter; RequestTooLarge when the prompt leaves no room for one token; ResourceExhausted
-        when the prompt can never be scheduled (more blocks than the pool has or, without chunked
-        prefill, more tokens than one step's budget).
-        """
+    def check(self, request: EngineRequest) -> None:
+        """Raise what `add` would raise for `request`, without queueing it."""
         rid = request.request_id
         if rid in self._seqs:
             raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
@@ -253,12 +269,44 @@ class TorchScheduler:
                 f"prompt of {n} tokens exceeds max_num_batched_tokens={cfg.max_num_batched_tokens}"
                 " and chunked prefill is disabled"
             )
+
+    def max_len(self, request: EngineRequest) -> int:
+        """The sequence length (prompt + output) at which `request` ends with LENGTH."""
+        max_tokens = request.stop.max_tokens
+        n = len(request.prompt)
+        return self.max_seq_len if max_tokens is None else min(self.max_seq_len, n + max_tokens)
+
+    def add(
+        self,
+        request: EngineRequest,
+        *,
+        pin: bool = False,
+        first_token: int | None = None,
+        blocks: list[int] | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
+        """Queue `request` (assumed to pass kvmesh.workers.validation).
+
+        `pin`: hand the request off after its first token, keeping its blocks (see the module
+        docstring); `first_token`: continue a request prefilled elsewhere, with its prompt KV in
+        `blocks` (or recompute it when None); `cached_tokens`: the prefix-cache hits to report
+        for such a request.
+
+        Raises InvalidRequest for a duplicate id, token ids outside the vocabulary or a LoRA
+        adapter; RequestTooLarge when the prompt leaves no room for one token; ResourceExhausted
+        when the prompt can never be scheduled (more blocks than the pool has or, without chunked
+        prefill, more tokens than one step's budget).
+        """
+        self.check(request)
+        rid = request.request_id
+        n = len(request.prompt)
+        if blocks is not None and (first_token is None or len(blocks) * self.block_size < n):
+            raise ValueError("blocks need first_token and must hold the whole prompt")
+        vocab = self.vocab_size
         seq = _Seq(request, self._arrivals)
         self._arrivals += 1
-        max_tokens = request.stop.max_tokens
-        seq.max_len = (
-            self.max_seq_len if max_tokens is None else min(self.max_seq_len, n + max_tokens)
-        )
+        seq.max_len = self.max_len(request)
+        seq.pin = pin
         stop_ids = set(request.stop.stop_token_ids)
         if not request.stop.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -271,8 +319,18 @@ class TorchScheduler:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(seed & ((1 << 64) - 1))
         self._seqs[rid] = seq
-        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
         self._num_waiting += 1
+        if first_token is not None:
+            seq.tokens.append(first_token)
+            if blocks is not None:
+                seq.blocks = blocks
+                seq.num_computed = n
+                seq.num_cached_blocks = n // self.block_size if self.pool.enable_caching else 0
+                seq.cached_tokens = cached_tokens
+                seq.decoding = True
+                self._prefilled.append(seq)
+                return
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
 
     def abort(self, request_id: str) -> bool:
         """Remove an unfinished request and release its blocks; False if unknown/finished."""
@@ -280,7 +338,9 @@ class TorchScheduler:
         if seq is None:
             return False
         if seq.status is SeqStatus.WAITING:
-            self._num_waiting -= 1  # its heap entry is skipped lazily
+            self._num_waiting -= 1  # its heap / prefilled entry is skipped lazily
+            self.pool.release(seq.blocks)  # a remote-prefilled request holds its blocks
+            seq.blocks = []
         else:
             self._running.remove(seq)
             self.pool.release(seq.blocks)
@@ -295,7 +355,22 @@ class TorchScheduler:
         for rid in ids:
             self.abort(rid)
         self._waiting.clear()
+        self._prefilled.clear()
         return ids
+
+    def release_pinned(self, request_id: str) -> bool:
+        """Release a handed-off request's pinned blocks; False if none are pinned for it."""
+        blocks = self.pinned.pop(request_id, None)
+        if blocks is None:
+            return False
+        self._num_pinned_blocks -= len(blocks)
+        self.pool.release(blocks)
+        return True
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks held for handed-off requests."""
+        return self._num_pinned_blocks
 
     def usage(self, request_id: str) -> Usage | None:
         """Token accounting so far of an unfinished request."""
@@ -342,6 +417,7 @@ class TorchScheduler:
             prefix_cache_hit_rate=self.prefix_cache_hit_rate,
             requests_finished_total=self.num_finished,
             preemptions_total=self.num_preemptions,
+            kv_pinned_blocks=self._num_pinned_blocks,
         )
 
     # -- scheduling ----------------------------------------------------------------------------
@@ -436,6 +512,26 @@ class TorchScheduler:
         waiting = self._waiting
         running = self._running
         caching = pool.enable_caching
+        prefilled = self._prefilled
+        while prefilled and budget > 0 and len(running) < cfg.max_num_seqs:
+            seq = prefilled[0]
+            if seq.status is not SeqStatus.WAITING:
+                prefilled.popleft()  # aborted while waiting
+                continue
+            n = len(seq.tokens) - seq.num_computed
+            if n > budget:
+                break
+            need = -(-(seq.num_computed + n) // bs) - len(seq.blocks)
+            if need > pool.num_free:
+                break
+            prefilled.popleft()
+            self._num_waiting -= 1
+            seq.blocks.extend(pool.allocate(need))
+            seq.status = SeqStatus.RUNNING
+            running.append(seq)
+            sched.append(seq)
+            counts.append(n)
+            budget -= n
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = waiting[0][2]
             if seq.status is not SeqStatus.WAITING:
@@ -513,17 +609,23 @@ class TorchScheduler:
             elif t in seq.stop_ids and pos + 1 >= seq.min_len:
                 out.finish_reason = FinishReason.STOP
                 out.stop_token_id = t
+            elif seq.pin:
+                out.handoff = True
             else:
                 continue
             out.usage = seq.usage()
-            self._finish(seq)
+            self._finish(seq, handoff=out.handoff)
             finished = True
         if finished:
             self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
         return outputs
 
-    def _finish(self, seq: _Seq) -> None:
+    def _finish(self, seq: _Seq, handoff: bool = False) -> None:
         seq.status = SeqStatus.FINISHED
+        if handoff:  # keep the prompt's blocks for the decode worker
+            self.pinned[seq.request_id] = seq.blocks
+            self._num_pinned_blocks += len(seq.blocks)
+            seq.blocks = []
         self.pool.release(seq.blocks)
         seq.blocks = []
         del self._seqs[seq.request_id]
@@ -563,7 +665,13 @@ class TorchScheduler:
             assert len(seq.blocks) * self.block_size >= seq.num_computed, seq.request_id
         for seq in self._seqs.values():
             if seq.status is SeqStatus.WAITING:
-                assert not seq.blocks, seq.request_id
+                assert not seq.blocks or seq in self._prefilled, seq.request_id
+                for b in seq.blocks:
+                    refs[b] += 1
+        for blocks in self.pinned.values():
+            for b in blocks:
+                refs[b] += 1
+        assert self._num_pinned_blocks == sum(len(b) for b in self.pinned.values())
         pool = self.pool
         for b in range(self.num_blocks):
             assert pool.ref_count(b) == refs[b], (b, pool.ref_count(b), refs[b])

@@ -600,6 +600,7 @@ class LoadMetrics(_message.Message):
     REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    KV_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     num_running_requests: _builtins.int
     """Sequences scheduled in the running batch."""
     num_waiting_requests: _builtins.int
@@ -620,6 +621,10 @@ class LoadMetrics(_message.Message):
     """Lifetime number of preemptions (sequences evicted to make room)."""
     draining: _builtins.bool
     """True while the worker drains: it finishes in-flight work but accepts nothing new."""
+    kv_pinned_blocks: _builtins.int
+    """KV blocks pinned for remote prefill transfers (PrefillRemote), waiting for a decode worker
+    to pull and release them; included in kv_active_blocks. 0 on workers that pin nothing.
+    """
     def __init__(
         self,
         *,
@@ -633,10 +638,11 @@ class LoadMetrics(_message.Message):
         requests_finished_total: _builtins.int = ...,
         preemptions_total: _builtins.int = ...,
         draining: _builtins.bool = ...,
+        kv_pinned_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -807,6 +813,8 @@ class KvLayout(_message.Message):
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    CHUNK_STRIDE_BYTES_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
     """Transformer layers."""
     num_kv_heads: _builtins.int
@@ -819,6 +827,16 @@ class KvLayout(_message.Message):
     """Element type, e.g. "bfloat16", "float32"."""
     block_bytes: _builtins.int
     """Bytes of one block across all layers, keys and values."""
+    chunk_bytes: _builtins.int
+    """Bytes of one contiguous piece of a block, when a block is stored as several pieces (a
+    layer-major cache keeps each layer's keys and each layer's values of a block apart): the
+    block is block_bytes / chunk_bytes pieces, ordered by layer, keys before values.
+    0: a block is one contiguous region of block_bytes.
+    """
+    chunk_stride_bytes: _builtins.int
+    """Distance in bytes from the start of one piece of a block to the start of its next piece.
+    Unused when chunk_bytes is 0.
+    """
     def __init__(
         self,
         *,
@@ -828,10 +846,12 @@ class KvLayout(_message.Message):
         block_size_tokens: _builtins.int = ...,
         dtype: _builtins.str = ...,
         block_bytes: _builtins.int = ...,
+        chunk_bytes: _builtins.int = ...,
+        chunk_stride_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size_tokens", b"block_size_tokens", "dtype", b"dtype", "head_dim", b"head_dim", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size_tokens", b"block_size_tokens", "chunk_bytes", b"chunk_bytes", "chunk_stride_bytes", b"chunk_stride_bytes", "dtype", b"dtype", "head_dim", b"head_dim", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -850,9 +870,11 @@ class KvBlockDescriptor(_message.Message):
     block_hash: _builtins.int
     """Engine hash of the block on the prefill worker. 0: a partial (unhashed) last block."""
     address: _builtins.int
-    """Start address (or offset into the registered region) of the block."""
+    """Start address (or offset into the registered region) of the block; with a chunked layout
+    (KvLayout.chunk_bytes), the address of its first piece.
+    """
     length_bytes: _builtins.int
-    """Length in bytes."""
+    """Length in bytes (all pieces together for a chunked layout)."""
     device_id: _builtins.int
     """Device id (GPU ordinal); 0 for host memory."""
     def __init__(
@@ -947,7 +969,9 @@ class RemotePrefillResult(_message.Message):
     ENGINE_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
-    """First generated token (sampled on the prefill worker)."""
+    """First generated token (sampled on the prefill worker). The gateway streams it to the client
+    as soon as the prefill is done; the decode worker continues after it.
+    """
     engine_params_json: _builtins.str
     """Engine-specific transfer parameters as a JSON object (vLLM kv_transfer_params, SGLang
     bootstrap host/port/room, TRT-LLM disaggregated_params). Empty: none.

@@ -56,8 +56,11 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def remote_prefill(self) -> _common_pb2.RemotePrefillResult:
-        """Prompt KV already computed by a prefill worker: pull it instead of prefilling.
-        Unset: prefill locally.
+        """Prompt KV already computed by a prefill worker: pull it instead of prefilling, tell the
+        prefill worker to release it (ReleaseKvBlocks), and continue after the first token, which
+        the caller already has: the stream starts with the second token (usage counts the first).
+        When the KV cannot be pulled (or the handle is unset), the worker recomputes the prompt
+        itself and still continues after first_token_id. Unset: an ordinary request.
         """
 
     @_builtins.property
@@ -96,11 +99,22 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
+    REMOTE_PREFILL_FALLBACK_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     """UNSPECIFIED on every message but the last."""
     stop_token_id: _builtins.int
     """The stop token id that ended the sequence (EOS or a stop_token_ids entry). Unset when the
     sequence did not end on a stop token.
+    """
+    kv_transfer_bytes: _builtins.int
+    """On the last message of a request started with remote_prefill: bytes of prompt KV pulled
+    from the prefill worker. 0 otherwise, or when nothing had to be pulled.
+    """
+    remote_prefill_fallback: _builtins.bool
+    """On the last message of a request started with remote_prefill: true when the remote KV could
+    not be used (transfer failed, incompatible layout, no room, or the blocks were released or
+    expired before the pull was confirmed) and the worker recomputed the prompt itself.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -124,10 +138,12 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         stop_token_id: _builtins.int | None = ...,
+        kv_transfer_bytes: _builtins.int = ...,
+        remote_prefill_fallback: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "kv_transfer_bytes", b"kv_transfer_bytes", "logprobs", b"logprobs", "remote_prefill_fallback", b"remote_prefill_fallback", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_token_id: _TypeAlias = _typing.Literal["stop_token_id"]  # noqa: Y015
     _WhichOneofArgType__stop_token_id: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id"]  # noqa: Y015
@@ -276,6 +292,7 @@ class PrefillRemoteRequest(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _builtins.int
     MEDIA_FIELD_NUMBER: _builtins.int
     ENGINE_PARAMS_JSON_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id. Empty: the worker makes one."""
     lora_name: _builtins.str
@@ -296,6 +313,13 @@ class PrefillRemoteRequest(_message.Message):
     def media(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaInput]:
         """Non-text inputs. Empty: text only."""
 
+    @_builtins.property
+    def stop(self) -> _common_pb2.StopConditions:
+        """Stop conditions of the whole request: min_tokens and stop ids shape the first token, and a
+        first token that already ends the request (max_tokens 1, a stop token) is reported in
+        PrefillRemoteResponse.finish_reason. Unset: the first token never ends the request.
+        """
+
     def __init__(
         self,
         *,
@@ -306,10 +330,11 @@ class PrefillRemoteRequest(_message.Message):
         decode_worker_id: _builtins.str = ...,
         media: _abc.Iterable[_common_pb2.MediaInput] | None = ...,
         engine_params_json: _builtins.str = ...,
+        stop: _common_pb2.StopConditions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_worker_id", b"decode_worker_id", "engine_params_json", b"engine_params_json", "lora_name", b"lora_name", "media", b"media", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_worker_id", b"decode_worker_id", "engine_params_json", b"engine_params_json", "lora_name", b"lora_name", "media", b"media", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -323,6 +348,16 @@ class PrefillRemoteResponse(_message.Message):
 
     RESULT_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """UNSPECIFIED: the request continues on a decode worker with `result`. Otherwise the first
+    token already ended the request: nothing is pinned and result.handle is unset.
+    """
+    stop_token_id: _builtins.int
+    """The stop token that ended the request, when finish_reason is STOP because of one. Unset
+    otherwise.
+    """
     @_builtins.property
     def result(self) -> _common_pb2.RemotePrefillResult:
         """First token, transfer handle and engine parameters for the decode worker."""
@@ -336,12 +371,16 @@ class PrefillRemoteResponse(_message.Message):
         *,
         result: _common_pb2.RemotePrefillResult | None = ...,
         usage: _common_pb2.Usage | None = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        stop_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "result", b"result", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "result", b"result", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__stop_token_id: _TypeAlias = _typing.Literal["stop_token_id"]  # noqa: Y015
+    _WhichOneofArgType__stop_token_id: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stop_token_id) -> _WhichOneofReturnType__stop_token_id | None: ...
 
 Global___PrefillRemoteResponse: _TypeAlias = PrefillRemoteResponse  # noqa: Y015
 
@@ -375,7 +414,10 @@ class ReleaseKvBlocksResponse(_message.Message):
 
     RELEASED_FIELD_NUMBER: _builtins.int
     released: _builtins.bool
-    """True if this call released pinned blocks; false if they were already released or expired."""
+    """True if this call released pinned blocks; false if they were already released or expired.
+    A decode worker that pulled the blocks uses the pulled KV only when this is true: the
+    blocks were still pinned, so what it read was intact.
+    """
     def __init__(
         self,
         *,
