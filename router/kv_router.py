@@ -369,6 +369,8 @@ class KvScheduler:
         if not ready:
             raise Unavailable(f"all {len(loads)} workers are busy")
         n_tokens = len(token_ids)
+        need_exact = any(w.kv_events for w in ready)
+        need_approx = not all(w.kv_events for w in ready)
         by_size: dict[int, tuple[list[int], dict[str, int], dict[str, int]]] = {}
         costs: dict[str, float] = {}
         overlaps: dict[str, int] = {}
@@ -379,8 +381,8 @@ class KvScheduler:
             found = by_size.get(bs)
             if found is None:
                 hashes = block_hashes(token_ids, bs, lora_name)
-                exact = self.indexer.find_matches(hashes) if hashes else {}
-                approx = self.approx.find_matches(hashes, now) if hashes else {}
+                exact = self.indexer.find_matches(hashes) if hashes and need_exact else {}
+                approx = self.approx.find_matches(hashes, now) if hashes and need_approx else {}
                 found = by_size[bs] = (hashes, exact, approx)
             wid = w.worker_id
             overlap = (found[1] if w.kv_events else found[2]).get(wid, 0)

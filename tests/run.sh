@@ -13,6 +13,7 @@ step "python environment ($VENV)"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -U pip
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]'
+KVMESH_VENV="$VENV" bash tests/install_vllm.sh  # vLLM's classes for its adapter's tests (no GPU)
 
 step "buf $BUF_VERSION (npm)"
 if ! command -v npm >/dev/null; then

@@ -7,6 +7,13 @@ ErrorInterceptor.
 Shutdown (SIGTERM/SIGINT or Drain): stop accepting (new requests get UNAVAILABLE, health goes
 NOT_SERVING, the discovery registration is removed so routers stop sending), wait for in-flight
 requests up to the drain timeout, cancel what is left, stop the engine.
+
+Roles (`--role`): an aggregated worker serves Generate; a prefill worker also serves
+PrefillRemote (its engine pins the prompt's KV and the servicer stamps the handle with this
+worker's id and address, where decode workers send ReleaseKvBlocks); a decode worker's engine
+pulls remote KV for Generate requests that carry `remote_prefill`, releasing it through
+`GrpcKvReleaser`. The role is the engine's (`configure_disaggregation`) and is advertised in the
+model card and discovery.
 """
 
 from __future__ import annotations
@@ -33,7 +40,15 @@ from kvmesh.grpcutil import GrpcServer, status_for
 from kvmesh.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.tracing import TraceContext
 from kvmesh.workers import wire
-from kvmesh.workers.engine import Engine, EngineOutput, RequestHandle, Role
+from kvmesh.workers.disagg.release import GrpcKvReleaser
+from kvmesh.workers.engine import (
+    DisaggSettings,
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    RequestHandle,
+    Role,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +77,17 @@ class WorkerConfig:
         "", "host other machines use to reach this worker; empty: --host (or 127.0.0.1)"
     )
     port: int = opt(0, "gRPC port; 0 picks a free one")
-    role: Role = opt(Role.AGGREGATED, "worker role")
+    role: Role = opt(
+        Role.AGGREGATED,
+        "worker role: aggregated (prefill and decode), prefill (serves PrefillRemote for decode "
+        "workers), decode (pulls prompt KV from prefill workers)",
+    )
+    kv_pin_timeout_s: float = opt(
+        30.0, "prefill role: free pinned prompt KV that no decode worker released after this long"
+    )
+    kv_transfer_timeout_s: float = opt(
+        10.0, "decode role: give up pulling prompt KV after this long (and recompute the prompt)"
+    )
     discovery: str = opt("", "discovery URL (file:///dir, etcd://h:p); empty: do not register")
     worker_id: str = opt("", "unique worker id; empty: a random one")
     drain_timeout_s: float = opt(30.0, "how long shutdown waits for in-flight requests")
@@ -71,9 +96,11 @@ class WorkerConfig:
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     """WorkerService over one Engine."""
 
-    def __init__(self, engine: Engine, worker_id: str) -> None:
+    def __init__(self, engine: Engine, worker_id: str, address: str = "") -> None:
         self.engine = engine
         self.worker_id = worker_id
+        self.address = address
+        """Where decode workers reach this worker (stamped on KV transfer handles)."""
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -87,7 +114,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     ) -> AsyncIterator[wpb.GenerateResponse]:
         if self.draining:
             raise Unavailable(f"worker {self.worker_id} is draining")
-        req = wire.request_from_pb(request, default_id=uuid.uuid4().hex)
+        req = self.engine_request(request, uuid.uuid4().hex)
         trace = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
         if trace is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("generate %s trace %s", req.request_id, trace.traceparent)
@@ -122,6 +149,16 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
+    def engine_request(self, msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
+        """The engine's request for `msg`; refuses remote_prefill for engines that cannot
+        continue a remotely prefilled request."""
+        req = wire.request_from_pb(msg, default_id=default_id)
+        if req.remote_prefill is not None and "DISAGGREGATION" not in self.engine.info.capabilities:
+            raise Unimplemented(
+                f"engine {self.engine.info.engine!r} cannot continue a remotely prefilled request"
+            )
+        return req
+
     def _begin(self, key: object, cancel: Callable[[], object]) -> None:
         self._inflight[key] = cancel
         self._idle.clear()
@@ -133,10 +170,27 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     async def PrefillRemote(
         self, request: wpb.PrefillRemoteRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> wpb.PrefillRemoteResponse:
-        raise Unimplemented(
-            f"engine {self.engine.info.engine!r} does not serve PrefillRemote yet "
-            "(disaggregated serving is not implemented)"
-        )
+        if self.engine.info.role is not Role.PREFILL:
+            raise Unimplemented(
+                f"worker {self.worker_id} has role {self.engine.info.role.value}; PrefillRemote "
+                "is served by workers started with --role prefill"
+            )
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
+        req = wire.prefill_request_from_pb(request, default_id=uuid.uuid4().hex)
+        task = asyncio.current_task()
+        assert task is not None
+        self._begin(task, task.cancel)
+        try:
+            # Cancelling the call (the gateway went away) aborts the prefill and frees its blocks.
+            result = await self.engine.prefill_remote(req)
+        finally:
+            self._end(task)
+        handle = result.remote.handle
+        if handle is not None:
+            handle.prefill_worker_id = self.worker_id
+            handle.prefill_address = self.address
+        return wire.prefill_result_to_pb(result)
 
     async def ReleaseKvBlocks(
         self, request: wpb.ReleaseKvBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -203,16 +257,23 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         return wpb.DrainResponse(cancelled_requests=await self.drain(timeout))
 
     async def drain(self, timeout_s: float | None) -> int:
-        """Refuse new requests, wait for in-flight ones; cancel leftovers. Returns how many."""
+        """Refuse new requests, wait for in-flight ones (and, on a prefill worker, for decode
+        workers to pull its pinned blocks); cancel leftovers. Returns how many."""
         self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return 0
         except TimeoutError:
             leftovers = list(self._inflight.values())
             for cancel in leftovers:
                 cancel()
             return len(leftovers)
+        pinned = self.engine.load().kv_pinned_blocks
+        while pinned and (deadline is None or loop.time() < deadline):
+            await asyncio.sleep(0.01)  # pinned blocks expire by themselves: this ends
+            pinned = self.engine.load().kv_pinned_blocks
+        return 0
 
 
 class _StreamSession:
@@ -280,7 +341,8 @@ class _StreamSession:
             log.debug("generate %s trace %s", rid, start.traceparent)
         req = _StreamRequest(self, rid)
         try:
-            req.handle = self.servicer.engine.submit(wire.request_from_pb(start.request, rid), req)
+            engine_request = self.servicer.engine_request(start.request, rid)
+            req.handle = self.servicer.engine.submit(engine_request, req)
         except Exception as exc:
             self.fail(rid, exc)
             return
@@ -376,15 +438,66 @@ def _torch(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     )
 
 
-ENGINES: dict[EngineKind, EngineFactory] = {EngineKind.MOCKER: _mocker, EngineKind.TORCH: _torch}
+def _vllm(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+    # The adapter imports vLLM only when the engine starts (kvmesh[vllm], a GPU).
+    from kvmesh.config import from_args
+    from kvmesh.workers.adapters.config import VllmConfig
+    from kvmesh.workers.adapters.vllm_adapter import VllmEngine
+
+    return VllmEngine(
+        from_args(VllmConfig, ns),
+        model_path=str(model.path),
+        served_model_name=config.served_model_name or model.name,
+        eos_token_ids=model.eos_token_ids,
+        context_length=model.context_length,
+    )
+
+
+def _sglang(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+    from kvmesh.config import from_args
+    from kvmesh.workers.adapters.config import SglangConfig
+    from kvmesh.workers.adapters.sglang_adapter import SglangEngine
+
+    return SglangEngine(
+        from_args(SglangConfig, ns),
+        model_path=str(model.path),
+        served_model_name=config.served_model_name or model.name,
+        eos_token_ids=model.eos_token_ids,
+        context_length=model.context_length,
+        advertise_host=config.advertise_host or config.host,
+    )
+
+
+def _trtllm(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+    from kvmesh.config import from_args
+    from kvmesh.workers.adapters.config import TrtllmConfig
+    from kvmesh.workers.adapters.trtllm_adapter import TrtllmEngine
+
+    return TrtllmEngine(
+        from_args(TrtllmConfig, ns),
+        model_path=str(model.path),
+        served_model_name=config.served_model_name or model.name,
+        eos_token_ids=model.eos_token_ids,
+        context_length=model.context_length,
+    )
+
+
+ENGINES: dict[EngineKind, EngineFactory] = {
+    EngineKind.MOCKER: _mocker,
+    EngineKind.TORCH: _torch,
+    EngineKind.VLLM: _vllm,
+    EngineKind.SGLANG: _sglang,
+    EngineKind.TRTLLM: _trtllm,
+}
 
 
 def engine_arg_groups() -> list[type[Any]]:
     """Config dataclasses whose flags `kvmesh worker` accepts besides WorkerConfig."""
+    from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
     from kvmesh.workers.mocker import MockerConfig
     from kvmesh.workers.pytorch.config import TorchConfig  # imports no torch
 
-    return [MockerConfig, TorchConfig]
+    return [MockerConfig, TorchConfig, VllmConfig, SglangConfig, TrtllmConfig]
 
 
 def build_engine(config: WorkerConfig, ns: Any) -> Engine:
@@ -409,6 +522,15 @@ class Worker:
         self.config = config
         self.engine = engine
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:12]}"
+        self.releaser = GrpcKvReleaser()
+        engine.configure_disaggregation(
+            DisaggSettings(
+                role=config.role,
+                release_remote=self.releaser,
+                pin_timeout_s=config.kv_pin_timeout_s,
+                transfer_timeout_s=config.kv_transfer_timeout_s,
+            )
+        )
         self.servicer = WorkerServicer(engine, self.worker_id)
         self.server = GrpcServer(config.host, config.port)
         self.server.add(wpb_grpc.add_WorkerServiceServicer_to_server, self.servicer, WORKER_SERVICE)
@@ -425,6 +547,7 @@ class Worker:
         """Start the engine, the server, then register (undoing it all if that fails)."""
         await self.engine.start()
         await self.server.start()
+        self.servicer.address = self.address
         if self.config.discovery:
             info = self.engine.info
             try:
@@ -441,7 +564,11 @@ class Worker:
                 await self.engine.stop()
                 raise
         log.info(
-            "worker %s serving %s on %s", self.worker_id, self.engine.info.engine, self.address
+            "worker %s serving %s (%s) on %s",
+            self.worker_id,
+            self.engine.info.engine,
+            self.engine.info.role.value,
+            self.address,
         )
 
     async def stop(self) -> None:
@@ -455,6 +582,18 @@ class Worker:
             log.warning("drain timed out; cancelled %d requests", cancelled)
         await self.server.stop(1.0)
         await self.engine.stop()
+        await self.releaser.close()
+
+    async def kill(self) -> None:
+        """Stop at once, as a crash would look to peers: deregister, drop every call without
+        draining, stop the engine (fault-injection tests; fatal errors)."""
+        self.servicer.draining = True
+        if self._registration is not None:
+            await self._registration.close()
+            self._registration = None
+        await self.server.stop(0)
+        await self.engine.stop()
+        await self.releaser.close()
 
 
 async def serve_worker(

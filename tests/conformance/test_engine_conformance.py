@@ -93,8 +93,32 @@ def _torch() -> Engine:
     )
 
 
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _adapter(engine: str) -> Callable[[], Engine]:
+    """The vLLM / SGLang / TensorRT-LLM adapter over a fake of the engine's own async API (the
+    engines need a GPU; see tests/adapter_fakes)."""
+
+    def build() -> Engine:
+        from tests.adapter_fakes import build_adapter
+
+        return build_adapter(engine)
+
+    return build
+
+
 CASES = [
     EngineCase("mocker", _mocker, frozenset({0, 1, 2})),
+    EngineCase(
+        "vllm-adapter",
+        _adapter("vllm"),
+        frozenset({0, 1, 2}),
+        marks=(pytest.mark.skipif(not _has("vllm"), reason="vLLM is not installed"),),
+    ),
+    EngineCase("sglang-adapter", _adapter("sglang"), frozenset({0, 1, 2})),
+    EngineCase("trtllm-adapter", _adapter("trtllm"), frozenset({0, 1, 2})),
     EngineCase(
         "torch",
         _torch,
