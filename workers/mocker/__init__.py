@@ -5,7 +5,7 @@ chunked prefill; deterministic fake tokens; step durations from a timing model. 
 core (MockerScheduler) can be driven directly in virtual time.
 """
 
-from .block_pool import BlockPool, block_hash
+from ..batching.block_pool import BlockPool, block_hash
 from .config import MockerConfig
 from .engine import MockerEngine
 from .sampling import TokenSampler

@@ -1,0 +1,16 @@
+"""The continuous-batching core shared by the mocker and the torch engine: the paged KV block
+pool (block_pool) and the scheduler over it (scheduler). The engines differ only in how a step's
+tokens are produced and timed."""
+
+from .block_pool import BlockPool, block_hash
+from .scheduler import BatchScheduler, ScheduledStep, Seq, SeqOutput, SeqStatus
+
+__all__ = [
+    "BatchScheduler",
+    "BlockPool",
+    "ScheduledStep",
+    "Seq",
+    "SeqOutput",
+    "SeqStatus",
+    "block_hash",
+]
