@@ -124,7 +124,8 @@ class MeshBackend:
         self._releases: set[asyncio.Task[None]] = set()
 
     def ready(self) -> bool:
-        return bool(self.pool.workers())
+        """A worker that can generate is live (prefill-only workers cannot serve alone)."""
+        return any(w.info.role is not Role.PREFILL for w in self.pool.workers())
 
     def models(self) -> list[ModelInfo]:
         merged = {**self.configured, **self.pool.models()}

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from kvmesh.clock import Clock, RealClock
 from kvmesh.errors import InvalidRequest, KvmeshError, Unavailable
 
+from ..batching.requests import CancelHandle, FirstOutput, SubmittedRequest
 from ..disagg.pins import PinnedTransfers
 from ..engine import (
     DisaggSettings,
@@ -50,47 +51,6 @@ from .scheduler import MockerScheduler
 __all__ = ["MockerEngine"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Request:
-    """A submitted request: where its outputs go and what was delivered."""
-
-    __slots__ = ("delivered", "fallback", "kv_bytes", "prompt_tokens", "sink")
-
-    def __init__(self, sink: OutputSink, prompt_tokens: int) -> None:
-        self.sink = sink
-        self.prompt_tokens = prompt_tokens
-        self.delivered = 0
-        self.kv_bytes = 0
-        self.fallback = False
-
-
-class _FirstOutput:
-    """OutputSink of a PrefillRemote request: its one output resolves a future."""
-
-    __slots__ = ("future",)
-
-    def __init__(self) -> None:
-        self.future: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-
-    def output(self, out: EngineOutput) -> None:
-        if not self.future.done():
-            self.future.set_result(out)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-
-class _Handle:
-    __slots__ = ("engine", "request_id")
-
-    def __init__(self, engine: MockerEngine, request_id: str) -> None:
-        self.engine = engine
-        self.request_id = request_id
-
-    def cancel(self) -> None:
-        self.engine._cancel(self.request_id)
 
 
 class MockerEngine(Engine):
@@ -144,7 +104,7 @@ class MockerEngine(Engine):
             eos_token_ids=eos,
             capabilities=capabilities,
         )
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, SubmittedRequest] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._accepting = False
@@ -207,9 +167,9 @@ class MockerEngine(Engine):
         if request.remote_prefill is not None:
             return self._submit_remote(request, sink)
         self.scheduler.add(request, self._clock.now())
-        self._requests[rid] = _Request(sink, len(request.prompt))
+        self._requests[rid] = SubmittedRequest(sink, len(request.prompt))
         self._wake.set()
-        return _Handle(self, rid)
+        return CancelHandle(self._cancel, rid)
 
     def _cancel(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
@@ -248,9 +208,9 @@ class MockerEngine(Engine):
         internal = EngineRequest(
             tid, request.prompt, request.sampling, request.stop, request.lora_name, request.priority
         )
-        sink = _FirstOutput()
+        sink = FirstOutput()
         sched.add(internal, self._clock.now(), pin=True)
-        self._requests[tid] = _Request(sink, len(request.prompt))
+        self._requests[tid] = SubmittedRequest(sink, len(request.prompt))
         self._wake.set()
         try:
             out = await sink.future
@@ -301,15 +261,15 @@ class MockerEngine(Engine):
     def _submit_remote(self, request: EngineRequest, sink: OutputSink) -> RequestHandle:
         self.scheduler.check(request)
         rid = request.request_id
-        entry = _Request(sink, len(request.prompt))
+        entry = SubmittedRequest(sink, len(request.prompt))
         entry.delivered = 1  # the first token, sampled on the prefill worker
         self._requests[rid] = entry
         task = asyncio.create_task(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
         self._pulls.add(task)
         task.add_done_callback(self._pulls.discard)
-        return _Handle(self, rid)
+        return CancelHandle(self._cancel, rid)
 
-    async def _guard_remote(self, request: EngineRequest, entry: _Request) -> None:
+    async def _guard_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
         try:
             await self._continue_remote(request, entry)
         except Exception as exc:  # a bug: fail the request rather than leave it hanging
@@ -318,7 +278,7 @@ class MockerEngine(Engine):
                 del self._requests[request.request_id]
                 entry.sink.fail(Unavailable(f"the mocker engine failed: {exc!r}"))
 
-    async def _continue_remote(self, request: EngineRequest, entry: _Request) -> None:
+    async def _continue_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
         rp = request.remote_prefill
         assert rp is not None
         sched = self.scheduler

@@ -32,6 +32,7 @@ import torch
 
 from kvmesh.errors import InvalidRequest, KvmeshError, ResourceExhausted, Unavailable, Unimplemented
 
+from ..batching.requests import CancelHandle, FirstOutput, SubmittedRequest
 from ..disagg.layout import block_pieces
 from ..disagg.nixl_agent import NixlKvAgent, nixl_available
 from ..disagg.pins import PinnedTransfers
@@ -69,36 +70,6 @@ _CPU_DEFAULT_KV_GB = 1.0
 _CUDA_MEMORY_FRACTION = 0.9
 
 
-class _Request:
-    """A submitted request: where its outputs go and what was delivered."""
-
-    __slots__ = ("delivered", "fallback", "kv_bytes", "prompt_tokens", "sink")
-
-    def __init__(self, sink: OutputSink, prompt_tokens: int) -> None:
-        self.sink = sink
-        self.prompt_tokens = prompt_tokens
-        self.delivered = 0
-        self.kv_bytes = 0
-        self.fallback = False
-
-
-class _FirstOutput:
-    """OutputSink of a PrefillRemote request: its one output resolves a future."""
-
-    __slots__ = ("future",)
-
-    def __init__(self) -> None:
-        self.future: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-
-    def output(self, out: EngineOutput) -> None:
-        if not self.future.done():
-            self.future.set_result(out)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-
 @dataclass(slots=True)
 class _Pulled:
     """Blocks pulled from a prefill worker, referenced, not yet cached."""
@@ -112,17 +83,6 @@ class _Pulled:
 
 def _barrier() -> None:
     """Runs on the executor thread: returns once the forward in flight has finished."""
-
-
-class _Handle:
-    __slots__ = ("engine", "request_id")
-
-    def __init__(self, engine: TorchEngine, request_id: str) -> None:
-        self.engine = engine
-        self.request_id = request_id
-
-    def cancel(self) -> None:
-        self.engine._cancel(self.request_id)
 
 
 def kv_cache_blocks(
@@ -180,7 +140,7 @@ class TorchEngine(Engine):
         self._runner: ModelRunner | None = None
         self._scheduler: TorchScheduler | None = None
         self._info: ModelInfo | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, SubmittedRequest] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._forward: asyncio.Future[Any] | None = None
@@ -345,9 +305,9 @@ class TorchEngine(Engine):
         if request.remote_prefill is not None:
             return self._submit_remote(request, sink)
         self._scheduler.add(request)
-        self._requests[rid] = _Request(sink, len(request.prompt))
+        self._requests[rid] = SubmittedRequest(sink, len(request.prompt))
         self._wake.set()
-        return _Handle(self, rid)
+        return CancelHandle(self._cancel, rid)
 
     def _cancel(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None and self._scheduler is not None:
@@ -423,9 +383,9 @@ class TorchEngine(Engine):
         internal = EngineRequest(
             tid, request.prompt, request.sampling, request.stop, request.lora_name, request.priority
         )
-        sink = _FirstOutput()
+        sink = FirstOutput()
         sched.add(internal, pin=True)
-        self._requests[tid] = _Request(sink, len(request.prompt))
+        self._requests[tid] = SubmittedRequest(sink, len(request.prompt))
         self._wake.set()
         try:
             out = await sink.future
@@ -484,15 +444,15 @@ class TorchEngine(Engine):
         assert self._scheduler is not None
         self._scheduler.check(request)
         rid = request.request_id
-        entry = _Request(sink, len(request.prompt))
+        entry = SubmittedRequest(sink, len(request.prompt))
         entry.delivered = 1  # the first token, sampled on the prefill worker
         self._requests[rid] = entry
         task = asyncio.create_task(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
         self._pulls.add(task)
         task.add_done_callback(self._pulls.discard)
-        return _Handle(self, rid)
+        return CancelHandle(self._cancel, rid)
 
-    async def _guard_remote(self, request: EngineRequest, entry: _Request) -> None:
+    async def _guard_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
         try:
             await self._continue_remote(request, entry)
         except Exception as exc:  # a bug: fail the request rather than leave it hanging
@@ -501,7 +461,7 @@ class TorchEngine(Engine):
                 del self._requests[request.request_id]
                 entry.sink.fail(Unavailable(f"the torch engine failed: {exc!r}"))
 
-    async def _continue_remote(self, request: EngineRequest, entry: _Request) -> None:
+    async def _continue_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
         rp = request.remote_prefill
         assert rp is not None
         sched = self.scheduler
