@@ -27,7 +27,7 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
 from kvmesh.errors import InvalidRequest, KvmeshError, Unavailable
@@ -47,6 +47,7 @@ from ..engine import (
 )
 from ..kv_events import KvEventLog
 from ..validation import validate_request
+from .kv_translate import KvEventTranslator
 
 __all__ = ["OutputDecoder", "StreamingAdapter", "top_logprobs"]
 
@@ -139,6 +140,25 @@ class _Pump:
         self.adapter._cancel(self)
 
 
+class PrefillSink:
+    """OutputSink of a prefill-only request: collects its outputs; the last resolves a future."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    def output(self, out: EngineOutput) -> None:
+        self.tokens += out.token_ids
+        self.logprobs += out.logprobs or []
+        if out.finish_reason is not None and not self.future.done():
+            self.future.set_result(out)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
 class StreamingAdapter(Engine, Generic[T]):
     """Base class of the adapters (see the module docstring).
 
@@ -176,6 +196,10 @@ class StreamingAdapter(Engine, Generic[T]):
         self._stopping = False
         """stop() is under way: background loops (`_spawn`) must end."""
         self._events: KvEventLog | None = None
+        self._translator: KvEventTranslator | None = None
+        """Engine KV events -> `_events` (set by subclasses that receive KV events)."""
+        self.subscriber: Any = None
+        """The ZmqKvSubscriber feeding the KvEventLog, while running (ZMQ publishers only)."""
         self._disagg = DisaggSettings()
         self._finished_total = 0
         self._pending_prefill = 0
@@ -191,6 +215,35 @@ class StreamingAdapter(Engine, Generic[T]):
     @property
     def kv_events(self) -> KvEventLog | None:
         return self._events
+
+    async def _start_zmq_kv_events(
+        self,
+        *,
+        endpoint: str,
+        replay_endpoint: str | None,
+        topic: str,
+        on_payload: Callable[[bytes], None],
+        task_name: str,
+    ) -> None:
+        """Create the KvEventLog and follow the engine's ZMQ KV event publisher (vLLM, SGLang)."""
+        from .zmq_events import ZmqKvSubscriber
+
+        self._events = KvEventLog()
+        sub = ZmqKvSubscriber(
+            endpoint=endpoint,
+            replay_endpoint=replay_endpoint,
+            topic=topic,
+            on_payload=on_payload,
+            on_gap=self._on_kv_gap,
+        )
+        self.subscriber = sub
+        self._spawn(sub.run(), task_name)
+        await sub.wait_connected()
+
+    def _on_kv_gap(self, why: str) -> None:
+        """Events were lost: the translator resynchronizes the log."""
+        if self._translator is not None:
+            self._translator.resync(why)
 
     async def start(self) -> None:
         if self._running:

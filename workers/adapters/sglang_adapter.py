@@ -54,7 +54,6 @@ from ..engine import (
     Role,
     TokenLogprob,
 )
-from ..kv_events import KvEventLog
 from .base import OutputDecoder, StreamingAdapter, top_logprobs
 from .config import SglangConfig
 from .kv_translate import KvEventTranslator, StoredChain, engine_hash
@@ -270,11 +269,9 @@ class SglangEngine(StreamingAdapter[dict[str, Any]]):
         """Host decode engines reach this engine's bootstrap server on."""
         self._factory = engine_factory or _default_factory
         self._engine: SglangEngineLike | None = None
-        self._translator: KvEventTranslator | None = None
         self.kv_events_endpoint: str | None = None
         self.kv_events_replay_endpoint: str | None = None
         self._kv_topic = KV_EVENTS_TOPIC
-        self.subscriber: Any = None
         self._load_errors = 0
         self._load_wake = asyncio.Event()
 
@@ -341,20 +338,14 @@ class SglangEngine(StreamingAdapter[dict[str, Any]]):
         self._spawn(self._poll_load(), "sglang-load")
 
     async def _start_kv_events(self) -> None:
-        from .zmq_events import ZmqKvSubscriber
-
         assert self.kv_events_endpoint is not None
-        self._events = KvEventLog()
-        sub = ZmqKvSubscriber(
+        await self._start_zmq_kv_events(
             endpoint=self.kv_events_endpoint,
             replay_endpoint=self.kv_events_replay_endpoint,
             topic=self._kv_topic,
             on_payload=self.apply_kv_payload,
-            on_gap=self._on_kv_gap,
+            task_name="sglang-kv-events",
         )
-        self.subscriber = sub
-        self._spawn(sub.run(), "sglang-kv-events")
-        await sub.wait_connected()
 
     async def _stop_engine(self) -> None:
         engine, self._engine = self._engine, None
@@ -505,10 +496,6 @@ class SglangEngine(StreamingAdapter[dict[str, Any]]):
                 tr.removed(engine_hash(h) for h in ev.block_hashes)
             else:
                 tr.cleared()
-
-    def _on_kv_gap(self, why: str) -> None:
-        if self._translator is not None:
-            self._translator.resync(why)
 
     async def clear_kv_cache(self) -> int:
         engine = self._engine

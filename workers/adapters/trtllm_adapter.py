@@ -57,7 +57,7 @@ from ..engine import (
 )
 from ..kv_events import KvEventLog
 from ..validation import validate_request
-from .base import OutputDecoder, StreamingAdapter, top_logprobs
+from .base import OutputDecoder, PrefillSink, StreamingAdapter, top_logprobs
 from .config import TrtllmConfig
 from .kv_translate import KvEventTranslator, StoredChain, engine_hash
 
@@ -261,25 +261,6 @@ class TrtllmDecoder(OutputDecoder[Any]):
         return result
 
 
-class _FirstOutput:
-    """OutputSink of a context-only request."""
-
-    def __init__(self) -> None:
-        self.future: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-
-    def output(self, out: EngineOutput) -> None:
-        self.tokens += out.token_ids
-        self.logprobs += out.logprobs or []
-        if out.finish_reason is not None and not self.future.done():
-            self.future.set_result(out)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-
 class TrtllmEngine(StreamingAdapter[Any]):
     """TensorRT-LLM behind the kvmesh Engine interface (see the module docstring).
 
@@ -310,7 +291,6 @@ class TrtllmEngine(StreamingAdapter[Any]):
         self.config = config
         self._runtime = runtime
         self._llm: LlmLike | None = None
-        self._translator: KvEventTranslator | None = None
         self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_modules)}
         self._last_event_id: int | None = None
         self._window: int | None = None
@@ -591,7 +571,7 @@ class TrtllmEngine(StreamingAdapter[Any]):
         )
         call = self._prepare(one)
         call.disaggregated = self._rt().disaggregated_params({"request_type": "context_only"})
-        sink = _FirstOutput()
+        sink = PrefillSink()
         handle = self._submit_prepared(one, sink, call)
         try:
             last = await sink.future

@@ -22,7 +22,6 @@ None of this runs an engine without a GPU; see README "Engines" for what is test
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -45,9 +44,8 @@ from ..engine import (
     TokenLogprob,
     Usage,
 )
-from ..kv_events import KvEventLog
 from ..validation import validate_request
-from .base import OutputDecoder, StreamingAdapter, top_logprobs
+from .base import OutputDecoder, PrefillSink, StreamingAdapter, top_logprobs
 from .config import VllmConfig
 from .kv_translate import KvEventTranslator, StoredChain, engine_hash
 from .zmq_endpoints import private_ipc_endpoints
@@ -204,25 +202,6 @@ class VllmDecoder(OutputDecoder[Any]):
         return result
 
 
-class _FirstOutput:
-    """OutputSink of a prefill-only request: its last output resolves a future."""
-
-    def __init__(self) -> None:
-        self.future: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-
-    def output(self, out: EngineOutput) -> None:
-        self.tokens += out.token_ids
-        self.logprobs += out.logprobs or []
-        if out.finish_reason is not None and not self.future.done():
-            self.future.set_result(out)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-
 class VllmEngine(StreamingAdapter[Any]):
     """vLLM behind the kvmesh Engine interface (see the module docstring).
 
@@ -250,7 +229,6 @@ class VllmEngine(StreamingAdapter[Any]):
         self.config = config
         self._factory = engine_factory
         self._engine: AsyncLLMLike | None = None
-        self._translator: KvEventTranslator | None = None
         self._lora_ids: dict[str, int] = {name: i + 1 for i, name in enumerate(config.lora_modules)}
         self._hits = 0
         self._queries = 0
@@ -259,8 +237,6 @@ class VllmEngine(StreamingAdapter[Any]):
         """Where vLLM publishes KV events (None: events are off)."""
         self.kv_events_replay_endpoint: str | None = None
         self._kv_topic = KV_EVENTS_TOPIC
-        self.subscriber: Any = None
-        """The ZmqKvSubscriber feeding the KvEventLog, while running."""
 
     # -- engine arguments ----------------------------------------------------------------------
 
@@ -338,20 +314,14 @@ class VllmEngine(StreamingAdapter[Any]):
         info.capabilities = tuple(caps)
 
     async def _start_kv_events(self) -> None:
-        from .zmq_events import ZmqKvSubscriber
-
         assert self.kv_events_endpoint is not None
-        self._events = KvEventLog()
-        sub = ZmqKvSubscriber(
+        await self._start_zmq_kv_events(
             endpoint=self.kv_events_endpoint,
             replay_endpoint=self.kv_events_replay_endpoint,
             topic=self._kv_topic,
             on_payload=self.apply_kv_payload,
-            on_gap=self._on_kv_gap,
+            task_name="vllm-kv-events",
         )
-        self.subscriber = sub
-        self._spawn(sub.run(), "vllm-kv-events")
-        await sub.wait_connected()
 
     async def _stop_engine(self) -> None:
         engine, self._engine = self._engine, None
@@ -499,10 +469,6 @@ class VllmEngine(StreamingAdapter[Any]):
             else:
                 tr.cleared()
 
-    def _on_kv_gap(self, why: str) -> None:
-        if self._translator is not None:
-            self._translator.resync(why)
-
     async def clear_kv_cache(self) -> int:
         engine = self._engine
         if engine is None:
@@ -541,7 +507,7 @@ class VllmEngine(StreamingAdapter[Any]):
                 "remote_port": None,
             },
         )
-        sink = _FirstOutput()
+        sink = PrefillSink()
         handle = self._submit_prepared(request, sink, call)
         try:
             last = await sink.future
