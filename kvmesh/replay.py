@@ -727,8 +727,54 @@ def _simulate(
     if progress is not None:
         progress(done + rejected, n_req, now)
 
-    fin = [i for i in range(n_req) if not math.isnan(finished_at[i])]
-    span = (max(finished_at[i] for i in fin) - min(arrival)) if fin else 0.0
+    return _result(
+        mode.value,
+        trace,
+        config,
+        mcfg.block_size,
+        speed,
+        workers,
+        worker_ids,
+        _Timeline(arrival, first_at, finished_at, cached, itl, output_tokens, rejected),
+        (
+            kv_policy.overlap_blocks / kv_policy.prompt_blocks
+            if kv_policy is not None and kv_policy.prompt_blocks
+            else 0.0
+        ),
+        t_wall,
+    )
+
+
+@dataclass(slots=True)
+class _Timeline:
+    """What a simulation recorded per request (NaN: never happened)."""
+
+    arrival: list[float]
+    first_at: list[float]
+    finished_at: list[float]
+    cached: list[int]
+    itl: Sequence[float]
+    output_tokens: int
+    rejected: int
+
+
+def _result(
+    mode: str,
+    trace: Trace,
+    config: ReplayConfig,
+    block_size: int,
+    speed: float,
+    workers: Sequence[_Worker],
+    worker_ids: Sequence[str],
+    t: _Timeline,
+    predicted_overlap_rate: float,
+    t_wall: float,
+) -> ModeResult:
+    """Summarize one simulated run (aggregated or disaggregated) into a ModeResult."""
+    reqs = trace.requests
+    n_req = len(t.arrival)
+    fin = [i for i in range(n_req) if not math.isnan(t.finished_at[i])]
+    span = (max(t.finished_at[i] for i in fin) - min(t.arrival)) if fin else 0.0
     prompt_tokens = sum(reqs[i].input_length for i in fin)
     per_worker = [
         WorkerResult(
@@ -742,32 +788,28 @@ def _simulate(
         )
         for w in workers
     ]
-    ttft = [first_at[i] - arrival[i] for i in fin]
+    ttft = [t.first_at[i] - t.arrival[i] for i in fin]
     return ModeResult(
-        mode=mode.value,
+        mode=mode,
         trace=trace.path,
         requests=len(fin),
         requests_total=n_req,
-        rejected=rejected,
-        unfinished=n_req - len(fin) - rejected,
+        rejected=t.rejected,
+        unfinished=n_req - len(fin) - t.rejected,
         workers=config.workers,
         speedup=speed,
-        block_size=mcfg.block_size,
-        num_gpu_blocks=mcfg.num_gpu_blocks,
+        block_size=block_size,
+        num_gpu_blocks=config.mocker.num_gpu_blocks,
         duration_s=span,
         throughput_rps=len(fin) / span if span > 0 else 0.0,
-        output_tokens_per_s=output_tokens / span if span > 0 else 0.0,
+        output_tokens_per_s=t.output_tokens / span if span > 0 else 0.0,
         ttft_ms=Stats.of(ttft),
-        itl_ms=Stats.of(itl),
-        e2e_ms=Stats.of([finished_at[i] - arrival[i] for i in fin]),
-        prefix_hit_rate=sum(cached[i] for i in fin) / prompt_tokens if prompt_tokens else 0.0,
+        itl_ms=Stats.of(t.itl),
+        e2e_ms=Stats.of([t.finished_at[i] - t.arrival[i] for i in fin]),
+        prefix_hit_rate=sum(t.cached[i] for i in fin) / prompt_tokens if prompt_tokens else 0.0,
         prefix_hit_rate_bound=0.0,
         prefix_hit_rate_bound_tokens=0.0,
-        predicted_overlap_rate=(
-            kv_policy.overlap_blocks / kv_policy.prompt_blocks
-            if kv_policy is not None and kv_policy.prompt_blocks
-            else 0.0
-        ),
+        predicted_overlap_rate=predicted_overlap_rate,
         preemptions=sum(w.sched.num_preemptions for w in workers),
         steps=sum(w.sched.num_steps for w in workers),
         per_worker=per_worker,

@@ -36,12 +36,11 @@ from kvmesh.replay import (
     ModeResult,
     ReplayConfig,
     ReplayError,
-    Stats,
     Trace,
-    WorkerResult,
     _EventBuffer,
-    _imbalance,
     _PromptBuilder,
+    _result,
+    _Timeline,
     _Worker,
 )
 from kvmesh.router.kv_router import KvRouterConfig, KvScheduler, LoadSample
@@ -316,48 +315,16 @@ def simulate_disaggregated(
         progress(done + rejected, n_req, now)
 
     stats.blocks_in_use_at_end = sum(w.sched.pool.num_used for w in workers)
-    fin = [i for i in range(n_req) if not math.isnan(finished_at[i])]
-    span = (max(finished_at[i] for i in fin) - min(arrival)) if fin else 0.0
-    prompt_tokens = sum(reqs[i].input_length for i in fin)
-    per_worker = [
-        WorkerResult(
-            worker=worker_ids[w.index],
-            requests=w.requests,
-            prompt_tokens=w.prompt_tokens,
-            cached_tokens=w.cached_tokens,
-            busy_fraction=w.busy_s / span if span > 0 else 0.0,
-            preemptions=w.sched.num_preemptions,
-            steps=w.sched.num_steps,
-        )
-        for w in workers
-    ]
-    ttft = [first_at[i] - arrival[i] for i in fin]
-    mode_result = ModeResult(
-        mode=f"kv-disagg-{prefill_workers}p{n_dec}d",
-        trace=trace.path,
-        requests=len(fin),
-        requests_total=n_req,
-        rejected=rejected,
-        unfinished=n_req - len(fin) - rejected,
-        workers=config.workers,
-        speedup=speed,
-        block_size=bs,
-        num_gpu_blocks=mcfg.num_gpu_blocks,
-        duration_s=span,
-        throughput_rps=len(fin) / span if span > 0 else 0.0,
-        output_tokens_per_s=output_tokens / span if span > 0 else 0.0,
-        ttft_ms=Stats.of(ttft),
-        itl_ms=Stats.of(itl),
-        e2e_ms=Stats.of([finished_at[i] - arrival[i] for i in fin]),
-        prefix_hit_rate=sum(cached[i] for i in fin) / prompt_tokens if prompt_tokens else 0.0,
-        prefix_hit_rate_bound=0.0,
-        prefix_hit_rate_bound_tokens=0.0,
-        predicted_overlap_rate=overlap_blocks / prompt_blocks if prompt_blocks else 0.0,
-        preemptions=sum(w.sched.num_preemptions for w in workers),
-        steps=sum(w.sched.num_steps for w in workers),
-        per_worker=per_worker,
-        imbalance=_imbalance(per_worker),
-        wall_s=time.perf_counter() - t_wall,
-        ttft_s=ttft,
+    mode_result = _result(
+        f"kv-disagg-{prefill_workers}p{n_dec}d",
+        trace,
+        config,
+        bs,
+        speed,
+        workers,
+        worker_ids,
+        _Timeline(arrival, first_at, finished_at, cached, itl, output_tokens, rejected),
+        overlap_blocks / prompt_blocks if prompt_blocks else 0.0,
+        t_wall,
     )
     return mode_result, stats
