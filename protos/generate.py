@@ -14,7 +14,6 @@ import filecmp
 import importlib.metadata
 import shutil
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -39,18 +38,32 @@ def check_pins() -> None:
         )
 
 
+def _mypy_protobuf_plugins() -> dict[str, Path]:
+    """The protoc plugin executables mypy-protobuf installed, wherever its environment put them
+    (this venv's bin/, or a base environment's for a venv with system site-packages)."""
+    dist = importlib.metadata.distribution("mypy-protobuf")
+    found = {
+        Path(str(f)).name: Path(str(dist.locate_file(f))).resolve()
+        for f in dist.files or ()
+        if Path(str(f)).name in ("protoc-gen-mypy", "protoc-gen-mypy_grpc")
+    }
+    if len(found) != 2:
+        sys.exit("protos/generate.py: mypy-protobuf's protoc plugins are not installed")
+    return found
+
+
 def generate(out: Path) -> None:
     from grpc_tools import protoc  # imported late: only needed when generating
 
-    scripts = Path(sysconfig.get_path("scripts"))
+    plugins = _mypy_protobuf_plugins()
     files = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
     args = [
         "protoc",
         f"-I{PROTOS}",
         f"-I{include}",
-        f"--plugin=protoc-gen-mypy={scripts / 'protoc-gen-mypy'}",
-        f"--plugin=protoc-gen-mypy_grpc={scripts / 'protoc-gen-mypy_grpc'}",
+        f"--plugin=protoc-gen-mypy={plugins['protoc-gen-mypy']}",
+        f"--plugin=protoc-gen-mypy_grpc={plugins['protoc-gen-mypy_grpc']}",
         f"--python_out={out}",
         f"--grpc_python_out={out}",
         f"--mypy_out={out}",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.tinymodel import create_tiny_model
+from kvmesh.runtime.tinymodel import create_tiny_model
 
 
 @pytest.fixture(scope="session")

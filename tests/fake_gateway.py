@@ -35,11 +35,11 @@ from typing import Any
 
 def _scripted_backend() -> Any:
     """The ScriptedBackend class (built lazily: it needs kvmesh imports)."""
-    from kvmesh.errors import ResourceExhausted, Unavailable
     from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend
     from kvmesh.frontend.tokenizer import Tokenizer
-    from kvmesh.tracing import TraceContext
-    from kvmesh.workers.engine import EngineOutput, EngineRequest
+    from kvmesh.runtime.errors import ResourceExhausted, Unavailable
+    from kvmesh.runtime.tracing import TraceContext
+    from kvmesh.runtime.types import EngineOutput, EngineRequest
 
     directive = re.compile(r"@(error:[a-z]+|midfail|slow|say:[^@]*)@")
 
@@ -100,7 +100,7 @@ async def serve(model_dir: Path) -> None:
     from kvmesh.frontend.service import OpenAIService
     from kvmesh.frontend.testing import model_info
     from kvmesh.frontend.tokenizer import Tokenizer
-    from kvmesh.tinymodel import create_tiny_model
+    from kvmesh.runtime.tinymodel import create_tiny_model
 
     ScriptedBackend = _scripted_backend()
     tok = Tokenizer.from_pretrained(create_tiny_model(model_dir))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run every check CI runs:
-#   gen/ in sync with protos/, buf lint, buf breaking (vs the previous commit), ruff, mypy, pytest.
+#   gen/ in sync with protos/, buf lint, buf breaking (vs the previous commit), ruff, mypy,
+#   pytest.
 # Usage: bash tests/run.sh [pytest args...]     (e.g. bash tests/run.sh -m "not slow")
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,11 +40,11 @@ else
 fi
 
 step "ruff"
-"$VENV/bin/ruff" check .
-"$VENV/bin/ruff" format --check .
+"$VENV/bin/python" -m ruff check .
+"$VENV/bin/python" -m ruff format --check .
 
-step "mypy"
-"$VENV/bin/python" tests/typecheck.py
+step "mypy (strict; the namespace portions in place, see pyproject.toml)"
+"$VENV/bin/python" -m mypy
 
 step "etcd server (Debian's etcd-server) for the etcd discovery tests"
 if ! command -v etcd >/dev/null; then

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from kvmesh.workers.engine import EngineOutput, EngineRequest, LoadInfo, RequestHandle
-from kvmesh.workers.kv_events import CachedBlock, KvEventKind, KvEventRecord
+from kvmesh.runtime.kv_events import CachedBlock, KvEventKind, KvEventRecord
+from kvmesh.runtime.types import EngineOutput, EngineRequest, LoadInfo
+from kvmesh.workers.engine import RequestHandle
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
 
 VOCAB = 1000

@@ -35,8 +35,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
-from kvmesh.workers.kv_events import AllCleared, BlocksRemoved, BlocksStored
+from kvmesh.runtime.kv_events import AllCleared, BlocksRemoved, BlocksStored
+from kvmesh.runtime.types import EngineRequest, FinishReason, SamplingParams, StopParams
 
 from .backend import VOCAB, Backend
 

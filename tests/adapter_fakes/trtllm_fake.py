@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
-from kvmesh.workers.kv_events import AllCleared, BlocksRemoved, BlocksStored
+from kvmesh.runtime.kv_events import AllCleared, BlocksRemoved, BlocksStored
+from kvmesh.runtime.types import EngineRequest, FinishReason, SamplingParams, StopParams
 
 from .backend import Backend
 

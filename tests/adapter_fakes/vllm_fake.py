@@ -37,9 +37,9 @@ with warnings.catch_warnings():
 
     from kvmesh.workers.adapters import vllm_runtime  # noqa: F401  (imports the same modules)
 
-from kvmesh.workers.engine import EngineRequest, FinishReason, StopParams
-from kvmesh.workers.engine import SamplingParams as KvSamplingParams
-from kvmesh.workers.kv_events import AllCleared, BlocksRemoved, BlocksStored
+from kvmesh.runtime.kv_events import AllCleared, BlocksRemoved, BlocksStored
+from kvmesh.runtime.types import EngineRequest, FinishReason, StopParams
+from kvmesh.runtime.types import SamplingParams as KvSamplingParams
 
 from .backend import Backend
 

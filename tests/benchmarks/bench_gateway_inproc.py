@@ -46,7 +46,7 @@ def _serve(args: argparse.Namespace) -> None:
     from kvmesh.frontend.service import OpenAIService
     from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
     from kvmesh.frontend.tokenizer import Tokenizer
-    from kvmesh.tinymodel import create_tiny_model
+    from kvmesh.runtime.tinymodel import create_tiny_model
 
     async def main() -> None:
         model_dir = create_tiny_model(Path(args.model_dir))

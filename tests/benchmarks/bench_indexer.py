@@ -57,7 +57,8 @@ def _load_indexer_module() -> Any:
 
         return indexer
     except ImportError:
-        spec = importlib.util.spec_from_file_location("kvmesh_indexer", ROOT / "router/indexer.py")
+        path = ROOT / "router/kvmesh/router/indexer.py"
+        spec = importlib.util.spec_from_file_location("kvmesh_indexer", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
@@ -190,7 +191,7 @@ def bench_event_path(
 ) -> dict[str, Any]:
     """KvIndexer.apply_event with engine-shaped events (token ids; the router re-hashes)."""
     from kvmesh.router.kv_state import KvIndexer
-    from kvmesh.workers.kv_events import BlocksStored, StoredBlock
+    from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 
     bs = wl.block_size
     indexer = KvIndexer()
@@ -225,8 +226,8 @@ def bench_select(
     wl: Workload, workers: int, evs: list[list[tuple[int, int, int]]]
 ) -> dict[str, Any]:
     """KvScheduler.select (hash + lookup + cost) on each prompt, index loaded with the trace."""
-    from kvmesh.router.kv_router import KvScheduler
-    from kvmesh.workers.kv_events import BlocksStored, StoredBlock
+    from kvmesh.router.kv_scheduler import KvScheduler
+    from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 
     bs = wl.block_size
     sched = KvScheduler()
@@ -326,13 +327,14 @@ async def live(trace: Path, n: int, block_size: int) -> dict[str, Any]:
     import asyncio
     import tempfile
 
-    from kvmesh.discovery import FileDiscovery
+    from kvmesh.router.backend import MeshBackend
     from kvmesh.router.kv_router import KvRouter
-    from kvmesh.router.mesh import MeshBackend
     from kvmesh.router.pool import WorkerPool
-    from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
+    from kvmesh.runtime.discovery import FileDiscovery
+    from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
+    from kvmesh.workers.config import WorkerConfig
     from kvmesh.workers.mocker import MockerConfig, MockerEngine
-    from kvmesh.workers.server import Worker, WorkerConfig
+    from kvmesh.workers.server import Worker
 
     vocab = 4096
     wl = Workload(trace, n, block_size, vocab - 16, 0x5EED)

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from kvmesh.runtime.types import KvLayout
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent
-from kvmesh.workers.engine import KvLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MIN_TIME_S = 0.1

@@ -13,8 +13,8 @@ import argparse
 import asyncio
 import time
 
-from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
-from kvmesh.workers.kv_events import KvEventLog
+from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.mocker import MockerConfig, MockerEngine, MockerScheduler
 
 

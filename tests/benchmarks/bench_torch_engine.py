@@ -4,7 +4,7 @@ Usage:
   .venv/bin/python tests/benchmarks/bench_torch_engine.py [--model tiny|large|DIR]
       [--device cpu] [--dtype float32] [--prefix 1024] [--prompt 128] [--new 128]
 
-  --model tiny   the tiny Llama of kvmesh.tinymodel (hidden 64, 2 layers) with random weights
+  --model tiny   the tiny Llama of kvmesh.runtime.tinymodel (hidden 64, 2 layers), random weights
   --model large  the same tokenizer with a larger random-weight Llama: hidden 768, 8 layers,
                  12 heads (4 KV heads), intermediate 2048
   --model DIR    any local model directory with weights
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.modeldir import ModelDirInfo
-from kvmesh.tinymodel import create_tiny_model
-from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
+from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.runtime.tinymodel import create_tiny_model
+from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model

@@ -22,18 +22,18 @@ from typing import Any
 
 import pytest
 
-from kvmesh.errors import InvalidRequest, RequestTooLarge, Unavailable
-from kvmesh.modeldir import ModelDirInfo
-from kvmesh.tinymodel import create_tiny_model
-from kvmesh.workers.engine import (
-    Engine,
+from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge, Unavailable
+from kvmesh.runtime.kv_events import KvStateMirror
+from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.runtime.tinymodel import create_tiny_model
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
     SamplingParams,
     StopParams,
 )
-from kvmesh.workers.kv_events import KvStateMirror
+from kvmesh.workers.engine import Engine
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@
 - A path with a percent-encoded newline missed the catch-all route (`.*` stops at "\\n") and got
   aiohttp's plain-text 404 instead of a JSON error.
 
-The backend here round-trips every request through kvmesh.workers.wire exactly as the mesh
+The backend here round-trips every request through kvmesh.runtime.wire exactly as the mesh
 backend does, so protobuf range errors surface in-process.
 """
 
@@ -25,10 +25,10 @@ from kvmesh.frontend.app import build_app, serve_http
 from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.testing import FakeBackend, model_info
 from kvmesh.frontend.tokenizer import Tokenizer
-from kvmesh.tinymodel import create_tiny_model
-from kvmesh.tracing import TraceContext
-from kvmesh.workers import wire
-from kvmesh.workers.engine import EngineOutput, EngineRequest
+from kvmesh.runtime import wire
+from kvmesh.runtime.tinymodel import create_tiny_model
+from kvmesh.runtime.tracing import TraceContext
+from kvmesh.runtime.types import EngineOutput, EngineRequest
 
 pytestmark = pytest.mark.unit
 

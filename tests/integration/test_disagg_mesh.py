@@ -16,19 +16,19 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvmesh import errors
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.discovery import FileDiscovery
-from kvmesh.grpcutil import insecure_channel
+from kvmesh.router.backend import DisaggConfig, LocalPrefill, MeshBackend
 from kvmesh.router.hashing import block_hashes
-from kvmesh.router.kv_router import KvRouter, KvRouterConfig
-from kvmesh.router.mesh import DisaggConfig, LocalPrefill, MeshBackend
+from kvmesh.router.kv_router import KvRouter
+from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.metrics import DisaggCollector
 from kvmesh.router.pool import WorkerPool
-from kvmesh.workers import wire
-from kvmesh.workers.engine import (
+from kvmesh.runtime import errors, wire
+from kvmesh.runtime.discovery import FileDiscovery
+from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     RemotePrefill,
@@ -36,8 +36,9 @@ from kvmesh.workers.engine import (
     SamplingParams,
     StopParams,
 )
+from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.mocker import MockerEngine
-from kvmesh.workers.server import Worker, WorkerConfig
+from kvmesh.workers.server import Worker
 
 from .test_worker_contract import make_engine
 

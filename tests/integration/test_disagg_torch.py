@@ -32,11 +32,11 @@ import torch
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.discovery import EventKind, FileDiscovery
 from kvmesh.frontend.tokenizer import Tokenizer
-from kvmesh.modeldir import ModelDirInfo
-from kvmesh.workers import wire
-from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
+from kvmesh.runtime import wire
+from kvmesh.runtime.discovery import EventKind, FileDiscovery
+from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights

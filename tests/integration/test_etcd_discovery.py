@@ -19,15 +19,15 @@ from typing import Any
 import aetcd
 import pytest
 
-from kvmesh.discovery import (
+from kvmesh.router.pool import WorkerHandle, WorkerPool
+from kvmesh.runtime.discovery import (
     DiscoveryEvent,
     EtcdDiscovery,
     EventKind,
     Instance,
     open_discovery,
 )
-from kvmesh.errors import InvalidRequest, Unavailable
-from kvmesh.router.pool import WorkerHandle, WorkerPool
+from kvmesh.runtime.errors import InvalidRequest, Unavailable
 from tests.conftest import free_port
 from tests.etcd_server import ETCD_BINARY, MISSING_REASON, EtcdServer, TcpProxy
 
@@ -220,7 +220,7 @@ async def test_watch_started_later_sees_existing_instances(etcd: EtcdServer) -> 
 
 _OWNER = """
 import asyncio, sys
-from kvmesh.discovery import Instance, open_discovery
+from kvmesh.runtime.discovery import Instance, open_discovery
 
 async def main() -> None:
     await open_discovery(sys.argv[1]).register(Instance(sys.argv[2], "127.0.0.1:1"))

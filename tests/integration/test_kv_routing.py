@@ -16,16 +16,18 @@ import pytest
 
 from kvmesh.api.router.v1 import router_service_pb2 as rpb
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
-from kvmesh.discovery import FileDiscovery
-from kvmesh.grpcutil import GrpcServer, insecure_channel
-from kvmesh.mesh import MeshConfig, build_router
+from kvmesh.router.backend import MeshBackend
 from kvmesh.router.hashing import block_hashes
-from kvmesh.router.kv_router import KvRouter, KvRouterConfig
-from kvmesh.router.mesh import MeshBackend
+from kvmesh.router.kv_router import KvRouter
+from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
-from kvmesh.workers.engine import EngineRequest, SamplingParams, StopParams
-from kvmesh.workers.server import Worker, WorkerConfig
+from kvmesh.router.stack import MeshConfig, build_router
+from kvmesh.runtime.discovery import FileDiscovery
+from kvmesh.runtime.grpcutil import GrpcServer, insecure_channel
+from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.server import Worker
 
 from .test_worker_contract import make_engine
 

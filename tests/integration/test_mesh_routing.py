@@ -14,21 +14,21 @@ from typing import Any
 import grpc
 import pytest
 
-from kvmesh import errors
 from kvmesh.api.router.v1 import router_service_pb2 as rpb
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.discovery import FileDiscovery, StaticDiscovery
-from kvmesh.grpcutil import GrpcServer, insecure_channel
-from kvmesh.router.mesh import MeshBackend
+from kvmesh.router.backend import MeshBackend
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import RouterMode, SimpleRouter
 from kvmesh.router.service import ROUTER_SERVICE, RemoteRouter, RouterServicer
-from kvmesh.tracing import TraceContext
-from kvmesh.workers import wire
-from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
-from kvmesh.workers.server import WORKER_SERVICE, Worker, WorkerConfig
+from kvmesh.runtime import errors, wire
+from kvmesh.runtime.discovery import FileDiscovery, StaticDiscovery
+from kvmesh.runtime.grpcutil import GrpcServer, insecure_channel
+from kvmesh.runtime.tracing import TraceContext
+from kvmesh.runtime.types import EngineRequest, FinishReason, SamplingParams, StopParams
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.server import WORKER_SERVICE, Worker
 
 from .test_worker_contract import make_engine
 
@@ -164,7 +164,7 @@ class RecordingWorker(wpb_grpc.WorkerServiceServicer):
         self.traceparents: list[str] = []
 
     async def GetModelCard(self, request: Any, context: Any) -> wpb.GetModelCardResponse:
-        from kvmesh.workers.engine import ModelInfo
+        from kvmesh.runtime.types import ModelInfo
 
         info = ModelInfo("tiny", "fake", 16, 10, 1024)
         return wpb.GetModelCardResponse(card=wire.card_to_pb(info), worker_id="fake")

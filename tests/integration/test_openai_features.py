@@ -4,7 +4,7 @@ A real aiohttp server on port 0 runs the gateway over FakeBackend, scripted per 
 given text (tool calls in each model format, `<think>` reasoning, JSON), so tool-call and
 reasoning parsing, guided decoding pass-through and capability errors are exercised end to end.
 Every request the backend sees went through the worker contract's protobuf conversion and back
-(kvmesh.workers.wire), as with real workers.
+(kvmesh.runtime.wire), as with real workers.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
 from kvmesh.frontend.tokenizer import Tokenizer
-from kvmesh.tinymodel import create_tiny_model
-from kvmesh.tracing import TraceContext
-from kvmesh.workers import wire
-from kvmesh.workers.engine import EngineOutput, EngineRequest, GuidedDecoding, GuidedKind
+from kvmesh.runtime import wire
+from kvmesh.runtime.tinymodel import create_tiny_model
+from kvmesh.runtime.tracing import TraceContext
+from kvmesh.runtime.types import EngineOutput, EngineRequest, GuidedDecoding, GuidedKind
 
 pytestmark = pytest.mark.integration
 

@@ -20,15 +20,16 @@ from tokenizers import Tokenizer
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.grpcutil import insecure_channel
-from kvmesh.modeldir import ModelDirInfo
-from kvmesh.workers import wire
-from kvmesh.workers.kv_events import KvStateMirror
+from kvmesh.runtime import wire
+from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.kv_events import KvStateMirror
+from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
-from kvmesh.workers.server import Worker, WorkerConfig
+from kvmesh.workers.server import Worker
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration

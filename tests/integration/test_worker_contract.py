@@ -20,12 +20,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.grpcutil import error_from_rpc, insecure_channel
-from kvmesh.modeldir import ModelDirInfo
-from kvmesh.workers import kv_events as kv
-from kvmesh.workers import wire
+from kvmesh.runtime import kv_events as kv
+from kvmesh.runtime import wire
+from kvmesh.runtime.grpcutil import error_from_rpc, insecure_channel
+from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
-from kvmesh.workers.server import Worker, WorkerConfig
+from kvmesh.workers.server import Worker
 
 pytestmark = pytest.mark.integration
 

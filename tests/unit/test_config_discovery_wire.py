@@ -12,13 +12,18 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmesh import errors
-from kvmesh.config import add_args, from_args, opt, to_argv
-from kvmesh.discovery import EtcdDiscovery, EventKind, FileDiscovery, Instance, open_discovery
-from kvmesh.grpcutil import error_from_rpc, status_for
-from kvmesh.workers import kv_events as kv
-from kvmesh.workers import wire
-from kvmesh.workers.engine import (
+from kvmesh.runtime import errors, wire
+from kvmesh.runtime import kv_events as kv
+from kvmesh.runtime.config import add_args, from_args, opt, to_argv
+from kvmesh.runtime.discovery import (
+    EtcdDiscovery,
+    EventKind,
+    FileDiscovery,
+    Instance,
+    open_discovery,
+)
+from kvmesh.runtime.grpcutil import error_from_rpc, status_for
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,

@@ -12,10 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvmesh.errors import Unimplemented
-from kvmesh.workers.engine import (
-    DisaggSettings,
-    Engine,
+from kvmesh.runtime.errors import Unimplemented
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -24,6 +22,7 @@ from kvmesh.workers.engine import (
     SamplingParams,
     StopParams,
 )
+from kvmesh.workers.engine import DisaggSettings, Engine
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
 
 pytestmark = pytest.mark.unit

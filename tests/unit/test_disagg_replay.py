@@ -1,4 +1,4 @@
-"""`kvmesh replay --prefill-workers N`: the disaggregated simulation (kvmesh.replay_disagg)
+"""`kvmesh replay --prefill-workers N`: the disaggregated simulation (kvmesh.sim.disagg)
 finishes every request with no block left pinned, is deterministic, accounts the transfer in
 the first inter-token gap, prefills locally below the threshold, and shows up in the CLI."""
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.replay import ReplayConfig, ReplayError, load_trace, run_replay, simulate
-from kvmesh.replay_disagg import simulate_disaggregated
 from kvmesh.router.routing import RouterMode
+from kvmesh.sim.disagg import simulate_disaggregated
+from kvmesh.sim.main import run_replay
+from kvmesh.sim.replay import ReplayConfig, ReplayError, load_trace, simulate
 from kvmesh.workers.mocker import MockerConfig
 
 from .test_replay import synthetic_rows, write_trace

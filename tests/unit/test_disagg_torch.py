@@ -20,9 +20,8 @@ pytest.importorskip("nixl", reason="NIXL is not installed (pip install kvmesh[ni
 
 import torch
 
-from kvmesh.modeldir import ModelDirInfo
-from kvmesh.workers.engine import (
-    DisaggSettings,
+from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -31,6 +30,7 @@ from kvmesh.workers.engine import (
     SamplingParams,
     StopParams,
 )
+from kvmesh.workers.engine import DisaggSettings
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model

@@ -7,11 +7,10 @@ import asyncio
 
 import pytest
 
-from kvmesh.router.mesh import DisaggConfig
-from kvmesh.supervisor import UpConfig
-from kvmesh.workers import wire
-from kvmesh.workers.disagg.pins import PinnedTransfers
-from kvmesh.workers.engine import (
+from kvmesh.apps.up import UpConfig
+from kvmesh.router.backend import DisaggConfig
+from kvmesh.runtime import wire
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -27,6 +26,7 @@ from kvmesh.workers.engine import (
     TokenLogprob,
     Usage,
 )
+from kvmesh.workers.disagg.pins import PinnedTransfers
 
 pytestmark = pytest.mark.unit
 

@@ -17,15 +17,15 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from kvmesh.errors import InvalidRequest, NotFound, ResourceExhausted, Unavailable
 from kvmesh.frontend.app import build_app, serve_http
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
 from kvmesh.frontend.tokenizer import Tokenizer
-from kvmesh.tinymodel import create_tiny_model
-from kvmesh.tracing import TraceContext
-from kvmesh.workers.engine import FinishReason
+from kvmesh.runtime.errors import InvalidRequest, NotFound, ResourceExhausted, Unavailable
+from kvmesh.runtime.tinymodel import create_tiny_model
+from kvmesh.runtime.tracing import TraceContext
+from kvmesh.runtime.types import FinishReason
 
 pytestmark = pytest.mark.unit
 

@@ -7,12 +7,8 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from kvmesh.frontend.detokenize import (
-    HAS_DECODE_STREAM,
-    IncrementalDetokenizer,
-    StopStringMatcher,
-)
-from kvmesh.tinymodel import create_tiny_model
+from kvmesh.frontend.detokenize import HAS_DECODE_STREAM, IncrementalDetokenizer, StopStringMatcher
+from kvmesh.runtime.tinymodel import create_tiny_model
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,6 @@ from typing import Any
 import orjson
 import pytest
 
-from kvmesh.errors import InvalidRequest
 from kvmesh.frontend.protocol import (
     DONE_EVENT,
     ChatChunkEncoder,
@@ -23,6 +22,7 @@ from kvmesh.frontend.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from kvmesh.runtime.errors import InvalidRequest
 
 pytestmark = pytest.mark.unit
 

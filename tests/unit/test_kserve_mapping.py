@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from kvmesh.errors import InvalidRequest, NotFound
 from kvmesh.frontend import kserve
 from kvmesh.frontend.kserve import InferEncoder, InferRequest, Tensor, to_generation
 from kvmesh.frontend.kserve_http import decode_generate, decode_infer, encode_infer
 from kvmesh.frontend.protocol import ChoiceDelta, ChoiceResult, CompletionResult, UsageInfo
+from kvmesh.runtime.errors import InvalidRequest, NotFound
 
 pytestmark = pytest.mark.unit
 

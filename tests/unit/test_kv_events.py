@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvmesh.workers.kv_events import (
+from kvmesh.runtime.kv_events import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.clock import ManualClock
-from kvmesh.errors import InvalidRequest, ResourceExhausted, Unavailable
-from kvmesh.workers.engine import (
+from kvmesh.runtime.clock import ManualClock
+from kvmesh.runtime.errors import InvalidRequest, ResourceExhausted, Unavailable
+from kvmesh.runtime.kv_events import AllCleared, BlocksRemoved
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
     SamplingParams,
     StopParams,
 )
-from kvmesh.workers.kv_events import AllCleared, BlocksRemoved
 from kvmesh.workers.mocker import MockerConfig, MockerEngine, PolynomialTiming
 
 pytestmark = pytest.mark.unit

@@ -17,15 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.errors import RequestTooLarge, ResourceExhausted
-from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
-from kvmesh.workers.kv_events import (
+from kvmesh.runtime.errors import RequestTooLarge, ResourceExhausted
+from kvmesh.runtime.kv_events import (
     BlocksRemoved,
     KvEventLog,
     KvEventRecord,
     KvStateMirror,
     SnapshotChunk,
 )
+from kvmesh.runtime.types import EngineRequest, FinishReason, SamplingParams, StopParams
 from kvmesh.workers.mocker import MockerConfig, MockerScheduler, TokenSampler
 
 pytestmark = pytest.mark.unit

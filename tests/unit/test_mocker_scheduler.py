@@ -7,9 +7,9 @@ import zlib
 
 import pytest
 
-from kvmesh.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
-from kvmesh.workers.engine import EngineRequest, FinishReason, SamplingParams, StopParams
-from kvmesh.workers.kv_events import KvEventLog
+from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
+from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.types import EngineRequest, FinishReason, SamplingParams, StopParams
 from kvmesh.workers.mocker import MockerConfig, MockerScheduler, PolynomialTiming, SeqStatus
 
 pytestmark = pytest.mark.unit

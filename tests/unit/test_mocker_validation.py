@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvmesh.errors import InvalidRequest, RequestTooLarge
-from kvmesh.workers.engine import EngineRequest, ModelInfo, SamplingParams, StopParams
+from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge
+from kvmesh.runtime.types import EngineRequest, ModelInfo, SamplingParams, StopParams
 from kvmesh.workers.validation import validate_request
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,7 @@ from kvmesh.frontend.reasoning import (
     get_reasoning_parser,
     split_reasoning,
 )
-from kvmesh.tinymodel import CHAT_TEMPLATE
+from kvmesh.runtime.tinymodel import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.unit
 

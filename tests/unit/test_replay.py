@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cli import main
-from kvmesh.replay import (
+from kvmesh.apps.cli import main
+from kvmesh.router.hashing import block_hashes
+from kvmesh.router.routing import RouterMode
+from kvmesh.sim.main import run_replay
+from kvmesh.sim.replay import (
     ModeResult,
     ReplayConfig,
     ReplayError,
@@ -20,12 +23,9 @@ from kvmesh.replay import (
     _PromptBuilder,
     load_trace,
     prefix_hit_bound,
-    run_replay,
     simulate,
     token_block,
 )
-from kvmesh.router.hashing import block_hashes
-from kvmesh.router.routing import RouterMode
 from kvmesh.workers.mocker import MockerConfig, PolynomialTiming
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.indexer import ApproxIndex, PrefixIndex
 from kvmesh.router.kv_state import KvIndexer
-from kvmesh.workers.kv_events import (
+from kvmesh.runtime.kv_events import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.errors import Unavailable
 from kvmesh.router.hashing import block_hashes
-from kvmesh.router.kv_router import (
+from kvmesh.router.kv_scheduler import (
     KvRouterConfig,
     KvScheduler,
     LoadEvent,
@@ -19,7 +18,8 @@ from kvmesh.router.kv_router import (
     LoadSample,
 )
 from kvmesh.router.routing import RoutingStats
-from kvmesh.workers.kv_events import BlocksStored, StoredBlock
+from kvmesh.runtime.errors import Unavailable
+from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 from kvmesh.workers.mocker import block_hash as engine_hash
 
 pytestmark = pytest.mark.unit

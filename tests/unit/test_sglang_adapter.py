@@ -17,11 +17,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvmesh.errors import InvalidRequest, Unavailable, Unimplemented
-from kvmesh.workers.adapters.config import SglangConfig
-from kvmesh.workers.adapters.sglang_adapter import SglangDecoder, SglangEngine, sampling_dict
-from kvmesh.workers.engine import (
-    DisaggSettings,
+from kvmesh.runtime.errors import InvalidRequest, Unavailable, Unimplemented
+from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -31,8 +29,10 @@ from kvmesh.workers.engine import (
     Role,
     StopParams,
 )
-from kvmesh.workers.engine import SamplingParams as KvSampling
-from kvmesh.workers.kv_events import KvEventLog
+from kvmesh.runtime.types import SamplingParams as KvSampling
+from kvmesh.workers.adapters.config import SglangConfig
+from kvmesh.workers.adapters.sglang_adapter import SglangDecoder, SglangEngine, sampling_dict
+from kvmesh.workers.engine import DisaggSettings
 from tests.adapter_fakes import sglang_fake
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ import pytest
 import tokenizers
 
 from kvmesh.frontend.tokenizer import Tokenizer
-from kvmesh.tinymodel import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, MODEL_FILES, create_tiny_model
+from kvmesh.runtime.tinymodel import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, MODEL_FILES, create_tiny_model
 
 pytestmark = pytest.mark.unit
 

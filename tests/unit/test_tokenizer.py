@@ -12,11 +12,11 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.errors import InvalidRequest, Unavailable
 from kvmesh.frontend.tokencache import ChunkedEncoder, supports_chunking
 from kvmesh.frontend.tokenizer import Tokenizer, TokenizerRegistry
-from kvmesh.tinymodel import BOS_TOKEN, create_tiny_model
-from kvmesh.workers.engine import ModelInfo
+from kvmesh.runtime.errors import InvalidRequest, Unavailable
+from kvmesh.runtime.tinymodel import BOS_TOKEN, create_tiny_model
+from kvmesh.runtime.types import ModelInfo
 
 pytestmark = pytest.mark.unit
 

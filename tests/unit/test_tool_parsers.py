@@ -22,7 +22,7 @@ from kvmesh.frontend.tool_parsers import (
     get_tool_parser,
     parse_tool_calls,
 )
-from kvmesh.tinymodel import CHAT_TEMPLATE, create_tiny_model
+from kvmesh.runtime.tinymodel import CHAT_TEMPLATE, create_tiny_model
 
 pytestmark = pytest.mark.unit
 

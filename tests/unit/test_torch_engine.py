@@ -20,16 +20,16 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 
 import torch
 
-from kvmesh.errors import InvalidRequest
-from kvmesh.modeldir import ModelDirInfo
-from kvmesh.workers.engine import (
+from kvmesh.runtime.errors import InvalidRequest
+from kvmesh.runtime.kv_events import BlocksRemoved, KvStateMirror
+from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
     SamplingParams,
     StopParams,
 )
-from kvmesh.workers.kv_events import BlocksRemoved, KvStateMirror
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
@@ -389,8 +389,8 @@ def test_random_weights_are_deterministic(tiny_model: Path, tmp_path: Path) -> N
 
 
 def test_worker_flags_and_lazy_torch_import() -> None:
-    from kvmesh.cli import build_parser
-    from kvmesh.config import from_args
+    from kvmesh.apps.cli import build_parser
+    from kvmesh.runtime.config import from_args
 
     ns = build_parser().parse_args(
         ["worker", "--engine", "torch", "--torch-block-size", "32", "--dtype", "bfloat16"]
@@ -401,7 +401,7 @@ def test_worker_flags_and_lazy_torch_import() -> None:
     ns = build_parser().parse_args(["worker", "--engine", "torch", "--block-size", "8"])
     assert from_args(TorchConfig, ns).block_size == 8
     code = (
-        "import sys; from kvmesh.cli import build_parser; build_parser(); "
+        "import sys; from kvmesh.apps.cli import build_parser; build_parser(); "
         "from kvmesh.workers.mocker import MockerEngine; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )

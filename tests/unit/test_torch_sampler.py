@@ -11,7 +11,7 @@ pytest.importorskip("torch", reason="torch is not installed (pip install kvmesh[
 
 import torch
 
-from kvmesh.workers.engine import SamplingParams
+from kvmesh.runtime.types import SamplingParams
 from kvmesh.workers.pytorch.sampler import SampleSpec, sample
 
 pytestmark = pytest.mark.unit

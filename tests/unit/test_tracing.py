@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.tracing import TraceContext
+from kvmesh.runtime.tracing import TraceContext
 
 pytestmark = pytest.mark.unit
 

@@ -14,12 +14,9 @@ from typing import Any
 
 import pytest
 
-from kvmesh.errors import InvalidRequest, NotFound, Unavailable
-from kvmesh.workers.adapters.config import TrtllmConfig
-from kvmesh.workers.adapters.kv_translate import KvEventTranslator
-from kvmesh.workers.adapters.trtllm_adapter import TrtllmEngine, sampling_kwargs
-from kvmesh.workers.engine import (
-    DisaggSettings,
+from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -29,8 +26,11 @@ from kvmesh.workers.engine import (
     Role,
     StopParams,
 )
-from kvmesh.workers.engine import SamplingParams as KvSampling
-from kvmesh.workers.kv_events import KvEventLog
+from kvmesh.runtime.types import SamplingParams as KvSampling
+from kvmesh.workers.adapters.config import TrtllmConfig
+from kvmesh.workers.adapters.kv_translate import KvEventTranslator
+from kvmesh.workers.adapters.trtllm_adapter import TrtllmEngine, sampling_kwargs
+from kvmesh.workers.engine import DisaggSettings
 from tests.adapter_fakes import trtllm_fake
 
 pytestmark = pytest.mark.unit
@@ -457,9 +457,10 @@ def test_worker_flags_build_the_adapters_without_importing_engines(tiny_model: A
 
     code = f"""
 import json, sys
-from kvmesh.cli import build_parser
-from kvmesh.config import from_args
-from kvmesh.workers.server import WorkerConfig, build_engine
+from kvmesh.apps.cli import build_parser
+from kvmesh.runtime.config import from_args
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.main import build_engine
 argv = [
     "worker", "--model", {str(tiny_model)!r},
     "--vllm-engine-args", json.dumps({{"tensor_parallel_size": 2}}),

@@ -42,13 +42,9 @@ with warnings.catch_warnings():
     from kvmesh.workers.adapters import vllm_runtime
     from tests.adapter_fakes import vllm_fake
 
-from kvmesh.errors import InvalidRequest, NotFound, Unavailable
-from kvmesh.workers.adapters.config import VllmConfig
-from kvmesh.workers.adapters.kv_translate import KvEventTranslator, engine_hash
-from kvmesh.workers.adapters.vllm_adapter import VllmEngine, sampling_kwargs
-from kvmesh.workers.adapters.zmq_events import ZmqKvSubscriber
-from kvmesh.workers.engine import (
-    DisaggSettings,
+from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -58,8 +54,12 @@ from kvmesh.workers.engine import (
     Role,
     StopParams,
 )
-from kvmesh.workers.engine import SamplingParams as KvSampling
-from kvmesh.workers.kv_events import KvEventLog
+from kvmesh.runtime.types import SamplingParams as KvSampling
+from kvmesh.workers.adapters.config import VllmConfig
+from kvmesh.workers.adapters.kv_translate import KvEventTranslator, engine_hash
+from kvmesh.workers.adapters.vllm_adapter import VllmEngine, sampling_kwargs
+from kvmesh.workers.adapters.zmq_events import ZmqKvSubscriber
+from kvmesh.workers.engine import DisaggSettings
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,3 @@
+from kvmesh.apps.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Apps on top of the components: the CLI, `kvmesh up`, the load generator."""

@@ -1,0 +1,405 @@
+"""The OpenAI-compatible HTTP transport (aiohttp).
+
+Each route parses the request into a typed message (kvmesh.frontend.protocol), calls ONE
+method of OpenAIService, and encodes the result: a JSON body, or Server-Sent Events for
+streams. Errors are OpenAI-shaped JSON everywhere, including unknown paths (404), wrong
+methods (405) and oversized bodies (413). After a stream has started, an error is sent as
+`data: {"error": {...}}` followed by `data: [DONE]`. The KServe v2 REST routes
+(kvmesh.frontend.kserve_http, under /v2) share the app and the service but answer with the
+protocol's own `{"error": "..."}`. GET /openapi.json describes every route
+(kvmesh.frontend.openapi).
+
+Performance notes: no middlewares (each costs a call per request), no access log, pre-encoded
+SSE fragments, the last event of a stream coalesced with `[DONE]` and the chunked-encoding
+terminator into one write. aiohttp enables TCP_NODELAY on every accepted connection
+(BaseProtocol.connection_made), so keep-alive streams do not stall on Nagle + delayed ACK.
+Handlers are cancelled when the client disconnects (`handler_cancellation=True`), which closes
+the backend iterators and so cancels the requests on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_writer import StreamWriter
+
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.errors import error_body, error_from_exception
+from kvmesh.frontend.kserve_http import KServeRoutes
+from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvmesh.frontend.openapi import openapi_document
+from kvmesh.frontend.protocol import (
+    DONE_EVENT,
+    ChatChunkEncoder,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionResult,
+    ParsedChatChunkEncoder,
+    TextChunkEncoder,
+    encode_embeddings,
+    encode_error_event,
+    encode_model,
+    encode_models,
+    encode_result,
+    parse_chat_request,
+    parse_completion_request,
+    parse_embedding_request,
+)
+from kvmesh.frontend.service import CompletionStream, OpenAIService
+from kvmesh.runtime.tracing import TraceContext
+
+__all__ = ["CONFIG_KEY", "SERVICE_KEY", "build_app", "serve_http"]
+
+SERVICE_KEY = web.AppKey("kvmesh_openai_service", OpenAIService)
+"""Where build_app stores the service in the Application."""
+CONFIG_KEY = web.AppKey("kvmesh_frontend_config", FrontendConfig)
+"""Where build_app stores the config in the Application."""
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
+_JSON = "application/json"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_CLIENT_CLOSED = 499
+
+Req = TypeVar("Req", ChatCompletionRequest, CompletionRequest)
+
+
+class _EventStreamResponse(web.StreamResponse):
+    """A StreamResponse whose headers go out with the first event (one write, not two)."""
+
+    _send_headers_immediately = False
+
+
+class _EventWriter:
+    """Writes the SSE events of one response with one syscall per burst, not per event.
+
+    The first event written since the handler last waited goes out at once (no added latency
+    for a token that arrived alone); events that follow in the same step of the handler (the
+    backend had several outputs ready) are buffered and sent together as soon as the handler
+    waits again (a `call_soon` callback), or with the final write (`take()`). Backpressure:
+    when more than 64 KiB were written since the last check, `write` waits for the transport
+    to drain. Uses aiohttp's StreamWriter.write(drain=False), which never suspends; with any
+    other writer it falls back to one awaited resp.write() per event.
+    """
+
+    __slots__ = ("_buffer", "_error", "_in_burst", "_loop", "_resp", "_writer")
+
+    _DRAIN_BYTES = 0x10000
+
+    def __init__(self, resp: web.StreamResponse, writer: AbstractStreamWriter | None) -> None:
+        self._resp = resp
+        self._writer = writer if isinstance(writer, StreamWriter) else None
+        self._loop = asyncio.get_running_loop()
+        self._buffer: list[bytes] = []
+        self._in_burst = False
+        self._error: ConnectionResetError | None = None
+
+    async def write(self, data: bytes) -> None:
+        """Send `data` now, or with the rest of the current burst."""
+        writer = self._writer
+        if writer is None:
+            await self._resp.write(data)
+            return
+        if self._error is not None:
+            raise self._error
+        if self._in_burst:
+            self._buffer.append(data)
+            return
+        self._in_burst = True
+        self._loop.call_soon(self._end_burst)
+        _write_now(writer, data)
+        if writer.buffer_size > self._DRAIN_BYTES:
+            writer.buffer_size = 0
+            await writer.drain()
+
+    def take(self) -> bytes:
+        """Buffered bytes not yet sent (the caller sends them with its final write)."""
+        if not self._buffer:
+            return b""
+        data = b"".join(self._buffer)
+        self._buffer.clear()
+        return data
+
+    def _end_burst(self) -> None:
+        self._in_burst = False
+        if self._buffer and self._writer is not None:
+            try:
+                _write_now(self._writer, self.take())
+            except ConnectionResetError as exc:  # the handler sees it on its next write
+                self._error = exc
+
+
+def _write_now(writer: StreamWriter, data: bytes) -> None:
+    """Run StreamWriter.write(data, drain=False), which completes without suspending."""
+    step = writer.write(data, drain=False)
+    try:
+        step.send(None)
+    except StopIteration:
+        return
+    step.close()
+    raise RuntimeError("aiohttp StreamWriter.write(drain=False) suspended")
+
+
+def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
+
+
+class _Routes:
+    """Route handlers bound to one service (no per-request app lookups)."""
+
+    def __init__(self, service: OpenAIService) -> None:
+        self.service = service
+        self.metrics = service.metrics
+        self._openapi: bytes | None = None
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(
+            request, CHAT_PATH, parse_chat_request, self.service.chat_completion, ChatChunkEncoder
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(
+            request,
+            COMPLETIONS_PATH,
+            parse_completion_request,
+            self.service.completion,
+            TextChunkEncoder,
+        )
+
+    async def _generate(
+        self,
+        request: web.Request,
+        endpoint: str,
+        parse: Callable[[bytes], Req],
+        call: Callable[[Req, TraceContext | None], Awaitable[CompletionStream | CompletionResult]],
+        encoder_cls: type[ChatChunkEncoder] | type[TextChunkEncoder],
+    ) -> web.StreamResponse:
+        try:
+            parsed = parse(await request.read())
+            headers = request.headers
+            traceparent = headers.get("traceparent")
+            trace = (
+                TraceContext.from_headers(traceparent, headers.get("tracestate"))
+                if traceparent
+                else None
+            )
+            result = await call(parsed, trace)
+        except web.HTTPException as exc:
+            return self._http_error(endpoint, exc)
+        except Exception as exc:
+            return self._error(endpoint, exc)
+        if isinstance(result, CompletionResult):
+            self.metrics.request_done(endpoint, 200)
+            return _json_response(200, encode_result(result))
+        if result.parsed and encoder_cls is ChatChunkEncoder:
+            encoder_cls = ParsedChatChunkEncoder
+        encoder = encoder_cls(
+            result.id,
+            result.created,
+            result.model,
+            include_usage=parsed.include_usage,
+            system_fingerprint=result.system_fingerprint,
+        )
+        return await self._stream(request, endpoint, result, encoder, parsed.include_usage)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        endpoint: str,
+        stream: CompletionStream,
+        encoder: ChatChunkEncoder | TextChunkEncoder,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        status = 200
+        events: _EventWriter | None = None
+        try:
+            writer = await resp.prepare(request)
+            events = _EventWriter(resp, writer)
+            write = events.write
+            encode = encoder.delta
+            remaining = stream.num_choices
+            tail = b""
+            async for delta in stream:
+                data = encode(delta)
+                if delta.finish_reason is not None:
+                    remaining -= 1
+                    if remaining == 0:
+                        tail = data  # coalesced with [DONE] below
+                        break
+                await write(data)
+            if include_usage:
+                tail += encoder.usage(stream.usage)
+            await resp.write_eof(events.take() + tail + DONE_EVENT)
+        except ConnectionResetError:
+            status = _CLIENT_CLOSED
+        except Exception as exc:
+            _status, payload = error_from_exception(exc)
+            self.metrics.error(str(payload["error"]["type"]))
+            pending = events.take() if events is not None else b""
+            try:
+                await resp.write_eof(pending + encode_error_event(payload))
+            except ConnectionResetError:
+                status = _CLIENT_CLOSED
+        except asyncio.CancelledError:
+            self.metrics.request_done(endpoint, _CLIENT_CLOSED)
+            raise
+        finally:
+            await stream.aclose()
+        self.metrics.request_done(endpoint, status)
+        return resp
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        try:
+            parsed = parse_embedding_request(await request.read())
+            headers = request.headers
+            trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
+            result = await self.service.embeddings(parsed, trace)
+        except web.HTTPException as exc:
+            return self._http_error(EMBEDDINGS_PATH, exc)
+        except Exception as exc:
+            return self._error(EMBEDDINGS_PATH, exc)
+        self.metrics.request_done(EMBEDDINGS_PATH, 200)
+        return _json_response(200, encode_embeddings(result, parsed.encoding_format))
+
+    # -- errors ----------------------------------------------------------------------------
+
+    def _error(self, endpoint: str, exc: Exception) -> web.Response:
+        status, payload = error_from_exception(exc)
+        self.metrics.error(str(payload["error"]["type"]))
+        self.metrics.request_done(endpoint, status)
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        return _json_response(status, orjson.dumps(payload), headers)
+
+    def _http_error(self, endpoint: str, exc: web.HTTPException) -> web.Response:
+        status = exc.status
+        if status == 413:
+            message = f"request body too large (limit {self._max_bytes()} bytes)"
+        else:
+            message = exc.reason
+        self.metrics.request_done(endpoint, status)
+        return _json_response(status, error_body(status, message))
+
+    def _max_bytes(self) -> int:
+        return self.service.config.max_request_bytes
+
+    # -- other endpoints -------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        body = encode_models(self.service.models(), int(time.time()))
+        self.metrics.request_done("/v1/models", 200)
+        return _json_response(200, body)
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        for info in self.service.models():
+            if info.served_model_name == name:
+                return _json_response(200, encode_model(info, int(time.time())))
+        return _json_response(
+            404,
+            error_body(404, f"The model `{name}` does not exist.", param="model",
+                       code="model_not_found"),
+        )  # fmt: skip
+
+    async def health(self, request: web.Request) -> web.Response:
+        service = self.service
+        if service.ready():
+            return _json_response(200, b'{"status":"ok"}')
+        state = "draining" if service.draining else "no ready worker"
+        return _json_response(503, orjson.dumps({"status": state}))
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json_response(200, b'{"status":"alive"}')
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        if self._openapi is None:
+            self._openapi = orjson.dumps(openapi_document())
+        return _json_response(200, self._openapi)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        resp = web.Response(status=200, body=self.metrics.render())
+        resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+        return resp
+
+    async def method_not_allowed(self, request: web.Request) -> web.Response:
+        return _json_response(
+            405,
+            error_body(405, f"method {request.method} is not allowed on {request.path}"),
+            {"Allow": ", ".join(_allowed_methods(request))},
+        )
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        return _json_response(404, error_body(404, f"no route for {request.path}"))
+
+
+def _allowed_methods(request: web.Request) -> list[str]:
+    resource = request.match_info.route.resource
+    if resource is None:
+        return []
+    return sorted(r.method for r in resource if r.method != "*")
+
+
+def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> web.Application:
+    """The aiohttp Application serving `service` (config defaults to `service.config`)."""
+    config = config if config is not None else service.config
+    app = web.Application(client_max_size=config.max_request_bytes)
+    app[SERVICE_KEY] = service
+    app[CONFIG_KEY] = config
+    routes = _Routes(service)
+    table: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
+        (CHAT_PATH, "POST", routes.chat),
+        (COMPLETIONS_PATH, "POST", routes.completions),
+        (EMBEDDINGS_PATH, "POST", routes.embeddings),
+        ("/v1/models", "GET", routes.models),
+        ("/v1/models/{model}", "GET", routes.model),
+        ("/health", "GET", routes.health),
+        ("/live", "GET", routes.live),
+        ("/metrics", "GET", routes.metrics_text),
+        ("/openapi.json", "GET", routes.openapi),
+        *KServeRoutes(service).table(),
+    ]
+    for path, method, handler in table:
+        resource = app.router.add_resource(path)
+        resource.add_route(method, handler)
+        if method == "GET":
+            resource.add_route("HEAD", handler)
+        resource.add_route("*", routes.method_not_allowed)
+    # [\s\S]: also paths with a (percent-encoded) newline, which "." does not match.
+    app.router.add_route("*", r"/{tail:[\s\S]*}", routes.not_found)
+    return app
+
+
+async def serve_http(
+    app: web.Application, host: str, port: int, **runner_kwargs: Any
+) -> tuple[web.AppRunner, int]:
+    """Start serving `app` on host:port (0 = any free port); return (runner, bound port).
+
+    Stop with `await runner.cleanup()`. Backlog and keep-alive come from the app's
+    FrontendConfig. `runner_kwargs` go to web.AppRunner.
+    """
+    config = app.get(CONFIG_KEY) or FrontendConfig()
+    kwargs: dict[str, Any] = {
+        "access_log": None,
+        "handler_cancellation": True,
+        "keepalive_timeout": config.keepalive_timeout_s,
+    }
+    kwargs.update(runner_kwargs)
+    runner = web.AppRunner(app, **kwargs)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=config.backlog)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, int(bound)

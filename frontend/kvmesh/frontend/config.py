@@ -1,0 +1,62 @@
+"""Configuration of the HTTP gateway (one dataclass; the CLI is generated from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.runtime.config import opt
+
+__all__ = ["FrontendConfig"]
+
+
+@dataclass(slots=True)
+class FrontendConfig:
+    """Settings of the OpenAI-compatible HTTP gateway (and its KServe v2 front doors)."""
+
+    http_host: str = opt("127.0.0.1", "address the HTTP server binds")
+    http_port: int = opt(8000, "HTTP port (0: pick a free one)")
+    model: str = opt("", "local Hugging Face model directory (tokenizer, chat template, config)")
+    served_model_name: str = opt(
+        "", "name clients use in the `model` field (empty: the model directory's name)"
+    )
+    max_request_bytes: int = opt(
+        16 * 1024 * 1024, "largest accepted request body in bytes (larger: HTTP 413)"
+    )
+    max_n: int = opt(64, "largest accepted `n` (choices per request)")
+    default_completion_max_tokens: int = opt(
+        16, "max_tokens of /v1/completions when the request has none (OpenAI's default)"
+    )
+    tokenizer_cache_entries: int = opt(
+        32768,
+        "pieces kept by the exact prefix-chunk tokenization cache (0 disables it); "
+        "see kvmesh.frontend.tokencache",
+    )
+    keepalive_timeout_s: float = opt(75.0, "idle keep-alive connections are closed after this")
+    backlog: int = opt(4096, "listen backlog (many clients connecting at once)")
+    drain_timeout_s: float = opt(
+        30.0, "on shutdown, how long in-flight requests may run before they are cancelled"
+    )
+    kserve_grpc_port: int = opt(
+        0,
+        "port of the KServe v2 gRPC server (inference.GRPCInferenceService, incl. Triton's "
+        "ModelStreamInfer) on --http-host; 0: off",
+    )
+    tool_call_parser: str = opt(
+        "auto",
+        "how tool calls are read from model output: hermes, llama3_json, mistral, pythonic, "
+        "none, or auto (from the chat template); per model: 'model=parser,...' (an entry "
+        "without 'model=' is the default)",
+    )
+    reasoning_parser: str = opt(
+        "auto",
+        "how <think> reasoning is split from the answer (reasoning_content): qwen3, "
+        "deepseek_r1, none, or auto (from the chat template); per model as for "
+        "--tool-call-parser",
+    )
+
+    def model_name(self) -> str:
+        """The served model name: `served_model_name`, else the model directory's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if self.model else ""

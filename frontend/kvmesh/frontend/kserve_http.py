@@ -1,0 +1,465 @@
+"""KServe v2 REST transport (Open Inference Protocol over HTTP), on the gateway's HTTP port.
+
+Routes (each also under /v2/models/{name}/versions/{version}/...):
+
+- GET  /v2/health/live, /v2/health/ready       server liveness / readiness (200, else 503)
+- GET  /v2                                      server metadata
+- GET  /v2/models/{name}                        model metadata
+- GET  /v2/models/{name}/ready                  model readiness (200, 503, 404 if unknown)
+- GET  /v2/models/{name}/config                 Triton model configuration (decoupled)
+- POST /v2/models/{name}/infer                  inference: JSON, or Triton's binary tensor
+                                                extension (Inference-Header-Content-Length)
+- POST /v2/models/{name}/generate               Triton generate extension (JSON in and out)
+- POST /v2/models/{name}/generate_stream        the same, streamed as Server-Sent Events
+- POST /v2/repository/index                     the models served (Triton)
+
+Thin like the other transports: decode into kvmesh.frontend.kserve's typed messages, call
+`OpenAIService.completion` (or ready / model_info), encode. Errors are the protocol's
+`{"error": "<message>"}` with the HTTP status of the domain exception.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kvmesh.frontend import kserve
+from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
+from kvmesh.frontend.protocol import CompletionResult
+from kvmesh.frontend.service import CompletionStream, OpenAIService
+from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound
+from kvmesh.runtime.tracing import TraceContext
+
+__all__ = ["KServeRoutes"]
+
+_log = logging.getLogger("kvmesh.frontend.kserve")
+_JSON = "application/json"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON, headers=headers)
+
+
+def _error(exc: BaseException) -> tuple[int, dict[str, str]]:
+    if isinstance(exc, KvmeshError):
+        return exc.http_status, {"error": exc.message}
+    _log.error("internal error in a KServe REST request", exc_info=exc)
+    return 500, {"error": "internal error"}
+
+
+# --------------------------------------------------------------------------------------------
+# JSON <-> typed messages
+
+
+def _flatten(data: Any, out: list[Any]) -> None:
+    if isinstance(data, list):
+        for item in data:
+            _flatten(item, out)
+    else:
+        out.append(data)
+
+
+def _check_elements(name: str, datatype: str, data: list[Any]) -> list[Any]:
+    """JSON tensor elements as the datatype expects (BYTES as bytes)."""
+    if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in data):
+            raise InvalidRequest(f"input '{name}' (BYTES) must hold strings")
+        return [v.encode() for v in data]
+    if datatype == "BOOL":
+        if not all(isinstance(v, bool) for v in data):
+            raise InvalidRequest(f"input '{name}' (BOOL) must hold booleans")
+        return data
+    if datatype in ("FP16", "FP32", "FP64", "BF16"):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in data):
+            raise InvalidRequest(f"input '{name}' ({datatype}) must hold numbers")
+        return data
+    if datatype in kserve.DATATYPES:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in data):
+            raise InvalidRequest(f"input '{name}' ({datatype}) must hold integers")
+        return data
+    raise InvalidRequest(f"input '{name}' has unknown datatype {datatype!r}")
+
+
+def _params(raw: Any, where: str) -> dict[str, ParamValue]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{where} 'parameters' must be an object")
+    out: dict[str, ParamValue] = {}
+    for key, value in raw.items():
+        if isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        elif value is not None:
+            raise InvalidRequest(f"parameter '{key}' must be a boolean, number or string")
+    return out
+
+
+def decode_infer(
+    body: bytes, header_length: str | None, model: str, version: str
+) -> tuple[InferRequest, bool, set[str]]:
+    """(request, binary output for all, outputs wanting binary) of a REST infer body."""
+    binary = b""
+    if header_length is not None:
+        try:
+            size = int(header_length)
+        except ValueError:
+            raise InvalidRequest(f"{HEADER_LENGTH} is not a number") from None
+        if not 0 <= size <= len(body):
+            raise InvalidRequest(f"{HEADER_LENGTH} is out of range")
+        body, binary = body[:size], body[size:]
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    raw_inputs = data.get("inputs")
+    if not isinstance(raw_inputs, list) or not all(isinstance(i, dict) for i in raw_inputs):
+        raise InvalidRequest("'inputs' must be a list of tensor objects")
+    request_id = data.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidRequest("'id' must be a string")
+    inputs: list[Tensor] = []
+    offset = 0
+    for item in raw_inputs:
+        name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
+        if not isinstance(name, str) or not isinstance(datatype, str):
+            raise InvalidRequest("every input needs a string 'name' and 'datatype'")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            raise InvalidRequest(f"input '{name}' needs a 'shape' list of integers")
+        params = _params(item.get("parameters"), f"input '{name}'")
+        raw_size = params.get("binary_data_size")
+        if raw_size is not None:
+            if isinstance(raw_size, bool) or not isinstance(raw_size, int) or raw_size < 0:
+                raise InvalidRequest(f"input '{name}' has an invalid binary_data_size")
+            size = raw_size
+            if offset + size > len(binary):
+                raise InvalidRequest(f"binary data of input '{name}' is missing")
+            elements = kserve.decode_raw(datatype, binary[offset : offset + size], shape, name)
+            offset += size
+        else:
+            flat: list[Any] = []
+            _flatten(item.get("data"), flat)
+            count = kserve.element_count(shape, name)
+            if len(flat) != count:
+                raise InvalidRequest(
+                    f"input '{name}' has {len(flat)} elements but its shape {shape} needs {count}"
+                )
+            elements = _check_elements(name, datatype, flat)
+        inputs.append(Tensor(name, datatype, shape, elements))
+    request_params = _params(data.get("parameters"), "request")
+    outputs: list[str] = []
+    binary_outputs: set[str] = set()
+    raw_outputs = data.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list) or not all(isinstance(o, dict) for o in raw_outputs):
+            raise InvalidRequest("'outputs' must be a list of objects")
+        for out in raw_outputs:
+            name = out.get("name")
+            if not isinstance(name, str):
+                raise InvalidRequest("every requested output needs a string 'name'")
+            outputs.append(name)
+            if _params(out.get("parameters"), f"output '{name}'").get("binary_data") is True:
+                binary_outputs.add(name)
+    return (
+        InferRequest(model, version, request_id, request_params, inputs, outputs),
+        request_params.get("binary_data_output") is True,
+        binary_outputs,
+    )
+
+
+def _json_data(tensor: Tensor) -> list[Any]:
+    if tensor.datatype == "BYTES":
+        return [b.decode("utf-8", "replace") for b in tensor.data]
+    return list(tensor.data)
+
+
+def encode_infer(
+    resp: InferResponse, binary_all: bool, binary_outputs: set[str]
+) -> tuple[bytes, int | None]:
+    """(body, JSON header length or None) of a REST infer response."""
+    outputs: list[dict[str, Any]] = []
+    tail: list[bytes] = []
+    for tensor in resp.outputs:
+        out: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": tensor.shape,
+        }
+        if binary_all or tensor.name in binary_outputs:
+            raw = kserve.encode_raw(tensor)
+            out["parameters"] = {"binary_data_size": len(raw)}
+            tail.append(raw)
+        else:
+            out["data"] = _json_data(tensor)
+        outputs.append(out)
+    body: dict[str, Any] = {"model_name": resp.model, "model_version": resp.version}
+    if resp.id:
+        body["id"] = resp.id
+    if resp.parameters:
+        body["parameters"] = resp.parameters
+    body["outputs"] = outputs
+    header = orjson.dumps(body)
+    if not tail:
+        return header, None
+    return header + b"".join(tail), len(header)
+
+
+def decode_generate(body: bytes, model: str, version: str) -> InferRequest:
+    """A Triton generate-extension body: every key but `id` / `parameters` is an input."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    request_id = data.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidRequest("'id' must be a string")
+    inputs: list[Tensor] = []
+    for name, value in data.items():
+        if name in ("id", "parameters"):
+            continue
+        inputs.append(_generate_input(name, value))
+    return InferRequest(
+        model, version, request_id, _params(data.get("parameters"), "request"), inputs
+    )
+
+
+def _generate_input(name: str, value: Any) -> Tensor:
+    if isinstance(value, str):
+        return Tensor(name, "BYTES", [1], [value.encode()])
+    if isinstance(value, bool):
+        return Tensor(name, "BOOL", [1], [value])
+    if isinstance(value, int):
+        return Tensor(name, "INT64", [1], [value])
+    if isinstance(value, float):
+        return Tensor(name, "FP64", [1], [value])
+    if isinstance(value, list):
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return Tensor(name, "INT64", [len(value)], list(value))
+        if all(isinstance(v, str) for v in value):
+            return Tensor(name, "BYTES", [len(value)], [v.encode() for v in value])
+    raise InvalidRequest(f"'{name}' must be a string, number, boolean or a list of them")
+
+
+def encode_generate(resp: InferResponse) -> dict[str, Any]:
+    """Triton generate-extension JSON: one key per output (a scalar when it has one element)."""
+    body: dict[str, Any] = {"model_name": resp.model, "model_version": resp.version}
+    if resp.id:
+        body["id"] = resp.id
+    for tensor in resp.outputs:
+        values = _json_data(tensor)
+        body[tensor.name] = (
+            values[0] if len(values) == 1 and tensor.name != "output_ids" else values
+        )
+    if resp.parameters:
+        body["parameters"] = resp.parameters
+    return body
+
+
+# --------------------------------------------------------------------------------------------
+# Routes
+
+
+class KServeRoutes:
+    """Route handlers of the KServe v2 REST API over one OpenAIService."""
+
+    def __init__(self, service: OpenAIService) -> None:
+        self.service = service
+        self.metrics = service.metrics
+
+    def table(self) -> list[tuple[str, str, Handler]]:
+        """(path, method, handler) of every route."""
+        routes: list[tuple[str, str, Handler]] = [
+            ("/v2/health/live", "GET", self.live),
+            ("/v2/health/ready", "GET", self.ready),
+            ("/v2", "GET", self.server_metadata),
+            ("/v2/repository/index", "POST", self.repository_index),
+        ]
+        # Model names may contain "/": the routes with a suffix come first (aiohttp tries
+        # dynamic routes in registration order), the bare metadata routes last.
+        model, version = r"/v2/models/{model:[\s\S]+}", "/versions/{version:[^/]+}"
+        for suffix, method, handler in (
+            ("/ready", "GET", self.model_ready),
+            ("/config", "GET", self.model_config),
+            ("/infer", "POST", self.infer),
+            ("/generate", "POST", self.generate),
+            ("/generate_stream", "POST", self.generate_stream),
+            ("", "GET", self.model_metadata),
+        ):
+            routes.append((model + version + suffix, method, handler))
+            routes.append((model + suffix, method, handler))
+        return routes
+
+    # -- health and metadata ---------------------------------------------------------------
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json(200, {"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ready = self.service.ready()
+        return _json(200 if ready else 503, {"ready": ready})
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return _json(
+            200,
+            {
+                "name": kserve.SERVER_NAME,
+                "version": kserve.SERVER_VERSION,
+                "extensions": list(kserve.EXTENSIONS),
+            },
+        )
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        models = [
+            {"name": m.served_model_name, "version": kserve.MODEL_VERSION, "state": "READY"}
+            for m in self.service.models()
+        ]
+        return _json(200, models)
+
+    def _model(self, request: web.Request) -> tuple[str, Any]:
+        name = request.match_info["model"]
+        version = request.match_info.get("version", "")
+        info = self.service.model_info(name)
+        if info is None:
+            raise NotFound(f"model {name!r} does not exist", param="model")
+        kserve.check_version(name, version)
+        return name, info
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        try:
+            name, info = self._model(request)
+        except KvmeshError as exc:
+            return _json(*_error(exc))
+        return _json(200, kserve.model_metadata(info, name))
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        try:
+            name, info = self._model(request)
+        except KvmeshError as exc:
+            return _json(*_error(exc))
+        return _json(200, kserve.model_config(info, name))
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        try:
+            name, _ = self._model(request)
+        except KvmeshError as exc:
+            return _json(*_error(exc))
+        ready = self.service.model_ready(name)
+        return _json(200 if ready else 503, {"name": name, "ready": ready})
+
+    # -- inference -------------------------------------------------------------------------
+
+    def _names(self, request: web.Request) -> tuple[str, str]:
+        return request.match_info["model"], request.match_info.get("version", "")
+
+    async def _complete(
+        self, request: web.Request, infer: InferRequest, *, stream: bool
+    ) -> tuple[kserve.GenerationCall, CompletionStream | CompletionResult]:
+        call = kserve.to_generation(infer, allow_stream=stream)
+        if stream:
+            call.request.stream = call.stream = True
+        headers = request.headers
+        trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
+        return call, await self.service.completion(call.request, trace)
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        endpoint = "/v2/models/infer"
+        try:
+            model, version = self._names(request)
+            infer, binary_all, binary_outputs = decode_infer(
+                await request.read(), request.headers.get(HEADER_LENGTH), model, version
+            )
+            call, result = await self._complete(request, infer, stream=False)
+            assert isinstance(result, CompletionResult)
+            resp = kserve.InferEncoder(call, model, infer.id).result(result)
+            body, header_length = encode_infer(resp, binary_all, binary_outputs)
+        except web.HTTPException as exc:
+            return self._http_fail(endpoint, exc)
+        except Exception as exc:
+            return self._fail(endpoint, exc)
+        self.metrics.request_done(endpoint, 200)
+        if header_length is None:
+            return web.Response(status=200, body=body, content_type=_JSON)
+        return web.Response(
+            status=200,
+            body=body,
+            headers={
+                "Content-Type": "application/octet-stream",
+                HEADER_LENGTH: str(header_length),
+            },
+        )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        endpoint = "/v2/models/generate"
+        try:
+            model, version = self._names(request)
+            infer = decode_generate(await request.read(), model, version)
+            call, result = await self._complete(request, infer, stream=False)
+            assert isinstance(result, CompletionResult)
+            resp = kserve.InferEncoder(call, model, infer.id).result(result)
+        except web.HTTPException as exc:
+            return self._http_fail(endpoint, exc)
+        except Exception as exc:
+            return self._fail(endpoint, exc)
+        self.metrics.request_done(endpoint, 200)
+        return _json(200, encode_generate(resp))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        endpoint = "/v2/models/generate_stream"
+        try:
+            model, version = self._names(request)
+            infer = decode_generate(await request.read(), model, version)
+            call, result = await self._complete(request, infer, stream=True)
+        except web.HTTPException as exc:
+            return self._http_fail(endpoint, exc)
+        except Exception as exc:
+            return self._fail(endpoint, exc)
+        assert isinstance(result, CompletionStream)
+        encoder = kserve.InferEncoder(call, model, infer.id)
+        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        status = 200
+        try:
+            await resp.prepare(request)
+            async for delta in result:
+                event = encoder.delta(delta, result.prompt_tokens(0), result.completion_tokens(0))
+                await resp.write(b"data: " + orjson.dumps(encode_generate(event)) + b"\n\n")
+            if call.empty_final:
+                final = encode_generate(encoder.final())
+                await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            status = 499
+        except Exception as exc:
+            _, payload = _error(exc)
+            try:
+                await resp.write_eof(b"data: " + orjson.dumps(payload) + b"\n\n")
+            except ConnectionResetError:
+                status = 499
+        finally:
+            await result.aclose()
+        self.metrics.request_done(endpoint, status)
+        return resp
+
+    def _http_fail(self, endpoint: str, exc: web.HTTPException) -> web.Response:
+        self.metrics.request_done(endpoint, exc.status)
+        message = "request body too large" if exc.status == 413 else exc.reason
+        return _json(exc.status, {"error": message})
+
+    def _fail(self, endpoint: str, exc: BaseException) -> web.Response:
+        status, payload = _error(exc)
+        self.metrics.request_done(endpoint, status)
+        self.metrics.error(exc.code if isinstance(exc, KvmeshError) else "internal_error")
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        return _json(status, payload, headers)

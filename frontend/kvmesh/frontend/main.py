@@ -1,0 +1,74 @@
+"""`kvmesh frontend`: the OpenAI and KServe v2 gateway process.
+
+Builds the object graph explicitly (tokenizers, the routing stack of kvmesh.router.stack, the
+OpenAIService both doors share, the HTTP and KServe gRPC servers), serves until SIGINT/SIGTERM,
+then drains.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvmesh.frontend.app import build_app, serve_http
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.service import OpenAIService
+from kvmesh.frontend.tokenizer import Tokenizer
+from kvmesh.router.backend import MeshBackend
+from kvmesh.router.metrics import DisaggCollector, RoutingCollector
+from kvmesh.router.routing import RoutingStats
+from kvmesh.router.stack import MeshConfig, build_router, close_router
+from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
+from kvmesh.runtime.process import wait_for_signal
+from kvmesh.runtime.types import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
+    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
+    tokenizers: dict[str, Tokenizer] = {}
+    configured: dict[str, ModelInfo] = {}
+    if config.model:
+        # Preload the configured model; other models' tokenizers load from worker cards.
+        info = ModelDirInfo.load(resolve_model_dir(config.model))
+        name = config.served_model_name or info.name
+        tokenizers[name] = Tokenizer.from_pretrained(
+            info.path, chunk_cache_entries=config.tokenizer_cache_entries
+        )
+        configured[name] = ModelInfo(
+            served_model_name=name,
+            engine="",
+            kv_block_size=0,
+            kv_total_blocks=0,
+            context_length=info.context_length,
+            model_path=str(info.path),
+            eos_token_ids=info.eos_token_ids,
+        )
+    pool, router = build_router(mesh)
+    await pool.start()
+    backend = MeshBackend(pool, router, configured, disagg=mesh)
+    service = OpenAIService(backend, tokenizers, config)
+    stats = getattr(router, "stats", None)
+    if isinstance(stats, RoutingStats):
+        service.metrics.registry.register(RoutingCollector(stats))
+    service.metrics.registry.register(DisaggCollector(backend.stats))
+    runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
+    log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)
+    kserve = None
+    if config.kserve_grpc_port > 0:
+        # Imported here: it registers the `inference.*` protobuf symbols (see its docstring).
+        from kvmesh.frontend.kserve_grpc import serve_kserve_grpc
+
+        kserve = await serve_kserve_grpc(service, config.http_host, config.kserve_grpc_port)
+        log.info("frontend serving KServe v2 gRPC on %s", kserve.address)
+    await wait_for_signal()
+    service.start_drain()
+    if kserve is not None:
+        await kserve.set_serving(False)
+    if not await service.wait_idle(config.drain_timeout_s):
+        log.warning("drain timed out with %d requests in flight", service.in_flight)
+    if kserve is not None:
+        await kserve.stop(1.0)
+    await runner.cleanup()
+    await close_router(router)
+    await pool.stop()

@@ -1,3 +1,0 @@
-from kvmesh.cli import main
-
-main()

@@ -1,0 +1,1 @@
+"""The SLA planner (not built yet)."""

@@ -1,0 +1,155 @@
+"""`KvRouter` implements kvmesh.router.routing.Router over a WorkerPool: it registers the pool's
+workers with the scheduler, subscribes to their KV event and load streams
+(kvmesh.router.kv_subscriber), optionally shares its bookings with peer router replicas, and
+records the routing overhead (tokens in hand -> worker chosen) in `stats`.
+
+The scheduling policy itself (index, predicted load, cost) is kvmesh.router.kv_scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Collection, Sequence
+
+from kvmesh.router.kv_scheduler import (
+    KvRouterConfig,
+    KvScheduler,
+    LoadEvent,
+    LoadEventKind,
+    LoadSample,
+    Selection,
+    WorkerLoad,
+)
+from kvmesh.router.kv_subscriber import KvSubscriber, PeerLoadSync
+from kvmesh.router.pool import WorkerHandle, WorkerPool
+from kvmesh.router.routing import RouteDecision, RoutingStats, pick_candidates
+from kvmesh.runtime.clock import Clock, RealClock
+from kvmesh.runtime.types import Role
+
+__all__ = [
+    "KvRouter",
+    "KvRouterConfig",
+    "KvScheduler",
+    "LoadEvent",
+    "LoadEventKind",
+    "LoadSample",
+    "Selection",
+    "WorkerLoad",
+]
+
+log = logging.getLogger(__name__)
+
+
+class KvRouter:
+    """The Router (kvmesh.router.routing) for RouterMode.KV over a WorkerPool.
+
+    Construction registers a pool listener: every worker that joins is added to the scheduler
+    (exact mode when its model card lists the KV_EVENTS capability, approximate mode
+    otherwise) and its KV event and load streams are followed (KvSubscriber); a worker that
+    leaves is removed from the index at once. `peers`: addresses of other `kvmesh router`
+    replicas whose bookings this one applies (RouterService.SubscribeLoadEvents). Call `close()`
+    when done (pool.stop() also ends the per-worker streams).
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        config: KvRouterConfig | None = None,
+        *,
+        clock: Clock | None = None,
+        peers: Sequence[str] = (),
+        router_id: str = "",
+        load_interval_ms: int = 100,
+    ) -> None:
+        self.pool = pool
+        self.clock: Clock = clock if clock is not None else RealClock()
+        self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
+        self.scheduler = KvScheduler(config, router_id=self.router_id)
+        self.stats = RoutingStats()
+        self.subscriber = KvSubscriber(
+            self.scheduler, clock=self.clock, load_interval_ms=load_interval_ms
+        )
+        self.peer_sync = PeerLoadSync(self.scheduler, peers, clock=self.clock) if peers else None
+        self._booked: dict[str, WorkerHandle] = {}
+        pool.add_listener(self._on_pool_change)
+
+    def _on_pool_change(self, handle: WorkerHandle, joined: bool) -> None:
+        if joined:
+            self.subscriber.add(handle)
+            if self.peer_sync is not None:
+                self.peer_sync.start()
+        else:
+            self.subscriber.remove(handle)
+
+    async def start(self) -> None:
+        """Start peer load sharing now (otherwise it starts with the first worker)."""
+        if self.peer_sync is not None:
+            self.peer_sync.start()
+
+    async def close(self) -> None:
+        """Stop following workers and peers."""
+        await self.subscriber.close()
+        if self.peer_sync is not None:
+            await self.peer_sync.close()
+
+    async def route(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        request_id: str,
+        *,
+        lora_name: str = "",
+        exclude: Collection[str] = (),
+        role: Role | None = None,
+        expected_output_tokens: int = 0,
+    ) -> RouteDecision:
+        t0 = time.perf_counter()
+        handles = pick_candidates(self.pool, model, exclude, role)
+        by_id = {h.worker_id: h for h in handles}
+        sched = self.scheduler
+        now = self.clock.now()
+        selection = sched.select(token_ids, now, candidates=by_id, lora_name=lora_name)
+        sched.book(request_id, selection, now, expected_output_tokens=expected_output_tokens)
+        chosen = by_id[selection.worker_id]
+        previous = self._booked.pop(request_id, None)
+        if previous is not None:
+            previous.inflight -= 1
+        chosen.inflight += 1
+        self._booked[request_id] = chosen
+        overhead = time.perf_counter() - t0
+        self.stats.observe(overhead, selection.overlap_blocks, selection.prompt_blocks)
+        return RouteDecision(
+            chosen, selection.overlap_blocks, selection.prompt_blocks, routing_overhead_s=overhead
+        )
+
+    def first_token(self, request_id: str) -> None:
+        self.scheduler.first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self.scheduler.free(request_id)
+        handle = self._booked.pop(request_id, None)
+        if handle is not None:
+            handle.inflight -= 1
+
+    async def load_events(self, subscriber_id: str = "") -> AsyncIterator[LoadEvent]:
+        """This replica's own bookings active now, then every change, until the consumer stops
+        (RouterService.SubscribeLoadEvents). A consumer more than 65,536 changes behind is cut
+        off (the iterator ends): it reconnects and starts again from the active bookings."""
+        queue: asyncio.Queue[LoadEvent | None] = asyncio.Queue()
+        limit = 65536
+
+        def push(event: LoadEvent) -> None:
+            queue.put_nowait(event if queue.qsize() < limit else None)
+
+        self.scheduler.add_listener(push)
+        try:
+            for event in self.scheduler.own_bookings():
+                yield event
+            while (item := await queue.get()) is not None:
+                yield item
+            log.warning("load event subscriber %s fell behind; cutting it off", subscriber_id)
+        finally:
+            self.scheduler.remove_listener(push)

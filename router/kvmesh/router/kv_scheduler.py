@@ -1,0 +1,573 @@
+"""KV-cache-aware routing: the synchronous scheduler core (`KvScheduler`) and its policy.
+
+`KvScheduler` (sync, no asyncio, no wall clock: every call that needs time takes `now`, seconds
+on any monotonic clock, wall or virtual) holds:
+  * the exact prefix index fed by KV events (`scheduler.indexer`, a KvIndexer), and an
+    approximate index fed by the scheduler's own decisions with a TTL, for workers whose engine
+    publishes no KV events;
+  * predicted load per worker: every booked request adds its blocks still to prefill (until its
+    first token) and its decode blocks (until it is freed), corrected by the workers' load
+    metrics when they arrive;
+  * the cost function and the choice among workers.
+
+Cost of worker w for a request of T prompt tokens (block size B, w caching its first O blocks):
+
+    new(w)  = T/B - O                        blocks the request would add on w
+    cost(w) = overlap_weight * (prefill(w) + new(w)) + (decode(w) + new(w))
+
+prefill(w) is the worker's predicted blocks still to prefill and decode(w) the blocks its
+running requests added (each booking counts the blocks it allocates: its prompt and expected
+output minus the prefix the worker had cached), both from bookings plus the correction from the
+worker's last fresh load metrics. The first term is the prefill work queued on the worker with
+this request, the second the KV blocks it would hold (Dynamo's "potential prefill" and
+"potential active blocks"). Every input is the same on every router replica (the KV index is
+exact, bookings are shared as numbers), so replicas that see the same bookings decide alike.
+
+The lowest cost wins; among equal costs the worker holding the fewest cached blocks wins (new
+prefixes spread over the fleet rather than evicting one worker's), then a random one (seeded),
+so an idle fleet is never simply sent to its first worker. With temperature > 0 the choice is
+sampled from softmax(-normalized cost / T) instead (Dynamo's `router_temperature`). Workers
+over a busy threshold (KV usage fraction, waiting requests, draining; from fresh load metrics)
+are skipped; if all are, `Unavailable` (HTTP 503).
+
+Driving it directly (what `kvmesh replay` does with mocker schedulers in virtual time):
+
+    sched = KvScheduler(KvRouterConfig(overlap_weight=1.0), router_id="replay")
+    sched.add_worker("w0", block_size=64, kv_total_blocks=16384)    # kv_events=True
+    # every KV event the worker's engine publishes (KvEventLog.publish):
+    sched.indexer.apply_event("w0", kind)        # or .apply(id, record/chunk, log_id)
+    sel = sched.select(prompt_token_ids, now)    # -> Selection (worker_id, overlap, ...)
+    sched.book(request_id, sel, now, expected_output_tokens=osl)
+    sched.first_token(request_id)                # when the first token is out
+    sched.free(request_id)                       # when it finishes or is cancelled
+    sched.update_load("w0", LoadSample(...), now)  # optional: the engine's load metrics
+
+KvEventLog.publish is synchronous, so a simulator can hand each published kind to
+`sched.indexer.apply_event` right away (e.g. from a KvEventLog subclass). Nothing here awaits,
+sleeps or reads a clock.
+
+The live, async side (`KvRouter`, over a WorkerPool and the workers' streams) is
+kvmesh.router.kv_router.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.router.hashing import block_hashes
+from kvmesh.router.indexer import ApproxIndex
+from kvmesh.router.kv_state import KvIndexer
+from kvmesh.runtime.errors import Unavailable
+
+__all__ = [
+    "KvRouterConfig",
+    "KvScheduler",
+    "LoadEvent",
+    "LoadEventKind",
+    "LoadSample",
+    "Selection",
+    "WorkerLoad",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KvRouterConfig:
+    """Knobs of KV-aware routing (the CLI exposes them through kvmesh.router.stack.MeshConfig)."""
+
+    overlap_weight: float = 1.0
+    """Weight of blocks to prefill against blocks decoding in the cost (>= 0)."""
+    temperature: float = 0.0
+    """0: lowest cost wins (ties at random); > 0: softmax sampling over -normalized cost."""
+    busy_kv_fraction: float = 0.0
+    """Skip workers whose KV usage (active / total blocks) reaches this; 0 disables."""
+    busy_waiting_requests: int = 0
+    """Skip workers with at least this many queued requests; 0 disables."""
+    approx_ttl_s: float = 120.0
+    """Approximate mode: how long a routed prompt counts as cached on its worker."""
+    load_max_age_s: float = 2.0
+    """Load metrics older than this are ignored (no correction, no busy verdict)."""
+    load_settle_s: float = 0.25
+    """Bookings younger than this when load metrics arrive are assumed not to show in them yet
+    (the request may still be on its way to the worker): they are added to the measurement
+    instead of being corrected away."""
+    seed: int = 0
+    """Seed of tie-breaking and sampling."""
+
+    def __post_init__(self) -> None:
+        if not self.overlap_weight >= 0:
+            raise ValueError("overlap_weight must be >= 0")
+        if not self.temperature >= 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.busy_kv_fraction <= 1:
+            raise ValueError("busy_kv_fraction must be in [0, 1]")
+        if self.busy_waiting_requests < 0:
+            raise ValueError("busy_waiting_requests must be >= 0")
+        if not self.approx_ttl_s > 0 or not self.load_max_age_s > 0:
+            raise ValueError("approx_ttl_s and load_max_age_s must be > 0")
+        if not self.load_settle_s >= 0:
+            raise ValueError("load_settle_s must be >= 0")
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSample:
+    """A worker's load metrics (kvmesh.api.common.v1.LoadMetrics) as the scheduler uses them."""
+
+    kv_active_blocks: int = 0
+    kv_total_blocks: int = 0
+    """0: unknown (the worker's model card value is used)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    pending_prefill_tokens: int = 0
+    draining: bool = False
+
+
+class LoadEventKind(enum.Enum):
+    """How a booking changed."""
+
+    BOOKED = "booked"
+    FIRST_TOKEN = "first_token"
+    FREED = "freed"
+
+
+@dataclass(slots=True, frozen=True)
+class LoadEvent:
+    """One booking change, as shared with peer router replicas."""
+
+    router_id: str
+    request_id: str
+    worker_id: str
+    kind: LoadEventKind
+    prefill_blocks: int = 0
+    """Blocks still to prefill (0 after the first token)."""
+    decode_blocks: int = 0
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """Scheduler state of one worker."""
+
+    worker_id: str
+    block_size: int
+    kv_total_blocks: int = 0
+    kv_events: bool = True
+    """False: approximate mode (the index learns from routing decisions)."""
+    booked_prefill: int = 0
+    """Blocks still to prefill of the requests booked here (until their first token)."""
+    booked_decode: int = 0
+    """Blocks added by the requests booked here (until they are freed)."""
+    sample: LoadSample | None = None
+    sample_at: float = -math.inf
+    prefill_offset: float = 0.0
+    """Measured minus booked prefill blocks when the last sample arrived."""
+    decode_offset: float = 0.0
+    """Measured minus booked decode blocks when the last sample arrived."""
+    recent: deque[tuple[float, _Booking]] = field(default_factory=deque)
+    """Bookings of the last `load_settle_s`, oldest first (may hold freed ones)."""
+
+    def fresh(self, now: float, max_age_s: float) -> bool:
+        """Whether the last load sample is recent enough to trust."""
+        return self.sample is not None and now - self.sample_at <= max_age_s
+
+    def prefill_blocks(self, now: float, max_age_s: float) -> float:
+        """Predicted blocks still to prefill (corrected by fresh metrics)."""
+        if self.fresh(now, max_age_s):
+            return max(0.0, self.booked_prefill + self.prefill_offset)
+        return float(self.booked_prefill)
+
+    def decode_blocks(self, now: float, max_age_s: float) -> float:
+        """Predicted blocks held by running requests (corrected by fresh metrics)."""
+        if self.fresh(now, max_age_s):
+            return max(0.0, self.booked_decode + self.decode_offset)
+        return float(self.booked_decode)
+
+
+@dataclass(slots=True)
+class Selection:
+    """What `KvScheduler.select` chose, and why."""
+
+    worker_id: str
+    overlap_blocks: int
+    """Leading prompt blocks the worker holds (exact or approximate index)."""
+    prompt_blocks: int
+    """Full blocks in the prompt."""
+    prompt_tokens: int
+    block_size: int
+    block_hashes: list[int]
+    """Router hashes of the prompt's full blocks at the worker's block size."""
+    cost: float
+    costs: dict[str, float]
+    """Cost of every worker considered (busy ones excluded)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Booking:
+    load: WorkerLoad
+    """The worker's state object when booked (a worker that left and rejoined gets a new one,
+    so late frees never touch the new one's counters)."""
+    prefill: int
+    decode: int
+    live: bool = True
+
+
+class KvScheduler:
+    """The synchronous core of KV-aware routing (see the module doc for the cost and usage).
+
+    Contract:
+      * `add_worker` before routing to a worker or feeding its events; `remove_worker` when it
+        leaves (its index entries go; bookings on it are dropped from every sum).
+      * `select(tokens, now, candidates=...)` chooses among registered workers (all of them when
+        `candidates` is None; unknown ids are ignored) and books nothing. Raises Unavailable when
+        no candidate is registered or all are busy.
+      * `book(request_id, selection, now)` books the request (re-booking an id replaces it);
+        `first_token(id)` moves it past prefill; `free(id)` ends it. Both return False for
+        unknown ids and are idempotent. Each own booking change is reported to listeners
+        (`add_listener`) as a LoadEvent, for peer replicas.
+      * `apply_peer(source, event)` applies a peer replica's booking change; `drop_peer(source)`
+        forgets all of that peer's bookings (its stream ended).
+      * `now` never decreases between calls.
+    """
+
+    def __init__(
+        self,
+        config: KvRouterConfig | None = None,
+        *,
+        indexer: KvIndexer | None = None,
+        router_id: str = "",
+    ) -> None:
+        self.config = config if config is not None else KvRouterConfig()
+        self.indexer = indexer if indexer is not None else KvIndexer()
+        self.approx: ApproxIndex[str] = ApproxIndex(self.config.approx_ttl_s)
+        self.router_id = router_id
+        self._workers: dict[str, WorkerLoad] = {}
+        self._bookings: dict[tuple[str, str], _Booking] = {}
+        """(source, request id) -> booking; source "" is this scheduler, else a peer."""
+        self._listeners: list[Callable[[LoadEvent], None]] = []
+        self._rng = random.Random(self.config.seed)
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def add_worker(
+        self, worker_id: str, *, block_size: int, kv_total_blocks: int = 0, kv_events: bool = True
+    ) -> WorkerLoad:
+        """Register a worker (replacing any previous registration of the same id)."""
+        self.remove_worker(worker_id)
+        load = WorkerLoad(worker_id, block_size, kv_total_blocks, kv_events)
+        self._workers[worker_id] = load
+        if kv_events:
+            self.indexer.add_worker(worker_id, block_size)
+        return load
+
+    def set_kv_events(self, worker_id: str, kv_events: bool) -> None:
+        """Switch a worker between the exact index and approximate mode (e.g. its engine turned
+        out to publish no events); what one index knew about it is dropped."""
+        load = self._workers.get(worker_id)
+        if load is None or load.kv_events == kv_events:
+            return
+        load.kv_events = kv_events
+        if kv_events:
+            self.approx.remove_worker(worker_id)
+            self.indexer.add_worker(worker_id, load.block_size)
+        else:
+            self.indexer.remove_worker(worker_id)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker: its index entries and its load (bookings on it stay booked but no
+        longer count anywhere)."""
+        if self._workers.pop(worker_id, None) is not None:
+            self.indexer.remove_worker(worker_id)
+            self.approx.remove_worker(worker_id)
+
+    def worker(self, worker_id: str) -> WorkerLoad | None:
+        """The registered worker's state."""
+        return self._workers.get(worker_id)
+
+    def workers(self) -> list[str]:
+        """Registered worker ids."""
+        return list(self._workers)
+
+    def update_load(self, worker_id: str, sample: LoadSample, now: float) -> None:
+        """Record a worker's load metrics measured at `now`; from now on (until they are older
+        than `load_max_age_s`) its predicted load is the measurement plus the bookings younger
+        than `load_settle_s` (which it cannot show yet) plus the bookings made since."""
+        load = self._workers.get(worker_id)
+        if load is None:
+            return
+        load.sample = sample
+        load.sample_at = now
+        if sample.kv_total_blocks:
+            load.kv_total_blocks = sample.kv_total_blocks
+        recent = load.recent
+        settled = now - self.config.load_settle_s
+        while recent and recent[0][0] <= settled:
+            recent.popleft()
+        young_prefill = young_decode = 0
+        for _, b in recent:
+            if b.live:
+                young_prefill += b.prefill
+                young_decode += b.decode
+        # predicted = measured + what the measurement cannot show yet
+        measured_prefill = -(-sample.pending_prefill_tokens // load.block_size)
+        load.prefill_offset = measured_prefill - (load.booked_prefill - young_prefill)
+        load.decode_offset = sample.kv_active_blocks - (load.booked_decode - young_decode)
+
+    def busy(self, load: WorkerLoad, now: float) -> bool:
+        """Whether the worker is over a busy threshold (fresh metrics only)."""
+        cfg = self.config
+        if not load.fresh(now, cfg.load_max_age_s):
+            return False
+        sample = load.sample
+        assert sample is not None
+        if sample.draining:
+            return True
+        total = sample.kv_total_blocks or load.kv_total_blocks
+        if (
+            cfg.busy_kv_fraction > 0
+            and total
+            and sample.kv_active_blocks >= cfg.busy_kv_fraction * total
+        ):
+            return True
+        return 0 < cfg.busy_waiting_requests <= sample.num_waiting
+
+    # -- choosing ---------------------------------------------------------------------------
+
+    def select(
+        self,
+        token_ids: Sequence[int],
+        now: float,
+        *,
+        candidates: Collection[str] | None = None,
+        lora_name: str = "",
+    ) -> Selection:
+        """Choose a worker for a prompt (books nothing; see the class doc)."""
+        cfg = self.config
+        if candidates is None:
+            loads = list(self._workers.values())
+        else:
+            loads = [w for c in candidates if (w := self._workers.get(c)) is not None]
+        if not loads:
+            raise Unavailable("no workers are available")
+        ready = [w for w in loads if not self.busy(w, now)]
+        if not ready:
+            raise Unavailable(f"all {len(loads)} workers are busy")
+        n_tokens = len(token_ids)
+        need_exact = any(w.kv_events for w in ready)
+        need_approx = not all(w.kv_events for w in ready)
+        by_size: dict[int, tuple[list[int], dict[str, int], dict[str, int]]] = {}
+        costs: dict[str, float] = {}
+        overlaps: dict[str, int] = {}
+        weight = cfg.overlap_weight
+        max_age = cfg.load_max_age_s
+        for w in ready:
+            bs = w.block_size
+            found = by_size.get(bs)
+            if found is None:
+                hashes = block_hashes(token_ids, bs, lora_name)
+                exact = self.indexer.find_matches(hashes) if hashes and need_exact else {}
+                approx = self.approx.find_matches(hashes, now) if hashes and need_approx else {}
+                found = by_size[bs] = (hashes, exact, approx)
+            wid = w.worker_id
+            overlap = (found[1] if w.kv_events else found[2]).get(wid, 0)
+            overlaps[wid] = overlap
+            new = n_tokens / bs - overlap
+            costs[wid] = (
+                weight * (w.prefill_blocks(now, max_age) + new)
+                + w.decode_blocks(now, max_age)
+                + new
+            )
+        chosen = self._choose(costs)
+        load = self._workers[chosen]
+        hashes = by_size[load.block_size][0]
+        return Selection(
+            worker_id=chosen,
+            overlap_blocks=overlaps[chosen],
+            prompt_blocks=len(hashes),
+            prompt_tokens=n_tokens,
+            block_size=load.block_size,
+            block_hashes=hashes,
+            cost=costs[chosen],
+            costs=costs,
+        )
+
+    def _choose(self, costs: dict[str, float]) -> str:
+        ids = list(costs)
+        if len(ids) == 1:
+            return ids[0]
+        values = list(costs.values())
+        lo, hi = min(values), max(values)
+        temperature = self.config.temperature
+        if temperature > 0 and hi > lo:
+            span = hi - lo
+            weights = [math.exp(-(v - lo) / span / temperature) for v in values]
+            return self._rng.choices(ids, weights)[0]
+        if temperature > 0:
+            return self._rng.choice(ids)
+        tol = 1e-9 * max(1.0, abs(lo))
+        best = [i for i, v in zip(ids, values, strict=True) if v - lo <= tol]
+        if len(best) > 1:
+            # Equal cost (typically a cache miss on idle workers): prefer the emptiest cache, so
+            # new prefixes spread over the fleet instead of evicting one worker's others; then
+            # pick at random (seeded), never simply the first worker.
+            sizes = [self._cached_blocks(i) for i in best]
+            least = min(sizes)
+            best = [i for i, n in zip(best, sizes, strict=True) if n == least]
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _cached_blocks(self, worker_id: str) -> int:
+        load = self._workers[worker_id]
+        if load.kv_events:
+            return self.indexer.num_blocks(worker_id)
+        return self.approx.num_live(worker_id)
+
+    # -- bookings ---------------------------------------------------------------------------
+
+    def book(
+        self, request_id: str, selection: Selection, now: float, *, expected_output_tokens: int = 0
+    ) -> None:
+        """Book the selected request's predicted load on its worker (replacing any booking of
+        the same id): the blocks it will prefill (prompt minus cached prefix) until its first
+        token, the blocks it adds (the same plus its expected output) until it is freed. In
+        approximate mode the worker is assumed to cache the prompt from `now`."""
+        load = self._workers.get(selection.worker_id)
+        if load is None:
+            raise Unavailable(f"worker {selection.worker_id} left")
+        bs = selection.block_size
+        overlap = selection.overlap_blocks
+        prefill = max(0, -(-selection.prompt_tokens // bs) - overlap)
+        total = -(-(selection.prompt_tokens + max(0, expected_output_tokens)) // bs)
+        decode = max(0, total - overlap)
+        self._book("", request_id, load, prefill, decode, now)
+        if not load.kv_events and selection.block_hashes:
+            self.approx.insert(load.worker_id, selection.block_hashes, now)
+        self._emit(
+            LoadEvent(
+                self.router_id, request_id, load.worker_id, LoadEventKind.BOOKED, prefill, decode
+            )
+        )
+
+    def _book(
+        self,
+        source: str,
+        request_id: str,
+        load: WorkerLoad,
+        prefill: int,
+        decode: int,
+        now: float | None,
+    ) -> None:
+        self._drop_booking((source, request_id))
+        load.booked_prefill += prefill
+        load.booked_decode += decode
+        booking = _Booking(load, prefill, decode)
+        self._bookings[(source, request_id)] = booking
+        settle = self.config.load_settle_s
+        if now is not None and settle > 0:
+            recent = load.recent
+            while recent and recent[0][0] <= now - settle:  # bounded without load metrics too
+                recent.popleft()
+            recent.append((now, booking))
+
+    def _drop_booking(self, key: tuple[str, str]) -> _Booking | None:
+        b = self._bookings.pop(key, None)
+        if b is not None:
+            b.load.booked_prefill -= b.prefill
+            b.load.booked_decode -= b.decode
+            b.live = False
+        return b
+
+    def first_token(self, request_id: str, source: str = "") -> bool:
+        """The request's prefill is done: its prefill blocks stop counting. False if unknown."""
+        b = self._bookings.get((source, request_id))
+        if b is None:
+            return False
+        if b.prefill:
+            b.load.booked_prefill -= b.prefill
+            b.prefill = 0
+            if not source:
+                self._emit(
+                    LoadEvent(
+                        self.router_id,
+                        request_id,
+                        b.load.worker_id,
+                        LoadEventKind.FIRST_TOKEN,
+                        0,
+                        b.decode,
+                    )
+                )
+        return True
+
+    def free(self, request_id: str, source: str = "") -> bool:
+        """The request ended (any reason): drop its booking. False if unknown."""
+        b = self._drop_booking((source, request_id))
+        if b is None:
+            return False
+        if not source:
+            self._emit(LoadEvent(self.router_id, request_id, b.load.worker_id, LoadEventKind.FREED))
+        return True
+
+    def booking_worker(self, request_id: str) -> str | None:
+        """The worker this scheduler booked `request_id` on, if it is booked."""
+        b = self._bookings.get(("", request_id))
+        return None if b is None else b.load.worker_id
+
+    def num_bookings(self, source: str | None = None) -> int:
+        """Bookings held (of one source: "" own, else a peer's; None: all)."""
+        if source is None:
+            return len(self._bookings)
+        return sum(1 for s, _ in self._bookings if s == source)
+
+    # -- peers ------------------------------------------------------------------------------
+
+    def add_listener(self, listener: Callable[[LoadEvent], None]) -> None:
+        """Hear about every own booking change (book, first token, free)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[LoadEvent], None]) -> None:
+        """Stop hearing about booking changes."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _emit(self, event: LoadEvent) -> None:
+        for listener in self._listeners:
+            listener(event)
+
+    def own_bookings(self) -> list[LoadEvent]:
+        """The own bookings active now, as BOOKED events (what a new peer starts from)."""
+        return [
+            LoadEvent(
+                self.router_id, rid, b.load.worker_id, LoadEventKind.BOOKED, b.prefill, b.decode
+            )
+            for (source, rid), b in self._bookings.items()
+            if not source
+        ]
+
+    def apply_peer(self, source: str, event: LoadEvent, now: float | None = None) -> None:
+        """Apply a peer replica's booking change (`source` names the peer connection; `now`:
+        when it arrived, for the load correction; None: treat it as settled)."""
+        if not source:
+            raise ValueError("source must name the peer")
+        if event.kind is LoadEventKind.BOOKED:
+            load = self._workers.get(event.worker_id)
+            if load is None:
+                self._drop_booking((source, event.request_id))
+                return
+            self._book(
+                source, event.request_id, load, event.prefill_blocks, event.decode_blocks, now
+            )
+        elif event.kind is LoadEventKind.FIRST_TOKEN:
+            self.first_token(event.request_id, source)
+        else:
+            self.free(event.request_id, source)
+
+    def drop_peer(self, source: str) -> None:
+        """Forget every booking of a peer (its stream ended; a new one restarts from its
+        active bookings)."""
+        for key in [k for k in self._bookings if k[0] == source]:
+            self._drop_booking(key)

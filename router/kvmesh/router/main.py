@@ -1,0 +1,40 @@
+"""`kvmesh router`: the router as a standalone gRPC service (RouterService)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
+from kvmesh.router.stack import MeshConfig, build_router, close_router
+from kvmesh.runtime.config import opt
+from kvmesh.runtime.grpcutil import GrpcServer
+from kvmesh.runtime.process import wait_for_signal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterServerConfig:
+    """Settings of the standalone router process."""
+
+    host: str = opt("127.0.0.1", "address to bind the router's gRPC server to")
+    port: int = opt(0, "router gRPC port; 0 picks a free one")
+
+
+async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
+    """Run `kvmesh router` until SIGINT/SIGTERM."""
+    pool, router = build_router(mesh)
+    await pool.start()
+    server = GrpcServer(config.host, config.port)
+    server.add(
+        rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(pool, router), ROUTER_SERVICE
+    )
+    await server.start()
+    log.info("router (%s) serving on %s", mesh.router_mode.value, server.address)
+    await wait_for_signal()
+    await server.set_serving(False)
+    await server.stop(2.0)
+    await close_router(router)
+    await pool.stop()

@@ -1,0 +1,196 @@
+"""The set of live workers, fed by discovery, with one gRPC channel per worker.
+
+Routers pick from it; the gateway's backend calls the picked worker through it. Listeners
+(e.g. the KV index, which subscribes to each worker's event stream) hear about joins and
+leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
+from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
+from kvmesh.router.session import WorkerSession
+from kvmesh.runtime import wire
+from kvmesh.runtime.discovery import Discovery, EventKind, Instance
+from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.types import ModelInfo
+
+log = logging.getLogger(__name__)
+
+# In-flight calls on a removed worker get this long to finish before the channel is closed
+# (a draining worker deregisters first and then finishes its requests).
+REMOVED_CHANNEL_GRACE_S = 120.0
+
+# How long a worker that failed to answer is avoided (about one discovery lease: by then it
+# has either answered again or left discovery).
+DOWN_S = 5.0
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """A live worker: identity, model card, client stub and the gateway's view of its load."""
+
+    instance_id: str
+    worker_id: str
+    address: str
+    info: ModelInfo
+    channel: grpc.aio.Channel
+    stub: wpb_grpc.WorkerServiceStub
+    session: WorkerSession
+    """The multiplexed Generate stream the gateway uses."""
+    inflight: int = 0
+    """Requests this process has in flight on the worker."""
+    down_until: float = 0.0
+    """Monotonic time until which routers avoid this worker: it failed to answer (it may
+    have died; discovery removes it when its lease expires). 0: healthy."""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+Listener = Callable[[WorkerHandle, bool], None]
+"""Called with (worker, joined) when a worker joins (True) or leaves (False)."""
+
+
+class WorkerPool:
+    """Tracks workers announced by discovery; a worker joins once its model card is read."""
+
+    def __init__(self, discovery: Discovery, *, card_timeout_s: float = 5.0) -> None:
+        self._discovery = discovery
+        self._card_timeout_s = card_timeout_s
+        self._workers: dict[str, WorkerHandle] = {}
+        self._pending: dict[str, asyncio.Task[None]] = {}
+        self._listeners: list[Listener] = []
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def add_listener(self, listener: Listener) -> None:
+        """Hear about joins and leaves (current workers are replayed as joins)."""
+        self._listeners.append(listener)
+        for w in self._workers.values():
+            listener(w, True)
+
+    async def start(self) -> None:
+        """Start watching discovery."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._watch(), name="worker-pool-watch")
+
+    async def stop(self) -> None:
+        """Stop watching and close every channel."""
+        tasks = [t for t in (self._task, *self._pending.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._task = None
+        for w in list(self._workers.values()):
+            self._drop(w.instance_id)
+        retiring = list(self._retiring)
+        for t in retiring:
+            t.cancel()
+        for t in retiring:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    def workers(self, model: str | None = None) -> list[WorkerHandle]:
+        """Live workers, optionally only those serving `model`."""
+        if model is None:
+            return list(self._workers.values())
+        return [w for w in self._workers.values() if w.info.served_model_name == model]
+
+    @staticmethod
+    def mark_down(handle: WorkerHandle, seconds: float = DOWN_S) -> None:
+        """Avoid `handle` for `seconds` (it failed to answer); routers skip it meanwhile unless
+        no other worker is left."""
+        handle.down_until = time.monotonic() + seconds
+
+    def models(self) -> dict[str, ModelInfo]:
+        """Served model name -> the model card of one of its workers."""
+        return {w.info.served_model_name: w.info for w in self._workers.values()}
+
+    async def wait_for(self, count: int, timeout_s: float = 30.0) -> None:
+        """Wait until at least `count` workers are live."""
+        async with asyncio.timeout(timeout_s):
+            while len(self._workers) < count:
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def _watch(self) -> None:
+        async for event in self._discovery.watch("worker"):
+            iid = event.instance.instance_id
+            if event.kind is EventKind.ADDED:
+                self._drop(iid)
+                self._pending[iid] = asyncio.create_task(self._join(event.instance))
+            else:
+                self._drop(iid)
+
+    async def _join(self, inst: Instance) -> None:
+        channel = insecure_channel(inst.address)
+        stub = wpb_grpc.WorkerServiceStub(channel)
+        delay = 0.05
+        try:
+            while True:
+                try:
+                    card = await stub.GetModelCard(
+                        wpb.GetModelCardRequest(), timeout=self._card_timeout_s
+                    )
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("worker %s at %s not ready: %s", inst.instance_id, inst.address, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+        except asyncio.CancelledError:
+            await channel.close()
+            raise
+        handle = WorkerHandle(
+            instance_id=inst.instance_id,
+            worker_id=card.worker_id or inst.instance_id,
+            address=inst.address,
+            info=wire.card_from_pb(card.card),
+            channel=channel,
+            stub=stub,
+            session=WorkerSession(stub, inst.address),
+        )
+        self._pending.pop(inst.instance_id, None)
+        self._workers[inst.instance_id] = handle
+        log.info("worker %s joined (%s, %s)", handle.worker_id, handle.address, handle.info.engine)
+        self._notify(handle, True)
+
+    def _drop(self, instance_id: str) -> None:
+        pending = self._pending.pop(instance_id, None)
+        if pending is not None:
+            pending.cancel()
+        handle = self._workers.pop(instance_id, None)
+        if handle is None:
+            return
+        log.info("worker %s left", handle.worker_id)
+        self._notify(handle, False)
+        task = asyncio.get_running_loop().create_task(self._retire(handle))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    async def _retire(handle: WorkerHandle) -> None:
+        """Let in-flight requests on a departed worker finish, then close its channel."""
+        deadline = asyncio.get_running_loop().time() + REMOVED_CHANNEL_GRACE_S
+        while handle.session.inflight and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        await handle.session.close()
+        await handle.channel.close(None)
+
+    def _notify(self, handle: WorkerHandle, joined: bool) -> None:
+        self._changed.set()
+        for listener in self._listeners:
+            try:
+                listener(handle, joined)
+            except Exception:
+                log.exception("worker pool listener failed")

@@ -1,0 +1,82 @@
+"""The routing stack a frontend or router process runs: discovery -> worker pool -> router.
+
+`MeshConfig` says how a process finds workers and routes to them; `build_router` builds the
+worker pool and the router (in-process KV-aware or simple, or a client of a standalone
+`kvmesh router`) from it, explicitly, when the process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.router.backend import DisaggConfig
+from kvmesh.router.kv_router import KvRouter
+from kvmesh.router.kv_scheduler import KvRouterConfig
+from kvmesh.router.pool import WorkerPool
+from kvmesh.router.routing import Router, RouterMode, SimpleRouter
+from kvmesh.router.service import RemoteRouter
+from kvmesh.runtime.config import opt
+from kvmesh.runtime.discovery import open_discovery
+
+
+@dataclass
+class MeshConfig(DisaggConfig):
+    """How a frontend or router finds workers and routes to them (with the conditional
+    disaggregation thresholds of DisaggConfig)."""
+
+    discovery: str = opt("", "discovery URL: file:///dir, static://h:p,h:p or etcd://h:p")
+    router_mode: RouterMode = opt(
+        RouterMode.KV,
+        "routing policy of the in-process router; kv: KV-cache-aware (approximate for engines "
+        "without KV events)",
+    )
+    router_address: str = opt("", "use a standalone `kvmesh router` at host:port instead")
+    router_overlap_weight: float = opt(
+        1.0, "kv: weight of blocks still to prefill against blocks decoding in the cost"
+    )
+    router_temperature: float = opt(
+        0.0, "kv: 0 picks the lowest cost (ties at random); > 0 samples softmax(-cost/T)"
+    )
+    router_busy_kv_fraction: float = opt(
+        0.0, "kv: skip workers whose KV usage reaches this fraction (0 disables)"
+    )
+    router_busy_waiting: int = opt(
+        0, "kv: skip workers with at least this many queued requests (0 disables)"
+    )
+    router_approx_ttl_s: float = opt(
+        120.0, "kv, engines without KV events: seconds a routed prompt counts as cached"
+    )
+    router_seed: int = opt(0, "seed of the router's tie-breaking and sampling")
+    router_peers: list[str] = opt(
+        [], "kv: host:port of peer `kvmesh router` replicas to share predicted load with"
+    )
+
+
+def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
+    """The worker pool and the router a frontend or router process uses."""
+    if not mesh.discovery:
+        raise ValueError("--discovery is required (file:///dir, static://host:port,...)")
+    pool = WorkerPool(open_discovery(mesh.discovery))
+    router: Router
+    if mesh.router_address:
+        router = RemoteRouter(mesh.router_address, pool)
+    elif mesh.router_mode is RouterMode.KV:
+        config = KvRouterConfig(
+            overlap_weight=mesh.router_overlap_weight,
+            temperature=mesh.router_temperature,
+            busy_kv_fraction=mesh.router_busy_kv_fraction,
+            busy_waiting_requests=mesh.router_busy_waiting,
+            approx_ttl_s=mesh.router_approx_ttl_s,
+            seed=mesh.router_seed,
+        )
+        router = KvRouter(pool, config, peers=mesh.router_peers)
+    else:
+        router = SimpleRouter(pool, mesh.router_mode, seed=mesh.router_seed)
+    return pool, router
+
+
+async def close_router(router: Router) -> None:
+    """Stop a router's background tasks (subscriptions, peer sync), if it has any."""
+    close = getattr(router, "close", None)
+    if close is not None:
+        await close()

@@ -1,0 +1,76 @@
+"""Domain exceptions, in one place.
+
+Each maps once to a gRPC status (kvmesh.runtime.grpcutil) and once to an OpenAI-style HTTP error
+(kvmesh.frontend.errors). Raise these from engines, routers and services; never return
+success-shaped error messages.
+"""
+
+from __future__ import annotations
+
+
+class KvmeshError(Exception):
+    """Base class. `code` is the OpenAI error type string, `http_status` its HTTP status."""
+
+    http_status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(KvmeshError):
+    """The request is malformed or violates a limit (gRPC INVALID_ARGUMENT, HTTP 400)."""
+
+    http_status = 400
+    code = "invalid_request_error"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The prompt (plus requested output) does not fit the context window (HTTP 413)."""
+
+    http_status = 413
+
+
+class NotFound(KvmeshError):
+    """Unknown model, adapter or transfer (gRPC NOT_FOUND, HTTP 404)."""
+
+    http_status = 404
+    code = "not_found_error"
+
+
+class ResourceExhausted(KvmeshError):
+    """Overloaded, or the request can never fit (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+    http_status = 429
+    code = "rate_limit_error"
+
+
+class Unavailable(KvmeshError):
+    """No worker can take the request now: none registered, all busy, draining
+    (gRPC UNAVAILABLE, HTTP 503)."""
+
+    http_status = 503
+    code = "service_unavailable"
+
+
+class Unimplemented(KvmeshError):
+    """The engine or component does not support this operation (gRPC UNIMPLEMENTED, HTTP 501)."""
+
+    http_status = 501
+    code = "not_implemented"
+
+
+class Cancelled(KvmeshError):
+    """The request was cancelled (gRPC CANCELLED, HTTP 499)."""
+
+    http_status = 499
+    code = "cancelled"
+
+
+class DeadlineExceeded(KvmeshError):
+    """A deadline passed (gRPC DEADLINE_EXCEEDED, HTTP 504)."""
+
+    http_status = 504
+    code = "timeout"

@@ -1,0 +1,212 @@
+"""gRPC plumbing shared by every server and client: status mapping, options, servers.
+
+Domain exceptions (kvmesh.runtime.errors) are mapped to gRPC status codes here, once: servers
+install `ErrorInterceptor`, clients call `error_from_rpc`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.runtime import errors
+
+log = logging.getLogger(__name__)
+
+_TO_STATUS: list[tuple[type[errors.KvmeshError], grpc.StatusCode]] = [
+    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
+    (errors.Cancelled, grpc.StatusCode.CANCELLED),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+_FROM_STATUS: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.UNIMPLEMENTED: errors.Unimplemented,
+    grpc.StatusCode.CANCELLED: errors.Cancelled,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+}
+
+# A prefix on INVALID_ARGUMENT details marks "too large" (HTTP 413) across the wire.
+_TOO_LARGE_TAG = "[too_large] "
+
+# Large enough for KV snapshot chunks and long prompts; keepalive so dead peers are noticed.
+CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+)
+SERVER_OPTIONS: Sequence[tuple[str, Any]] = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_concurrent_streams", 10_000),
+)
+
+
+def status_for(exc: errors.KvmeshError) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and details for a domain exception."""
+    for cls, code in _TO_STATUS:
+        if isinstance(exc, cls):
+            detail = exc.message
+            if isinstance(exc, errors.RequestTooLarge):
+                detail = _TOO_LARGE_TAG + detail
+            return code, detail
+    return grpc.StatusCode.INTERNAL, exc.message
+
+
+def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.KvmeshError:
+    """The domain exception for a failed call (INTERNAL and unknown codes -> KvmeshError)."""
+    return error_from_status(err.code(), err.details() or "")
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_from_status(code: grpc.StatusCode | int, details: str) -> errors.KvmeshError:
+    """The domain exception for a status code (enum or its number) and details."""
+    if isinstance(code, int):
+        code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    detail = details or code.name
+    if code is grpc.StatusCode.INVALID_ARGUMENT and detail.startswith(_TOO_LARGE_TAG):
+        return errors.RequestTooLarge(detail[len(_TOO_LARGE_TAG) :])
+    cls = _FROM_STATUS.get(code, errors.KvmeshError)
+    return cls(detail)
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
+    if isinstance(exc, errors.KvmeshError):
+        code, detail = status_for(exc)
+    else:
+        log.exception("unhandled error in gRPC handler", exc_info=exc)
+        code, detail = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+    await context.abort(code, detail)
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            return await fn(request, context)
+        except (errors.KvmeshError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+            await _abort(context, exc)
+
+    return call
+
+
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (errors.KvmeshError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+            await _abort(context, exc)
+
+    return call
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Turns domain exceptions raised by servicers into gRPC status codes.
+
+    Unexpected exceptions become INTERNAL with the exception type only (details are logged,
+    never sent to the client).
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+        return handler
+
+
+class GrpcServer:
+    """A grpc.aio server with health and reflection, bound to host:port (port 0 = any).
+
+    `add(register_fn, servicer, service_name)` for each service, then `await start()`;
+    `port` is the bound port. `set_serving(bool)` flips the health status of every service.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._names: list[str] = []
+        self._host = host
+        self.port = self._server.add_insecure_port(f"{_bind_host(host)}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+
+    @property
+    def address(self) -> str:
+        """host:port clients should dial."""
+        host = self._host if self._host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def add(self, register: Callable[[Any, Any], None], servicer: Any, service_name: str) -> None:
+        """Register a servicer (e.g. add_WorkerServiceServicer_to_server) under its full name."""
+        register(servicer, self._server)
+        self._names.append(service_name)
+
+    async def start(self) -> None:
+        """Start serving; health is SERVING for every registered service."""
+        reflection.enable_server_reflection(
+            [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        await self._server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Set the health status of the server and every service."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._names]:
+            await self._health.set(name, status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting calls, give in-flight calls `grace_s`, then cancel them."""
+        await self._server.stop(grace_s)
+
+    async def wait(self) -> None:
+        """Wait until the server stops."""
+        await self._server.wait_for_termination()
+
+
+def _bind_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """A client channel with kvmesh's standard options."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

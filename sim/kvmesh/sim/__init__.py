@@ -1,0 +1,1 @@
+"""The simulator: virtual-time replay of traces through the live code."""

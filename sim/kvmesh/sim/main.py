@@ -1,0 +1,194 @@
+"""`kvmesh replay`: load a trace, replay it once per router mode (and disaggregated), print
+tables or JSON lines, plot TTFT CDFs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvmesh.sim.disagg import simulate_disaggregated
+from kvmesh.sim.replay import (
+    ModeResult,
+    ReplayConfig,
+    ReplayError,
+    load_trace,
+    prefix_hit_bound,
+    simulate,
+)
+
+# -- output ---------------------------------------------------------------------------------
+
+
+class _ProgressBar:
+    """One self-overwriting line on a terminal: bar, requests done, simulated time, wall time."""
+
+    def __init__(self, stream: TextIO, label: str) -> None:
+        self.stream = stream
+        self.label = label
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int, sim_s: float) -> None:
+        frac = done / total if total else 1.0
+        width = 30
+        fill = int(frac * width)
+        self.stream.write(
+            f"\r{self.label:>12} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests, "
+            f"sim {sim_s:7.1f} s, wall {time.perf_counter() - self.t0:5.1f} s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\r\033[K")
+        self.stream.flush()
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def format_table(results: list[ModeResult]) -> str:
+    """Human-readable comparison of the modes, then each mode's per-worker balance."""
+    first = results[0]
+    lines = [
+        f"kvmesh replay: {first.trace}, {first.requests_total} requests, {first.workers} workers, "
+        f"arrivals x{first.speedup:g}, block {first.block_size}, "
+        f"{first.num_gpu_blocks} blocks/worker",
+        "",
+    ]
+    rows: list[tuple[str, Callable[[ModeResult], str]]] = [
+        ("requests done", lambda r: f"{r.requests}/{r.requests_total}"),
+        ("throughput req/s", lambda r: f"{r.throughput_rps:.3f}"),
+        ("output tok/s", lambda r: f"{r.output_tokens_per_s:.1f}"),
+        ("TTFT mean ms", lambda r: f"{r.ttft_ms.mean:.1f}"),
+        ("TTFT p50 ms", lambda r: f"{r.ttft_ms.p50:.1f}"),
+        ("TTFT p90 ms", lambda r: f"{r.ttft_ms.p90:.1f}"),
+        ("TTFT p99 ms", lambda r: f"{r.ttft_ms.p99:.1f}"),
+        ("ITL mean ms", lambda r: f"{r.itl_ms.mean:.2f}"),
+        ("ITL p50 ms", lambda r: f"{r.itl_ms.p50:.2f}"),
+        ("ITL p99 ms", lambda r: f"{r.itl_ms.p99:.2f}"),
+        ("E2E mean ms", lambda r: f"{r.e2e_ms.mean:.1f}"),
+        ("E2E p99 ms", lambda r: f"{r.e2e_ms.p99:.1f}"),
+        ("prefix hit rate", lambda r: _pct(r.prefix_hit_rate)),
+        ("  bound (blocks)", lambda r: _pct(r.prefix_hit_rate_bound)),
+        ("preemptions", lambda r: str(r.preemptions)),
+        ("req imbalance", lambda r: f"{r.imbalance['requests_max_over_mean']:.2f}"),
+        ("busy imbalance", lambda r: f"{r.imbalance['busy_fraction_max_over_mean']:.2f}"),
+        ("simulated s", lambda r: f"{r.duration_s:.1f}"),
+        ("wall s", lambda r: f"{r.wall_s:.1f}"),
+    ]
+    width = max(12, *(len(r.mode) for r in results))
+    lines.append(f"{'':18}" + "".join(f"{r.mode:>{width + 2}}" for r in results))
+    for label, fmt in rows:
+        lines.append(f"{label:18}" + "".join(f"{fmt(r):>{width + 2}}" for r in results))
+    for r in results:
+        lines += ["", f"{r.mode}: per worker", "  worker  requests  prompt tokens  cached    busy"]
+        for w in r.per_worker:
+            hit = w.cached_tokens / w.prompt_tokens if w.prompt_tokens else 0.0
+            lines.append(
+                f"  {w.worker:6}  {w.requests:8}  {w.prompt_tokens:13}  {_pct(hit):>6}  "
+                f"{_pct(w.busy_fraction):>6}"
+            )
+    return "\n".join(lines)
+
+
+def write_plot(results: list[ModeResult], path: str) -> None:
+    """TTFT CDF per mode as a PNG (matplotlib, an optional dependency: kvmesh[plot])."""
+    try:  # imported by name: an optional dependency, absent from the type-checked environment
+        matplotlib = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        raise ReplayError(
+            "--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)"
+        ) from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        xs = sorted(1e3 * t for t in r.ttft_s)
+        if not xs:
+            continue
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.plot(xs, ys, label=f"{r.mode} (mean {r.ttft_ms.mean:.0f} ms)")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, simulated)")
+    ax.set_ylabel("fraction of requests")
+    first = results[0]
+    ax.set_title(f"{Path(first.trace).name}: {first.workers} workers, arrivals x{first.speedup:g}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_replay(
+    config: ReplayConfig, *, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """`kvmesh replay`: load the trace, replay it once per router mode, print the results."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    if config.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ReplayError("--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)")
+    trace = load_trace(config.trace, config.limit)
+    bound_blocks, bound_tokens = prefix_hit_bound(trace, config.trace_block_size)
+    show_progress = config.progress and not config.json and err.isatty()
+    results: list[ModeResult] = []
+    for mode in config.router:
+        bar = _ProgressBar(err, mode.value) if show_progress else None
+        try:
+            result = simulate(trace, config, mode, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        result.prefix_hit_rate_bound = bound_blocks
+        result.prefix_hit_rate_bound_tokens = bound_tokens
+        results.append(result)
+        if config.json:
+            out.write(json.dumps(result.to_json()) + "\n")
+            out.flush()
+    notes: list[str] = []
+    if config.prefill_workers:
+        label = f"kv-disagg-{config.prefill_workers}p"
+        bar = _ProgressBar(err, label) if show_progress else None
+        try:
+            result, dstats = simulate_disaggregated(
+                trace,
+                config,
+                config.prefill_workers,
+                config.disagg_local_prefill_tokens,
+                progress=bar,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        result.prefix_hit_rate_bound = bound_blocks
+        result.prefix_hit_rate_bound_tokens = bound_tokens
+        results.append(result)
+        disagg = {
+            "remote_prefills": dstats.remote_prefills,
+            "local_prefills": dstats.local_prefills,
+            "transfer_fallbacks": dstats.transfer_fallbacks,
+            "kv_transfer_bytes": dstats.kv_transfer_bytes,
+        }
+        if config.json:
+            out.write(json.dumps({**result.to_json(), "disagg": disagg}) + "\n")
+            out.flush()
+        notes.append(
+            f"{result.mode}: {dstats.remote_prefills} remote prefills, {dstats.local_prefills} "
+            f"local (short uncached part), {dstats.transfer_fallbacks} transfer fallbacks, "
+            f"{dstats.kv_transfer_bytes / 1e9:.2f} GB of KV moved"
+        )
+    if not config.json:
+        out.write(format_table(results) + "\n")
+        for note in notes:
+            out.write(f"\n{note}\n")
+    if config.plot:
+        write_plot(results, config.plot)
+        if not config.json:
+            out.write(f"\nTTFT CDF written to {config.plot}\n")
+    return 0

@@ -1,0 +1,146 @@
+"""Engine KV cache events -> the worker's KvEventLog, with the engine's own block hashes.
+
+Every engine names a cached block by its own hash (vLLM: sha256 bytes or their low 64 bits;
+SGLang: a signed 64-bit int; TensorRT-LLM: an unsigned 64-bit int). kvmesh events carry that
+hash (as an unsigned 64-bit int), the block's token ids and the parent's hash; the router
+re-hashes the tokens itself (kvmesh.router.kv_state), so the engine's hash function never
+matters, only that store and remove events name a block the same way.
+
+What the translator adds on top of a one-to-one mapping:
+  * Only blocks the router can reproduce from token ids are published. A block is *opaque* when
+    its engine hash covers more than its tokens and LoRA adapter (multimodal inputs, a cache
+    salt, prompt embeddings, extra token ids) or when it is not a full block; opaque blocks and
+    every block chained after them are withheld, because a request with the same tokens would
+    not hit them.
+  * Stores of blocks already held (engines re-announce reused prefixes) are dropped, and
+    removals of blocks never published are dropped, so the log stays a faithful, minimal stream.
+  * `resync()` publishes AllCleared when the engine's event stream had a gap that could not be
+    replayed: the router then knows nothing of this worker's cache, which only costs cache hits
+    (never a wrong route), until new events arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.runtime.kv_events import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEventLog,
+    StoredBlock,
+)
+
+__all__ = ["MASK64", "KvEventTranslator", "StoredChain", "engine_hash"]
+
+log = logging.getLogger(__name__)
+
+MASK64 = (1 << 64) - 1
+
+
+def engine_hash(value: int | bytes) -> int:
+    """An engine's block hash as the unsigned 64-bit int kvmesh events carry.
+
+    Ints are taken modulo 2**64 (so SGLang's signed hashes map one-to-one); bytes (vLLM's sha256
+    block hashes) keep their low 64 bits, which is exactly what vLLM itself publishes when
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is set, so both settings give the same kvmesh hashes.
+    """
+    if isinstance(value, bytes):
+        return int.from_bytes(value, "big") & MASK64
+    return value & MASK64
+
+
+@dataclass(slots=True)
+class StoredChain:
+    """An engine's "blocks stored" event, engine-neutral: a chain of blocks after `parent`."""
+
+    parent: int | None
+    """kvmesh hash (engine_hash) of the first block's parent; None: the chain starts at the
+    root."""
+    hashes: list[int]
+    """kvmesh hashes of the blocks, in order."""
+    tokens: list[Sequence[int]]
+    """Token ids of each block."""
+    lora_name: str = ""
+    opaque: list[bool] = field(default_factory=list)
+    """Per block: the engine hash covers more than tokens and LoRA; empty: none is."""
+
+
+class KvEventTranslator:
+    """Feeds a KvEventLog from engine events (see the module docstring)."""
+
+    def __init__(self, log_: KvEventLog, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.log = log_
+        self.block_size = block_size
+        self._held: set[int] = set()
+        """Hashes published as stored and not removed since."""
+        self._opaque: set[int] = set()
+        """Hashes the engine holds that were withheld (and whose children are withheld)."""
+        self.withheld_total = 0
+        """Blocks withheld so far (opaque, partial or chained after one)."""
+
+    @property
+    def num_held(self) -> int:
+        """Blocks published and not removed."""
+        return len(self._held)
+
+    def stored(self, chain: StoredChain) -> None:
+        """Blocks entered the engine's cache."""
+        held, opaque, size = self._held, self._opaque, self.block_size
+        parent = chain.parent
+        withhold = parent is not None and parent in opaque
+        run: list[StoredBlock] = []
+        run_parent = parent
+        for i, h in enumerate(chain.hashes):
+            tokens = chain.tokens[i]
+            if not withhold and (
+                (chain.opaque and chain.opaque[i])
+                or len(tokens) != size
+                or not all(isinstance(t, int) for t in tokens)
+            ):
+                withhold = True
+            if withhold:
+                self._flush(run_parent, run, chain.lora_name)
+                run = []
+                opaque.add(h)
+                self.withheld_total += 1
+                continue
+            if h in held:  # re-announced (a reused prefix): already published
+                self._flush(run_parent, run, chain.lora_name)
+                run = []
+                run_parent = h
+                continue
+            run.append(StoredBlock(h, tuple(tokens)))
+            held.add(h)
+        self._flush(run_parent, run, chain.lora_name)
+
+    def _flush(self, parent: int | None, run: list[StoredBlock], lora_name: str) -> None:
+        if run:
+            self.log.publish(BlocksStored(parent, run, lora_name))
+
+    def removed(self, hashes: Iterable[int]) -> None:
+        """Blocks left the engine's cache."""
+        gone: list[int] = []
+        for h in hashes:
+            if h in self._held:
+                self._held.discard(h)
+                gone.append(h)
+            else:
+                self._opaque.discard(h)
+        if gone:
+            self.log.publish(BlocksRemoved(gone))
+
+    def cleared(self) -> None:
+        """The engine dropped its whole cache."""
+        self._held.clear()
+        self._opaque.clear()
+        self.log.publish(AllCleared())
+
+    def resync(self, why: str) -> None:
+        """Events were lost: forget everything (see the module docstring)."""
+        log.warning("KV events lost (%s): publishing AllCleared until new events arrive", why)
+        self.cleared()

@@ -1,0 +1,582 @@
+"""`kvmesh worker --engine vllm`: vLLM's AsyncLLM (V1 engine) behind the kvmesh Engine interface.
+
+A thin layer over vLLM's own async API:
+  * generation: `AsyncLLM.generate(TokensPrompt, SamplingParams, request_id)` with
+    `output_kind=DELTA` (each RequestOutput carries only the new token ids) and no
+    detokenization (the gateway detokenizes);
+  * cancellation: `AsyncLLM.abort(request_id)` (see kvmesh.workers.adapters.base);
+  * KV events: vLLM's own ZMQ publisher (`kv_events_config`, `enable_prefix_caching`), received
+    by ZmqKvSubscriber and translated into the worker's KvEventLog: GPU-tier events of KV cache
+    group 0, blocks split by `block_size`, blocks whose hash covers more than tokens and LoRA
+    (multimodal, cache salt) withheld;
+  * load: a stat logger passed to AsyncLLM receives vLLM's SchedulerStats every step;
+  * disaggregation: vLLM's KV connector (NixlConnector by default) moves the KV itself; the
+    prefill side runs `max_tokens=1` with `kv_transfer_params={"do_remote_decode": True, ...}`
+    and returns the params vLLM hands back (engine_params_json); the decode side passes them to
+    `generate` as `extra_args["kv_transfer_params"]`, exactly as vLLM's own disaggregation proxy
+    does. The decode engine samples the first token again (with the same seed, chosen on the
+    prefill side), and the adapter drops it so outputs start with the second token.
+
+None of this runs an engine without a GPU; see README "Engines" for what is tested here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.types import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    GuidedKind,
+    LoadInfo,
+    PrefillResult,
+    RemotePrefill,
+    Role,
+    TokenLogprob,
+    Usage,
+)
+from kvmesh.workers.adapters.base import OutputDecoder, PrefillSink, StreamingAdapter, top_logprobs
+from kvmesh.workers.adapters.config import VllmConfig
+from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
+from kvmesh.workers.adapters.zmq_endpoints import private_ipc_endpoints
+from kvmesh.workers.engine import DisaggSettings
+from kvmesh.workers.validation import validate_request
+
+if TYPE_CHECKING:
+    from kvmesh.workers.adapters.zmq_events import VllmEvent
+
+__all__ = ["AsyncLLMLike", "VllmDecoder", "VllmEngine", "sampling_kwargs"]
+
+log = logging.getLogger(__name__)
+
+KV_EVENTS_TOPIC = "kvmesh"
+
+
+class AsyncLLMLike(Protocol):
+    """The part of vllm.v1.engine.async_llm.AsyncLLM the adapter uses."""
+
+    vllm_config: Any
+    """vLLM's VllmConfig: cache_config.block_size / num_gpu_blocks, model_config.max_model_len,
+    scheduler_config.max_num_seqs are read after start."""
+
+    def generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        lora_request: Any = None,
+        priority: int = 0,
+    ) -> AsyncIterator[Any]: ...
+
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None: ...
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool: ...
+
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+
+EngineFactory = Callable[[Any, Sequence[Callable[[Any, int], Any]]], AsyncLLMLike]
+"""(AsyncEngineArgs, stat logger factories) -> a started AsyncLLM."""
+
+
+def sampling_kwargs(request: EngineRequest) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """vLLM SamplingParams keyword arguments and StructuredOutputsParams keyword arguments (or
+    None) for `request`. kvmesh's sampling knobs have vLLM's meaning and defaults."""
+    s, stop = request.sampling, request.stop
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "seed": s.seed,
+        "max_tokens": stop.max_tokens,
+        "min_tokens": stop.min_tokens,
+        "stop_token_ids": list(stop.stop_token_ids),
+        "ignore_eos": stop.ignore_eos,
+        "logprobs": s.top_logprobs,
+        "logit_bias": dict(s.logit_bias) or None,
+    }
+    structured: dict[str, Any] | None = None
+    g = s.guided
+    if g is not None:
+        if g.kind is GuidedKind.JSON_SCHEMA:
+            structured = {"json": g.value}
+        elif g.kind is GuidedKind.JSON_OBJECT:
+            structured = {"json_object": True}
+        elif g.kind is GuidedKind.REGEX:
+            structured = {"regex": g.value}
+        elif g.kind is GuidedKind.GRAMMAR:
+            structured = {"grammar": g.value}
+        else:
+            structured = {"choice": list(g.choices)}
+    return kwargs, structured
+
+
+@dataclasses.dataclass(slots=True)
+class _VllmCall:
+    """What `_open` passes to AsyncLLM.generate."""
+
+    prompt: dict[str, Any]
+    params: Any
+    lora: Any = None
+    priority: int = 0
+    skip: int = 0
+    first_token: int | None = None
+
+
+class VllmDecoder(OutputDecoder[Any]):
+    """vLLM RequestOutput (DELTA) -> EngineOutput."""
+
+    def __init__(self, request: EngineRequest, *, skip: int = 0) -> None:
+        super().__init__(request, skip=skip)
+        self.want_logprobs = request.sampling.top_logprobs
+        self.kv_transfer_params: dict[str, Any] | None = None
+        self.last_token: int | None = None
+        rp = request.remote_prefill
+        self._expect_first = rp.first_token_id if rp is not None and skip else None
+
+    def feed(self, item: Any) -> EngineOutput | None:
+        if item.num_cached_tokens:
+            self.cached_tokens = max(self.cached_tokens, int(item.num_cached_tokens))
+        if item.prompt_token_ids:
+            self.prompt_tokens = len(item.prompt_token_ids)
+        params = getattr(item, "kv_transfer_params", None)
+        if params is not None:
+            self.kv_transfer_params = dict(params)
+        out = item.outputs[0] if item.outputs else None
+        tokens = [int(t) for t in out.token_ids] if out is not None else []
+        if tokens:
+            self.last_token = tokens[-1]
+        logprobs = None
+        if self.want_logprobs is not None and out is not None and out.logprobs is not None:
+            logprobs = self._logprobs(tokens, out.logprobs)
+        finish: FinishReason | None = None
+        stop_id: int | None = None
+        if item.finished:
+            reason = out.finish_reason if out is not None else None
+            if reason == "stop":
+                finish = FinishReason.STOP
+                stop_reason = out.stop_reason if out is not None else None
+                stop_id = stop_reason if isinstance(stop_reason, int) else self.last_token
+            elif reason == "length":
+                finish = FinishReason.LENGTH
+            elif reason == "abort":
+                raise Unavailable(f"vLLM aborted request {self.request.request_id}")
+            else:
+                raise Unavailable(f"vLLM ended request {self.request.request_id} with {reason!r}")
+        result = self.emit(tokens, logprobs, finish, stop_id)
+        if self._expect_first is not None and self.skipped:
+            if self.skipped[0] != self._expect_first:
+                log.warning(
+                    "request %s: vLLM's decode side sampled %d as the first token, the prefill "
+                    "side %d; the output continues from vLLM's",
+                    self.request.request_id,
+                    self.skipped[0],
+                    self._expect_first,
+                )
+            self._expect_first = None
+        return result
+
+    def _logprobs(self, tokens: list[int], positions: Sequence[Any]) -> list[TokenLogprob]:
+        k = self.want_logprobs or 0
+        result: list[TokenLogprob] = []
+        for token, position in zip(tokens, positions, strict=False):
+            candidates = [(int(t), float(lp.logprob)) for t, lp in (position or {}).items()]
+            lp = top_logprobs(token, candidates, k)
+            result.append(lp if lp is not None else TokenLogprob(token, float("nan")))
+        return result
+
+
+class VllmEngine(StreamingAdapter[Any]):
+    """vLLM behind the kvmesh Engine interface (see the module docstring).
+
+    `engine_factory` builds the engine from (AsyncEngineArgs, stat logger factories); the default
+    starts vLLM's AsyncLLM. Tests pass a factory returning an object with AsyncLLM's API.
+    """
+
+    def __init__(
+        self,
+        config: VllmConfig,
+        *,
+        model_path: str,
+        served_model_name: str,
+        eos_token_ids: Sequence[int] = (),
+        context_length: int = 8192,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        super().__init__(
+            engine_name="vllm",
+            served_model_name=served_model_name,
+            model_path=model_path,
+            eos_token_ids=eos_token_ids,
+            context_length=context_length,
+        )
+        self.config = config
+        self._factory = engine_factory
+        self._engine: AsyncLLMLike | None = None
+        self._lora_ids: dict[str, int] = {name: i + 1 for i, name in enumerate(config.lora_modules)}
+        self._hits = 0
+        self._queries = 0
+        self._preemptions = 0
+        self.kv_events_endpoint: str | None = None
+        """Where vLLM publishes KV events (None: events are off)."""
+        self.kv_events_replay_endpoint: str | None = None
+        self._kv_topic = KV_EVENTS_TOPIC
+
+    # -- engine arguments ----------------------------------------------------------------------
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """AsyncEngineArgs field values: --vllm-engine-args plus what kvmesh needs (model, KV
+        events, stats, the KV connector of a disaggregated role). Also decides the KV event
+        endpoints."""
+        kwargs = dict(self.config.engine_args)
+        kwargs["model"] = self._info.model_path
+        kwargs.setdefault("served_model_name", self._info.served_model_name)
+        kwargs["disable_log_stats"] = False  # the stat logger is kvmesh's load source
+        user_events = kwargs.get("kv_events_config")
+        wanted = self.config.vllm_kv_events and kwargs.get("enable_prefix_caching", True)
+        if isinstance(user_events, dict) and user_events.get("enable_kv_cache_events") is False:
+            wanted = False
+        if wanted:
+            kwargs["enable_prefix_caching"] = True
+            events = user_events
+            if isinstance(events, dict) and events:
+                events = {"enable_kv_cache_events": True, "publisher": "zmq", **events}
+            else:
+                endpoint = self.config.vllm_kv_events_endpoint
+                replay = None
+                if not endpoint:
+                    endpoint, replay = private_ipc_endpoints("vllm")
+                events = {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": endpoint,
+                    "replay_endpoint": replay,
+                    "topic": KV_EVENTS_TOPIC,
+                }
+            kwargs["kv_events_config"] = events
+            self.kv_events_endpoint = str(events.get("endpoint", "tcp://*:5557"))
+            self.kv_events_replay_endpoint = events.get("replay_endpoint")
+            self._kv_topic = str(events.get("topic", ""))
+        else:
+            self.kv_events_endpoint = None
+        if self._info.role is not Role.AGGREGATED and "kv_transfer_config" not in kwargs:
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": self.config.vllm_kv_connector,
+                "kv_role": "kv_both",
+            }
+        if self.config.vllm_lora_modules:
+            kwargs.setdefault("enable_lora", True)
+        return kwargs
+
+    # -- StreamingAdapter ----------------------------------------------------------------------
+
+    async def _start_engine(self) -> None:
+        from kvmesh.workers.adapters import vllm_runtime
+
+        kwargs = self.engine_kwargs()
+        engine_args = vllm_runtime.build_engine_args(kwargs)
+        if self.kv_events_endpoint is not None:
+            await self._start_kv_events()
+        factory = self._factory or vllm_runtime.create_async_llm
+        stat_loggers = [vllm_runtime.stat_logger_factory(self._on_stats)]
+        self._engine = factory(engine_args, stat_loggers)
+        cfg = self._engine.vllm_config
+        block_size = int(cfg.cache_config.block_size)
+        info = self._info
+        info.kv_block_size = block_size
+        info.kv_total_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
+        info.context_length = int(cfg.model_config.max_model_len)
+        info.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
+        caps = ["LOGPROBS", "GUIDED_DECODING"]
+        if self._events is not None:
+            caps.append("KV_EVENTS")
+            self._translator = KvEventTranslator(self._events, block_size)
+        if self._lora_ids:
+            caps.append("LORA")
+        if info.role is not Role.AGGREGATED:
+            caps.append("DISAGGREGATION")
+        info.capabilities = tuple(caps)
+
+    async def _start_kv_events(self) -> None:
+        assert self.kv_events_endpoint is not None
+        await self._start_zmq_kv_events(
+            endpoint=self.kv_events_endpoint,
+            replay_endpoint=self.kv_events_replay_endpoint,
+            topic=self._kv_topic,
+            on_payload=self.apply_kv_payload,
+            task_name="vllm-kv-events",
+        )
+
+    async def _stop_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+        self.subscriber = None
+
+    def _prepare(self, request: EngineRequest) -> _VllmCall:
+        return self._call(request)
+
+    def _call(
+        self, request: EngineRequest, *, max_tokens: int | None = None, extra: Any = None
+    ) -> _VllmCall:
+        from kvmesh.workers.adapters import vllm_runtime
+
+        kwargs, structured = sampling_kwargs(request)
+        call = _VllmCall({"prompt_token_ids": list(request.prompt)}, None)
+        extra_args: dict[str, Any] = {}
+        rp = request.remote_prefill
+        if rp is not None:  # continue a remote prefill: vLLM pulls the KV via its connector
+            params = _engine_params(rp.engine_params_json)
+            if "kv_transfer_params" in params:
+                extra_args["kv_transfer_params"] = params["kv_transfer_params"]
+            if kwargs["seed"] is None and isinstance(params.get("seed"), int):
+                kwargs["seed"] = params["seed"]
+            call.skip = 1
+            call.first_token = rp.first_token_id
+        if extra is not None:
+            extra_args["kv_transfer_params"] = extra
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+            kwargs["min_tokens"] = min(kwargs["min_tokens"], max_tokens)
+        if extra_args:
+            kwargs["extra_args"] = extra_args
+        try:
+            call.params = vllm_runtime.build_sampling_params(kwargs, structured)
+        except vllm_runtime.PARAMS_ERRORS as exc:
+            raise InvalidRequest(
+                f"vLLM refused the sampling options: {exc}", param=getattr(exc, "parameter", None)
+            ) from exc
+        if request.lora_name:
+            lora_id = self._lora_ids.get(request.lora_name)
+            if lora_id is None:
+                raise NotFound(
+                    f"LoRA adapter {request.lora_name!r} is not configured (--vllm-lora-modules)",
+                    param="lora_name",
+                )
+            path = self.config.lora_modules[request.lora_name]
+            call.lora = vllm_runtime.build_lora_request(request.lora_name, lora_id, path)
+        call.priority = request.priority
+        return call
+
+    async def _open(self, request: EngineRequest, prepared: _VllmCall) -> AsyncIterator[Any]:
+        engine = self._engine
+        if engine is None:
+            raise Unavailable("the vllm engine is not running")
+        return engine.generate(
+            prepared.prompt,
+            prepared.params,
+            request.request_id,
+            lora_request=prepared.lora,
+            priority=prepared.priority,
+        )
+
+    def _decoder(self, request: EngineRequest, prepared: _VllmCall) -> VllmDecoder:
+        return VllmDecoder(request, skip=prepared.skip)
+
+    async def _abort(self, request_id: str, stream: AsyncIterator[Any] | None) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    def _translate_error(self, exc: Exception) -> BaseException:
+        from kvmesh.workers.adapters import vllm_runtime
+
+        cause: BaseException = exc
+        # vLLM wraps unexpected errors in EngineGenerateError (raised from the original).
+        if isinstance(exc, vllm_runtime.EngineGenerateError) and exc.__cause__ is not None:
+            cause = exc.__cause__
+        if isinstance(cause, vllm_runtime.EngineDeadError):
+            return Unavailable(f"the vLLM engine died: {cause}")
+        if isinstance(cause, vllm_runtime.CLIENT_ERRORS):
+            return InvalidRequest(
+                f"vLLM refused the request: {cause}", param=getattr(cause, "parameter", None)
+            )
+        if isinstance(cause, Exception):
+            return super()._translate_error(cause)
+        return cause
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def _on_stats(self, scheduler: Any, iteration: Any) -> None:
+        """vLLM's per-step stats (SchedulerStats, IterationStats) -> engine_load."""
+        if iteration is not None:
+            self._preemptions += int(getattr(iteration, "num_preempted_reqs", 0) or 0)
+        if scheduler is None:
+            self.engine_load.preemptions_total = self._preemptions
+            return
+        prefix = getattr(scheduler, "prefix_cache_stats", None)
+        if prefix is not None:
+            if prefix.reset:
+                self._hits = self._queries = 0
+            self._hits += int(prefix.hits)
+            self._queries += int(prefix.queries)
+        total = self._info.kv_total_blocks
+        self.engine_load = LoadInfo(
+            num_running=int(scheduler.num_running_reqs),
+            num_waiting=int(scheduler.num_waiting_reqs),
+            kv_active_blocks=round(float(scheduler.kv_cache_usage) * total),
+            kv_total_blocks=total,
+            prefix_cache_hit_rate=self._hits / self._queries if self._queries else 0.0,
+            preemptions_total=self._preemptions,
+        )
+
+    # -- KV events -----------------------------------------------------------------------------
+
+    def apply_kv_payload(self, payload: bytes) -> None:
+        """One msgpack KVEventBatch from vLLM's publisher -> the KvEventLog."""
+        import msgspec
+
+        from kvmesh.workers.adapters.zmq_events import VllmBatch, VllmEvent, decode_events
+
+        batch = msgspec.msgpack.decode(payload, type=VllmBatch)
+        if batch.data_parallel_rank not in (None, 0):
+            return  # one kvmesh worker per DP rank (see README)
+        self.apply_kv_events(decode_events(batch.events, VllmEvent))
+
+    def apply_kv_events(self, events: Iterable[VllmEvent]) -> None:
+        """Decoded vLLM events -> the KvEventLog (GPU tier, KV cache group 0)."""
+        from kvmesh.workers.adapters.zmq_events import VllmRemoved, VllmStored
+
+        tr = self._translator
+        if tr is None:
+            return
+        for ev in events:
+            if isinstance(ev, VllmStored):
+                if ev.medium not in (None, "GPU") or ev.group_idx not in (None, 0):
+                    continue
+                chain = _vllm_chain(ev, tr.block_size)
+                if chain is not None:
+                    tr.stored(chain)
+            elif isinstance(ev, VllmRemoved):
+                if ev.medium not in (None, "GPU") or ev.group_idx not in (None, 0):
+                    continue
+                tr.removed(engine_hash(h) for h in ev.block_hashes)
+            else:
+                tr.cleared()
+
+    async def clear_kv_cache(self) -> int:
+        engine = self._engine
+        if engine is None:
+            return 0
+        held = self._translator.num_held if self._translator is not None else 0
+        ok = await engine.reset_prefix_cache()
+        return held if ok else 0
+
+    # -- disaggregation ------------------------------------------------------------------------
+
+    def configure_disaggregation(self, settings: DisaggSettings) -> None:
+        """Any role: vLLM's KV connector (--vllm-kv-connector, NixlConnector by default) moves
+        the KV; kvmesh only carries vLLM's kv_transfer_params between the workers."""
+        self._disagg = settings
+        self._info.role = settings.role
+
+    async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
+        if not self._running:
+            raise Unavailable("the vllm engine is not running")
+        validate_request(request, self._info)
+        seed = request.sampling.seed
+        if seed is None:  # the decode side re-samples the first token: same seed, same token
+            seed = secrets.randbits(63)
+            request = dataclasses.replace(
+                request, sampling=dataclasses.replace(request.sampling, seed=seed)
+            )
+        call = self._call(
+            request,
+            max_tokens=1,
+            extra={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        )
+        sink = PrefillSink()
+        handle = self._submit_prepared(request, sink, call)
+        try:
+            last = await sink.future
+        except BaseException:
+            handle.cancel()
+            raise
+        decoder = handle.decoder
+        assert isinstance(decoder, VllmDecoder)
+        if last.finish_reason is FinishReason.CANCELLED or not sink.tokens:
+            raise Unavailable("the vllm engine stopped during the prefill")
+        usage = Usage(decoder.prompt_tokens, 1, decoder.cached_tokens)
+        remote = RemotePrefill(
+            first_token_id=sink.tokens[0],
+            first_logprob=sink.logprobs[0] if sink.logprobs else None,
+            engine_params_json=json.dumps(
+                {"kv_transfer_params": decoder.kv_transfer_params, "seed": seed}
+            ),
+            cached_tokens=decoder.cached_tokens,
+        )
+        if last.finish_reason is FinishReason.STOP:
+            return PrefillResult(remote, usage, FinishReason.STOP, last.stop_token_id)
+        if request.stop.max_tokens == 1:
+            return PrefillResult(remote, usage, FinishReason.LENGTH)
+        return PrefillResult(remote, usage)
+
+
+def _engine_params(text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"remote_prefill.engine_params_json is not valid JSON: {exc.msg}",
+            param="remote_prefill",
+        ) from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            "remote_prefill.engine_params_json must be a JSON object", param="remote_prefill"
+        )
+    return value
+
+
+def _vllm_chain(ev: Any, block_size: int) -> StoredChain | None:
+    """A vLLM BlockStored as a StoredChain (None, with a warning, when malformed)."""
+    n = len(ev.block_hashes)
+    size = ev.block_size
+    if size < 1 or len(ev.token_ids) != n * size:
+        log.warning(
+            "vLLM BlockStored with %d tokens for %d blocks of %d: ignored",
+            len(ev.token_ids),
+            n,
+            size,
+        )
+        return None
+    lora = ev.lora_name or ""
+    opaque: list[bool] = []
+    if ev.extra_keys:
+        for keys in ev.extra_keys:
+            # The only extra key a kvmesh router reproduces is the LoRA name (kept in lora_name).
+            plain = keys is None or (bool(lora) and list(keys) == [lora])
+            opaque.append(not plain)
+        opaque += [False] * (n - len(opaque))
+    tokens = [ev.token_ids[i * size : (i + 1) * size] for i in range(n)]
+    if size != block_size:  # e.g. a hybrid model's other group: not what the router hashes
+        opaque = [True] * n
+    return StoredChain(
+        parent=engine_hash(ev.parent_block_hash) if ev.parent_block_hash is not None else None,
+        hashes=[engine_hash(h) for h in ev.block_hashes],
+        tokens=tokens,
+        lora_name=lora,
+        opaque=opaque,
+    )

@@ -1,0 +1,22 @@
+"""The continuous-batching core shared by the mocker and the torch engine: the paged KV block
+pool (block_pool) and the scheduler over it (scheduler). The engines differ only in how a step's
+tokens are produced and timed."""
+
+from kvmesh.workers.batching.block_pool import BlockPool, block_hash
+from kvmesh.workers.batching.scheduler import (
+    BatchScheduler,
+    ScheduledStep,
+    Seq,
+    SeqOutput,
+    SeqStatus,
+)
+
+__all__ = [
+    "BatchScheduler",
+    "BlockPool",
+    "ScheduledStep",
+    "Seq",
+    "SeqOutput",
+    "SeqStatus",
+    "block_hash",
+]

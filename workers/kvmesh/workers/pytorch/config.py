@@ -1,0 +1,84 @@
+"""Configuration of the PyTorch engine (`kvmesh worker --engine torch`). Imports no torch.
+
+Scheduler knobs that the mocker has too (block size, batch limits, prefix caching, ...) share
+their argparse destination with the mocker's flags: `--block-size 32` and `--torch-block-size 32`
+both set the torch engine's block size, so the generic vLLM-style flags work whichever engine
+runs, while each engine keeps its own default (16 here, 64 for the mocker).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvmesh.runtime.config import opt
+
+__all__ = ["TorchConfig", "TorchDType"]
+
+
+class TorchDType(enum.Enum):
+    """Compute dtype of weights, activations and the KV cache."""
+
+    AUTO = "auto"
+    """float32 on CPU; on CUDA the checkpoint's dtype, float32 checkpoints in bfloat16."""
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+@dataclass(slots=True)
+class TorchConfig:
+    """Knobs of the PyTorch/transformers engine."""
+
+    device: str = opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    dtype: TorchDType = opt(TorchDType.AUTO, "compute and KV cache dtype")
+    block_size: int = opt(16, "tokens per KV cache block", flag="--torch-block-size")
+    num_gpu_blocks: int = opt(
+        0,
+        "number of KV cache blocks (0: sized from --kv-cache-gb)",
+        flag="--torch-num-gpu-blocks",
+    )
+    kv_cache_gb: float = opt(
+        0.0,
+        "KV cache size in GiB when the block count is 0; 0: auto (CPU: 1 GiB; CUDA: 90 percent of "
+        "the memory free after loading the weights); capped at what max-num-seqs full-length "
+        "sequences need",
+    )
+    max_num_seqs: int = opt(
+        256, "maximum number of running sequences per step", flag="--torch-max-num-seqs"
+    )
+    max_num_batched_tokens: int = opt(
+        2048, "token budget of one scheduler step", flag="--torch-max-num-batched-tokens"
+    )
+    enable_chunked_prefill: bool = opt(
+        True,
+        "split long prompts over several steps (otherwise a prompt must fit one step)",
+        flag="--torch-enable-chunked-prefill",
+    )
+    enable_prefix_caching: bool = opt(
+        True,
+        "reuse cached KV blocks across requests and publish KV events",
+        flag="--torch-enable-prefix-caching",
+    )
+    max_model_len: int = opt(
+        0, "maximum sequence length (0: the model's context length)", flag="--torch-max-model-len"
+    )
+    seed: int = opt(
+        0, "seed of the per-request seeds drawn for unseeded sampled requests", flag="--torch-seed"
+    )
+
+    def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_gpu_blocks < 0:
+            raise ValueError("num_gpu_blocks must be >= 0")
+        if not self.kv_cache_gb >= 0:
+            raise ValueError("kv_cache_gb must be >= 0")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0")

@@ -1,0 +1,427 @@
+"""Forward passes of a Hugging Face decoder over a paged KV cache.
+
+How attention over paged KV works with stock transformers
+    transformers' own attention wants each sequence's past KV as one contiguous tensor
+    (DynamicCache), which cannot share blocks between requests. So the runner drives the HF
+    model's modules itself and replaces only the attention core: per layer it calls the layer's
+    own `input_layernorm`, `q/k/v_proj` (and Qwen3's `q_norm`/`k_norm`), the model's
+    `rotary_emb` with transformers' `apply_rotary_pos_emb`, then
+      * writes the new tokens' keys/values into their cache slots (block table -> slot index),
+      * computes attention with `torch.nn.functional.scaled_dot_product_attention` over the
+        sequence's blocks gathered from the cache (`cache[block_table]`, padded to the longest
+        sequence of the group, with a boolean mask for causality, per-sequence length and the
+        layer's sliding window; grouped-query attention via `enable_gqa`),
+    and continues with the layer's `o_proj`, `post_attention_layernorm` and `mlp`, the model's
+    final `norm` and `lm_head`. Only the attention core is reimplemented, so the numerics are
+    the model's own (RMSNorm, rotary scaling variants, biases, activations).
+
+Batching
+    All scheduled tokens of a step (decodes and prefill chunks of many sequences) are packed
+    into one [tokens, hidden] tensor, so every linear layer runs once per step. Attention runs
+    per group: all single-token (decode) sequences together (queries [B, 1]); prefill chunks in
+    groups of similar size, padded. A lone prefill of a fresh prompt uses its own keys/values
+    directly with a causal mask (exactly what transformers computes, no gather). Logits are
+    computed only for the last token of sequences that sample in this step.
+
+Threading: a runner is used from one thread at a time (the engine's executor thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.workers.pytorch.config import TorchDType
+from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
+from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec, sample
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "LoadedModel",
+    "ModelRunner",
+    "SeqChunk",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Architectures whose decoder layers the runner knows (pre-norm, RMSNorm, rotary, SwiGLU)."""
+
+_DTYPES = {
+    TorchDType.FLOAT32: torch.float32,
+    TorchDType.BFLOAT16: torch.bfloat16,
+    TorchDType.FLOAT16: torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: TorchDType, device: torch.device, checkpoint: torch.dtype) -> torch.dtype:
+    """The compute dtype (see TorchDType.AUTO)."""
+    if dtype is not TorchDType.AUTO:
+        return _DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    if checkpoint in (torch.bfloat16, torch.float16):
+        return checkpoint
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A Hugging Face causal LM in eval mode on its device. Read-only: engines may share one."""
+
+    model: Any
+    """The transformers PreTrainedModel (…ForCausalLM)."""
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+
+    def kv_spec(self, block_size: int) -> KvCacheSpec:
+        """The KV cache block shape for this model."""
+        return KvCacheSpec(
+            self.num_layers, self.num_kv_heads, self.head_dim, block_size, self.dtype
+        )
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def load_model(
+    path: str | Path, device: str = "auto", dtype: TorchDType = TorchDType.AUTO
+) -> LoadedModel:
+    """Load the causal LM in `path` (a local directory; nothing is downloaded).
+
+    Raises ValueError for an architecture the runner does not support, FileNotFoundError when
+    the directory has no weights.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from kvmesh.workers.pytorch.weights import has_weights
+
+    root = Path(path)
+    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} is not supported by the torch engine; supported: "
+            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        )
+    if not has_weights(root):
+        raise FileNotFoundError(
+            f"{root} has no weights (*.safetensors or pytorch_model*.bin); for a random-weight "
+            "test model run kvmesh.workers.pytorch.weights.create_tiny_weights on it"
+        )
+    dev = resolve_device(device)
+    checkpoint = getattr(config, "dtype", None) or torch.float32
+    if not isinstance(checkpoint, torch.dtype):
+        checkpoint = getattr(torch, str(checkpoint), torch.float32)
+    dt = resolve_dtype(dtype, dev, checkpoint)
+    hf_log: Any = hf_logging  # transformers' functions are untyped
+    hf_log.disable_progress_bar()
+    model: Any = AutoModelForCausalLM.from_pretrained(root, dtype=dt, local_files_only=True)
+    model.to(dev)
+    model.eval()
+    cfg = model.config
+    num_heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+    return LoadedModel(
+        model=model,
+        path=root,
+        device=dev,
+        dtype=dt,
+        model_type=model_type,
+        num_layers=int(cfg.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+        head_dim=head_dim,
+        vocab_size=int(cfg.vocab_size),
+        context_length=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+    )
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One sequence's work in a step: compute the KV of `token_ids` at positions
+    `start .. start + len(token_ids) - 1`, stored through `block_table`; sample the next token
+    when `sample` is set (the chunk ends the sequence's known tokens)."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: SampleSpec | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """Attention metadata of sequences attended together (see the module docstring)."""
+
+    rows: torch.Tensor | None
+    """Packed rows of the group's tokens, in order; None: all rows of the step, in order."""
+    direct: bool
+    """A fresh prefill attending to its own keys (no gather)."""
+    q_index: torch.Tensor | None = None
+    """[B, Q] packed row of each padded query (padding repeats a sequence's last row)."""
+    valid: torch.Tensor | None = None
+    """Flat indices into B*Q of the real queries, in row order."""
+    table: torch.Tensor | None = None
+    """[B, blocks] block tables (padded with block 0, masked)."""
+    masks: dict[int | None, torch.Tensor] | None = None
+    """Boolean [B, 1, Q, blocks*block_size] mask per sliding window (None: no window)."""
+
+
+class ModelRunner:
+    """Runs steps of `model` over `cache` (see the module docstring)."""
+
+    def __init__(self, loaded: LoadedModel, cache: PagedKvCache) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.loaded = loaded
+        self.cache = cache
+        self.block_size = cache.spec.block_size
+        self.device = loaded.device
+        hf = loaded.model
+        self._lm_head = hf.lm_head
+        self._decoder = hf.model
+        self._layers = list(hf.model.layers)
+        self._rope = apply_rotary_pos_emb
+        config = hf.config
+        default_window = (
+            getattr(config, "sliding_window", None) if loaded.model_type == "mistral" else None
+        )
+        self._windows: list[int | None] = []
+        for layer in self._layers:
+            window = getattr(layer.self_attn, "sliding_window", default_window)
+            self._windows.append(int(window) if window else None)
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    def _groups(self, chunks: Sequence[SeqChunk], offsets: list[int]) -> list[_Group]:
+        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        prefills = sorted(
+            (i for i, c in enumerate(chunks) if len(c.token_ids) > 1),
+            key=lambda i: -len(chunks[i].token_ids),
+        )
+        plans: list[list[int]] = []
+        if decodes:
+            plans.append(decodes)
+        # Greedy packing of prefill chunks while padding at most doubles the attention area.
+        current: list[int] = []
+        area = 0
+        q_max = c_max = 0
+        for i in prefills:
+            n = len(chunks[i].token_ids)
+            ctx = chunks[i].start + n
+            if current:
+                new_q, new_c = max(q_max, n), max(c_max, ctx)
+                if new_q * new_c * (len(current) + 1) <= 2 * (area + n * ctx):
+                    current.append(i)
+                    area += n * ctx
+                    q_max, c_max = new_q, new_c
+                    continue
+                plans.append(current)
+            current, area, q_max, c_max = [i], n * ctx, n, ctx
+        if current:
+            plans.append(current)
+        total = offsets[-1]
+        groups = []
+        for plan in plans:
+            groups.append(self._group(chunks, offsets, plan, total, single=len(plans) == 1))
+        return groups
+
+    def _group(
+        self,
+        chunks: Sequence[SeqChunk],
+        offsets: list[int],
+        plan: list[int],
+        total: int,
+        single: bool,
+    ) -> _Group:
+        device = self.device
+        bs = self.block_size
+        rows_list: list[int] = []
+        for i in plan:
+            rows_list.extend(range(offsets[i], offsets[i + 1]))
+        in_order = single and plan == sorted(plan) and len(rows_list) == total
+        rows = None if in_order else torch.tensor(rows_list, dtype=torch.long, device=device)
+        if len(plan) == 1 and chunks[plan[0]].start == 0:
+            return _Group(rows, direct=True)
+        q = max(len(chunks[i].token_ids) for i in plan)
+        nb = max(-(-(chunks[i].start + len(chunks[i].token_ids)) // bs) for i in plan)
+        q_index: list[list[int]] = []
+        q_pos: list[list[int]] = []
+        valid: list[int] = []
+        table: list[list[int]] = []
+        for b, i in enumerate(plan):
+            c = chunks[i]
+            n = len(c.token_ids)
+            first = offsets[i]
+            q_index.append([first + min(j, n - 1) for j in range(q)])
+            q_pos.append([c.start + min(j, n - 1) for j in range(q)])
+            valid.extend(range(b * q, b * q + n))
+            t = c.block_table[: -(-(c.start + n) // bs)]
+            table.append(t + [0] * (nb - len(t)))
+        pos = torch.tensor(q_pos, dtype=torch.long)[:, None, :, None]  # [B, 1, Q, 1]
+        keys = torch.arange(nb * bs, dtype=torch.long)[None, None, None, :]
+        causal = keys <= pos
+        masks: dict[int | None, torch.Tensor] = {}
+        for window in set(self._windows):
+            mask = causal if window is None else causal & (keys > pos - window)
+            masks[window] = mask.to(device)
+        return _Group(
+            rows,
+            direct=False,
+            q_index=torch.tensor(q_index, dtype=torch.long, device=device),
+            valid=torch.tensor(valid, dtype=torch.long, device=device),
+            table=torch.tensor(table, dtype=torch.long, device=device),
+            masks=masks,
+        )
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> list[Sampled]:
+        """Run one step; returns the sampled tokens of the chunks with `sample`, in order."""
+        with torch.inference_mode():
+            return self._execute(chunks)
+
+    def _execute(self, chunks: Sequence[SeqChunk]) -> list[Sampled]:
+        device = self.device
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets = [0]
+        sample_rows: list[int] = []
+        specs: list[SampleSpec] = []
+        for c in chunks:
+            n = len(c.token_ids)
+            tokens.extend(c.token_ids)
+            span = range(c.start, c.start + n)
+            positions.extend(span)
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            offsets.append(offsets[-1] + n)
+            if c.sample is not None:
+                sample_rows.append(offsets[-1] - 1)
+                specs.append(c.sample)
+        groups = self._groups(chunks, offsets)
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        slot_index = torch.tensor(slots, dtype=torch.long, device=device)
+
+        hidden = self._decoder.embed_tokens(ids)  # [T, hidden]
+        cos, sin = self._decoder.rotary_emb(hidden[None], pos[None])
+        cos, sin = cos[0], sin[0]  # [T, head_dim]
+        head_dim = self.loaded.head_dim
+        cache = self.cache
+        for li, layer in enumerate(self._layers):
+            attn = layer.self_attn
+            residual = hidden
+            h = layer.input_layernorm(hidden)
+            q = attn.q_proj(h).view(len(tokens), -1, head_dim)
+            k = attn.k_proj(h).view(len(tokens), -1, head_dim)
+            v = attn.v_proj(h).view(len(tokens), -1, head_dim)
+            if hasattr(attn, "q_norm"):
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
+            cache.write_tokens(li, slot_index, k, v)
+            out = self._attention(li, attn.scaling, q, k, v, groups)
+            hidden = residual + attn.o_proj(out)
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        if not specs:
+            return []
+        last = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
+        logits = self._lm_head(self._decoder.norm(last)).float()
+        return sample(logits, specs)
+
+    def _attention(
+        self,
+        layer: int,
+        scale: float,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        groups: list[_Group],
+    ) -> torch.Tensor:
+        """Attention output [T, heads * head_dim] for the packed queries `q` ([T, heads, d])."""
+        window = self._windows[layer]
+        num_tokens = q.shape[0]
+        if len(groups) == 1 and groups[0].rows is None:
+            return self._attend(layer, window, scale, q, k, v, groups[0]).reshape(num_tokens, -1)
+        out = q.new_empty(num_tokens, q.shape[1] * q.shape[2])
+        for g in groups:
+            assert g.rows is not None
+            out[g.rows] = self._attend(layer, window, scale, q, k, v, g).reshape(
+                g.rows.shape[0], -1
+            )
+        return out
+
+    def _attend(
+        self,
+        layer: int,
+        window: int | None,
+        scale: float,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: _Group,
+    ) -> torch.Tensor:
+        """One group's attention output [group tokens, heads, head_dim] in row order."""
+        if g.direct:
+            if g.rows is not None:
+                q, k, v = q[g.rows], k[g.rows], v[g.rows]
+            qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            n = q.shape[0]
+            if window is None or window >= n:
+                o = F.scaled_dot_product_attention(
+                    qh, kh, vh, is_causal=n > 1, scale=scale, enable_gqa=True
+                )
+            else:
+                idx = torch.arange(n, device=q.device)
+                diff = idx[:, None] - idx[None, :]
+                mask = (diff >= 0) & (diff < window)
+                o = F.scaled_dot_product_attention(
+                    qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            return o[0].transpose(0, 1)
+        assert g.q_index is not None and g.table is not None and g.masks is not None
+        assert g.valid is not None
+        kb, vb = self.cache.layer_blocks(layer)
+        batch, blocks = g.table.shape
+        ctx = blocks * self.block_size
+        kg = kb[g.table].view(batch, ctx, kb.shape[2], kb.shape[3]).transpose(1, 2)
+        vg = vb[g.table].view(batch, ctx, vb.shape[2], vb.shape[3]).transpose(1, 2)
+        qg = q[g.q_index].transpose(1, 2)  # [B, heads, Q, d]
+        o = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.masks[window], scale=scale, enable_gqa=True
+        )
+        o = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B*Q, heads, d]
+        return o[g.valid]

@@ -1,0 +1,174 @@
+"""The torch engine's synchronous core: the shared continuous-batching scheduler
+(kvmesh.workers.batching.scheduler, whose docstring explains scheduling, completion, aborts and
+disaggregated serving) with real sampling state.
+
+A step is split in two so the forward pass can run on another thread: `schedule()` (event-loop
+thread) picks the work and returns SeqChunks (the token ids to compute, their start position, the
+block table and, for chunks that reach the end of the known tokens, what the sampler needs);
+`complete(step, sampled)` (event-loop thread, after the forward) applies the sampled tokens.
+
+Stop token ids are EOS (unless ignore_eos) plus stop_token_ids; before min_tokens the sampler
+masks them, so they are not generated at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.runtime.errors import InvalidRequest
+from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.types import EngineRequest
+from kvmesh.workers.batching.scheduler import BatchScheduler, Seq, SeqOutput, SeqStatus
+from kvmesh.workers.batching.scheduler import ScheduledStep as _Step
+from kvmesh.workers.pytorch.config import TorchConfig
+from kvmesh.workers.pytorch.model_runner import SeqChunk
+from kvmesh.workers.pytorch.sampler import SampleSpec
+
+__all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
+
+
+class _Seq(Seq):
+    """Scheduler state of one request, with what the sampler needs."""
+
+    __slots__ = ("bias_ids", "bias_values", "generator", "params", "suppress")
+
+    def __init__(self, request: EngineRequest, arrival: int) -> None:
+        super().__init__(request, arrival)
+        self.params = request.sampling
+        self.generator: torch.Generator | None = None
+        self.suppress: tuple[int, ...] = ()
+        bias = sorted(request.sampling.logit_bias.items())
+        self.bias_ids = [t for t, _ in bias]
+        self.bias_values = [float(b) for _, b in bias]
+
+
+@dataclass(slots=True)
+class ScheduledStep(_Step[_Seq]):
+    """What one `schedule()` decided, with one SeqChunk per scheduled request."""
+
+    chunks: list[SeqChunk] = field(default_factory=list)
+
+
+class TorchScheduler(BatchScheduler[_Seq]):
+    """Continuous-batching scheduler + KV block pool (see the module docstring).
+
+    Synchronous and single-threaded (the engine's event loop). `vocab_size` bounds token ids;
+    `eos_token_ids` stop generation unless a request sets ignore_eos; `max_model_len` is the
+    longest sequence (prompt + output) a request may reach (also capped by what the pool holds
+    and, without chunked prefill, by one step's budget); `device` is where per-request
+    sampling generators live.
+    """
+
+    config: TorchConfig
+    _limit_prompt_by_seq_len = True
+    _report_watermark = False
+
+    def __init__(
+        self,
+        config: TorchConfig,
+        *,
+        num_blocks: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+        device: torch.device,
+        events: KvEventLog | None = None,
+    ) -> None:
+        super().__init__(config, num_blocks=num_blocks, max_model_len=max_model_len, events=events)
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = device
+        self.num_computed_tokens = 0
+        """Tokens whose KV the forward passes computed so far (prefill, recompute and decode)."""
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _check_request(self, request: EngineRequest) -> None:
+        if request.lora_name:
+            raise InvalidRequest(
+                f"LoRA adapter {request.lora_name!r} is not loaded (the torch engine serves no "
+                "adapters)",
+                param="lora_name",
+            )
+        if getattr(request.sampling, "guided", None) is not None:
+            raise InvalidRequest(
+                "the torch engine does not support guided decoding", param="response_format"
+            )
+        vocab = self.vocab_size
+        if request.prompt and max(request.prompt) >= vocab:
+            raise InvalidRequest(
+                f"prompt token ids must be < the vocabulary size {vocab}", param="prompt"
+            )
+        if request.prompt and any(t >= vocab for t in request.sampling.logit_bias):
+            raise InvalidRequest(
+                f"logit_bias token ids must be < the vocabulary size {vocab}", param="logit_bias"
+            )
+
+    def add(
+        self,
+        request: EngineRequest,
+        *,
+        pin: bool = False,
+        first_token: int | None = None,
+        blocks: list[int] | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
+        """Queue `request` (assumed to pass kvmesh.workers.validation).
+
+        `pin`: hand the request off after its first token, keeping its blocks (see the module
+        docstring); `first_token`: continue a request prefilled elsewhere, with its prompt KV in
+        `blocks` (or recompute it when None); `cached_tokens`: the prefix-cache hits to report
+        for such a request.
+
+        Raises InvalidRequest for a duplicate id, token ids outside the vocabulary or a LoRA
+        adapter; RequestTooLarge when the prompt leaves no room for one token; ResourceExhausted
+        when the prompt can never be scheduled (more blocks than the pool has or, without chunked
+        prefill, more tokens than one step's budget).
+        """
+        self._add(request, 0.0, pin, first_token, blocks, cached_tokens)
+
+    def _new_seq(self, request: EngineRequest, arrival: int, now: float) -> _Seq:
+        vocab = self.vocab_size
+        seq = _Seq(request, arrival)
+        stop_ids = set(request.stop.stop_token_ids)
+        if not request.stop.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        seq.stop_ids = frozenset(stop_ids)
+        seq.suppress = tuple(sorted(t for t in stop_ids if t < vocab))
+        if request.sampling.temperature > 0:
+            seed = request.sampling.seed
+            if seed is None:
+                seed = self._rng.getrandbits(63)
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(seed & ((1 << 64) - 1))
+        return seq
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        """Pick this step's work (see the module docstring). An empty `chunks` list with no
+        preemption means nothing can run until a request arrives or leaves."""
+        step = self._schedule_into(ScheduledStep())
+        for seq, start, n, sample in zip(
+            step.seqs, step.starts, step.counts, step.sample, strict=True
+        ):
+            spec = None
+            if sample:
+                spec = SampleSpec(
+                    seq.params,
+                    seq.tokens,
+                    seq.prompt_len,
+                    seq.generator,
+                    seq.suppress if len(seq.tokens) < seq.min_len else (),
+                    seq.bias_ids,
+                    seq.bias_values,
+                )
+            step.chunks.append(
+                SeqChunk(seq.tokens[start : start + n], start, list(seq.blocks), spec)
+            )
+        self.num_computed_tokens += step.prefill_tokens + step.decode_tokens
+        return step
