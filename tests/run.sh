@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run every check CI runs:
 #   gen/ in sync with protos/, buf lint, buf breaking (vs the previous commit), ruff, mypy,
-#   pytest.
+#   pyright, pytest.
 # Usage: bash tests/run.sh [pytest args...]     (e.g. bash tests/run.sh -m "not slow")
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +45,9 @@ step "ruff"
 
 step "mypy (strict; the namespace portions in place, see pyproject.toml)"
 "$VENV/bin/python" -m mypy
+
+step "pyright (the same tree, [tool.pyright] in pyproject.toml)"
+"$VENV/bin/python" -m pyright
 
 step "etcd server (Debian's etcd-server) for the etcd discovery tests"
 if ! command -v etcd >/dev/null; then

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.workers.config import WorkerConfig
     from kvmesh.workers.main import engine_arg_groups
 
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvmesh", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]

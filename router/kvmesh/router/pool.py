@@ -44,7 +44,7 @@ class WorkerHandle:
     address: str
     info: ModelInfo
     channel: grpc.aio.Channel
-    stub: wpb_grpc.WorkerServiceStub
+    stub: wpb_grpc.WorkerServiceAsyncStub
     session: WorkerSession
     """The multiplexed Generate stream the gateway uses."""
     inflight: int = 0

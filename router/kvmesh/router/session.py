@@ -41,7 +41,7 @@ class _Broken(Exception):
 class _Stream:
     """One open GenerateStream call with its reader and writer tasks."""
 
-    def __init__(self, stub: wpb_grpc.WorkerServiceStub, address: str) -> None:
+    def __init__(self, stub: wpb_grpc.WorkerServiceAsyncStub, address: str) -> None:
         self.address = address
         self.call: Any = stub.GenerateStream()
         self.queues: dict[str, asyncio.Queue[wpb.StreamedGenerateOutput | _Broken]] = {}
@@ -111,7 +111,7 @@ class _Stream:
 class WorkerSession:
     """Generate over a shared GenerateStream to one worker (see module docstring)."""
 
-    def __init__(self, stub: wpb_grpc.WorkerServiceStub, address: str) -> None:
+    def __init__(self, stub: wpb_grpc.WorkerServiceAsyncStub, address: str) -> None:
         self._stub = stub
         self._address = address
         self._stream: _Stream | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -111,7 +111,9 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     return call
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., AsyncIterator[Any]]:
+    # `fn` is an async generator method of a grpc.aio servicer (grpc's stubs type handlers as
+    # the sync API's iterators).
     async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             async for item in fn(request, context):
@@ -122,7 +124,7 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
     return call
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns domain exceptions raised by servicers into gRPC status codes.
 
     Unexpected exceptions become INTERNAL with the exception type only (details are logged,
@@ -131,21 +133,30 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        if handler is None:
+        if handler is None:  # the method is not served
             return None
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+            return _replaced(handler, unary_unary=_wrap_unary(handler.unary_unary))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+            return _replaced(handler, unary_stream=_wrap_stream(handler.unary_stream))
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+            return _replaced(handler, stream_unary=_wrap_unary(handler.stream_unary))
         if handler.stream_stream is not None:
-            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+            return _replaced(handler, stream_stream=_wrap_stream(handler.stream_stream))
         return handler
+
+
+def _replaced(
+    handler: grpc.RpcMethodHandler[Any, Any], **fns: Any
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` with some behaviours swapped (grpc's handlers are namedtuples)."""
+    return cast("grpc.RpcMethodHandler[Any, Any]", cast(Any, handler)._replace(**fns))
 
 
 class GrpcServer:
@@ -157,7 +168,7 @@ class GrpcServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
-        self._health = health.aio.HealthServicer()
+        self._health = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._names: list[str] = []
         self._host = host

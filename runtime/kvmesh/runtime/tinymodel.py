@@ -95,7 +95,7 @@ CHAT_TEMPLATE = (
 )
 """Llama-3-style chat template (the `tool` role is rendered as Llama 3.1's `ipython`)."""
 
-_SENTENCES = (
+_SENTENCES: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
     "Hello, how are you today? I am a helpful assistant that answers questions.",
     "kvmesh is a distributed serving mesh with a KV-aware router and simulated workers.",

@@ -126,12 +126,18 @@ def write_plot(results: list[ModeResult], path: str) -> None:
     plt.close(fig)
 
 
+def _std(stream: TextIO | None) -> TextIO:
+    if stream is None:  # e.g. pythonw: no console
+        raise ReplayError("no standard output to write the results to")
+    return stream
+
+
 def run_replay(
     config: ReplayConfig, *, out: TextIO | None = None, err: TextIO | None = None
 ) -> int:
     """`kvmesh replay`: load the trace, replay it once per router mode, print the results."""
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
+    out = out if out is not None else _std(sys.stdout)
+    err = err if err is not None else _std(sys.stderr)
     if config.plot and importlib.util.find_spec("matplotlib") is None:
         raise ReplayError("--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)")
     trace = load_trace(config.trace, config.limit)

@@ -99,7 +99,7 @@ EngineFactory = Callable[[dict[str, Any]], SglangEngineLike]
 
 
 def _default_factory(kwargs: dict[str, Any]) -> SglangEngineLike:
-    import sglang
+    import sglang  # pyright: ignore[reportMissingImports]  (GPU-only engine)
 
     engine: SglangEngineLike = sglang.Engine(**kwargs)
     return engine

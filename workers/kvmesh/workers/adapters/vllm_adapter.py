@@ -294,8 +294,8 @@ class VllmEngine(StreamingAdapter[Any]):
             await self._start_kv_events()
         factory = self._factory or vllm_runtime.create_async_llm
         stat_loggers = [vllm_runtime.stat_logger_factory(self._on_stats)]
-        self._engine = factory(engine_args, stat_loggers)
-        cfg = self._engine.vllm_config
+        self._engine = engine = factory(engine_args, stat_loggers)
+        cfg = engine.vllm_config
         block_size = int(cfg.cache_config.block_size)
         info = self._info
         info.kv_block_size = block_size

@@ -175,6 +175,7 @@ class Seq:
 
 S = TypeVar("S", bound=Seq)
 StepT = TypeVar("StepT", bound="ScheduledStep[Any]")
+C = TypeVar("C", bound=SchedulerConfig)
 
 
 @dataclass(slots=True)
@@ -191,7 +192,7 @@ class ScheduledStep(Generic[S]):
     decode_tokens: int = 0
 
 
-class BatchScheduler(Generic[S]):
+class BatchScheduler(Generic[S, C]):
     """Continuous-batching scheduler + KV block pool (see the module docstring).
 
     Synchronous and single-threaded. Requests are identified by `request_id`, unique among
@@ -209,7 +210,7 @@ class BatchScheduler(Generic[S]):
 
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: C,
         *,
         num_blocks: int,
         max_model_len: int,
@@ -218,7 +219,7 @@ class BatchScheduler(Generic[S]):
     ) -> None:
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        self.config: SchedulerConfig = config
+        self.config: C = config
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len

@@ -24,7 +24,7 @@ class GrpcKvReleaser:
 
     def __init__(self, timeout_s: float = 5.0) -> None:
         self.timeout_s = timeout_s
-        self._channels: dict[str, tuple[grpc.aio.Channel, wpb_grpc.WorkerServiceStub]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, wpb_grpc.WorkerServiceAsyncStub]] = {}
 
     async def __call__(self, handle: KvTransferHandle) -> bool:
         address = handle.prefill_address

@@ -87,7 +87,7 @@ class _Seq(Seq):
         self.top_logprobs = request.sampling.top_logprobs
 
 
-class MockerScheduler(BatchScheduler[_Seq]):
+class MockerScheduler(BatchScheduler[_Seq, MockerConfig]):
     """Continuous-batching scheduler + KV block pool + fake sampler (see the module docstring).
 
     Synchronous and single-threaded; `now` is only recorded. Requests are identified by
@@ -98,8 +98,6 @@ class MockerScheduler(BatchScheduler[_Seq]):
     vLLM would refuse such a configuration at startup), nor, without chunked prefill, what one
     step can prefill.
     """
-
-    config: MockerConfig
 
     def __init__(
         self,
@@ -118,7 +116,6 @@ class MockerScheduler(BatchScheduler[_Seq]):
             watermark_blocks=config.watermark_blocks,
             events=events,
         )
-        self.config = config
         self.timing: TimingModel = (
             timing if timing is not None else load_timing(config.timing_profile)
         )

@@ -52,7 +52,7 @@ class ScheduledStep(_Step[_Seq]):
     chunks: list[SeqChunk] = field(default_factory=list)
 
 
-class TorchScheduler(BatchScheduler[_Seq]):
+class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
     """Continuous-batching scheduler + KV block pool (see the module docstring).
 
     Synchronous and single-threaded (the engine's event loop). `vocab_size` bounds token ids;
@@ -78,7 +78,6 @@ class TorchScheduler(BatchScheduler[_Seq]):
         events: KvEventLog | None = None,
     ) -> None:
         super().__init__(config, num_blocks=num_blocks, max_model_len=max_model_len, events=events)
-        self.config = config
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
