@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -91,11 +91,11 @@ class ChildProcess:
     with no SIGCHLD handler. Create it on the loop that waits for it.
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, argv: Sequence[str]) -> None:
         self.pid = os.posix_spawn(
             argv[0],
             list(argv),
-            dict(os.environ if env is None else env),
+            os.environ,
             setsid=True,
             setsigmask=(),
             # As subprocess does: Python ignores these, and an ignored signal stays ignored
