@@ -59,9 +59,9 @@ def start_mesh(tmp: Path, *args: str) -> Mesh:
                 sys.executable,
                 "-m",
                 "kvmesh",
-                "--log-level",
-                "warning",
                 "up",
+                "--log-level",  # a global flag, after the command's name
+                "warning",
                 "--http-port",
                 str(port),
                 "--workers",
@@ -96,9 +96,12 @@ def stop_mesh(mesh: Mesh) -> int:
         raise
 
 
+MAX_N = 5  # `kvmesh up --max-n`: a frontend flag `up` passes through
+
+
 @pytest.fixture(scope="module")
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = start_mesh(tmp_path_factory.mktemp("up"))
+    m = start_mesh(tmp_path_factory.mktemp("up"), "--max-n", str(MAX_N))
     yield m
     assert stop_mesh(m) == 0, m.log.read_text()
 
@@ -169,6 +172,19 @@ def test_seeded_sampling_and_n(mesh: Mesh) -> None:
     many = client.chat.completions.create(n=3, **kw)  # type: ignore[call-overload]
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     assert many.usage is not None and many.usage.completion_tokens == 24
+
+
+def test_frontend_flags_reach_the_frontend(mesh: Mesh) -> None:
+    with pytest.raises(openai.BadRequestError, match=f"'n' must be <= {MAX_N}"):
+        mesh.client().chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, n=MAX_N + 1
+        )
+
+
+def test_no_grpc_fork_handler_lines(mesh: Mesh) -> None:
+    """`kvmesh up` starts its children without fork, so gRPC has no fork handlers to skip."""
+    log = mesh.log.read_text()
+    assert "kvmesh is up" in log and "fork" not in log, log
 
 
 def test_bad_requests_get_openai_errors(mesh: Mesh) -> None:
