@@ -1,5 +1,5 @@
 """kvmesh processes for integration tests: start one with its output in a log file, stop it,
-read its log; and `poll`, to wait for a condition with a deadline."""
+read its log; `poll`, to wait for a condition with a deadline; `frontend_ready`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +27,15 @@ def poll(fn: Callable[[], T | None], timeout_s: float, what: str, interval_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def frontend_ready(port: int) -> bool:
+    """Whether the frontend on 127.0.0.1:`port` answers /health with 200 (a worker is live)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 class Proc:

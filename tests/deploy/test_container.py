@@ -10,10 +10,7 @@ import os
 import re
 import subprocess
 import sys
-import time
 import tomllib
-import urllib.error
-import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +21,7 @@ from kvmesh.workers.config import EngineKind
 from kvmesh.workers.server import WORKER_SERVICE
 from tests.conftest import free_port
 from tests.deploy.manifests import DEPLOY, ROOT, tool
+from tests.procs import Proc, frontend_ready, poll
 
 CONTAINER = DEPLOY / "container"
 DOCKERFILE = CONTAINER / "Dockerfile"
@@ -136,46 +134,25 @@ def test_wheel_stage_builds_from_the_context(tmp_path: Path) -> None:
 def mesh_on_loopback(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[int, int]]:
     """A mocker worker and a frontend that knows it (static discovery): (grpc port, http port)."""
     grpc_port, http_port = free_port(), free_port()
-    common = [sys.executable, "-m", "kvmesh", "--log-level", "warning"]
-    argvs = [
-        [*common, "worker", "--engine", "mocker", "--model", str(tiny_model),
-         "--port", str(grpc_port)],
-        [*common, "frontend", "--http-port", str(http_port),
-         "--discovery", f"static://127.0.0.1:{grpc_port}"],
-    ]  # fmt: skip
-    log = (tmp_path / "procs.log").open("wb")
     procs = [
-        subprocess.Popen(a, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}) for a in argvs
-    ]
+        Proc("worker", ["worker", "--engine", "mocker", "--model", str(tiny_model),
+                        "--port", str(grpc_port)], tmp_path),
+        Proc("frontend", ["frontend", "--http-port", str(http_port),
+                          "--discovery", f"static://127.0.0.1:{grpc_port}"], tmp_path),
+    ]  # fmt: skip
     try:
+        for p in procs:
+            p.start()
         yield grpc_port, http_port
     finally:
         for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        log.close()
-
-
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+            p.stop()
 
 
 @pytest.mark.integration
 def test_image_healthcheck_against_real_processes(mesh_on_loopback: tuple[int, int]) -> None:
     grpc_port, http_port = mesh_on_loopback
-    deadline = time.monotonic() + 30
-    while not _ready(http_port):
-        assert time.monotonic() < deadline, "frontend did not become ready"
-        time.sleep(0.2)
+    poll(lambda: frontend_ready(http_port), 30, "the frontend to see the worker", 0.2)
     check = [sys.executable, str(CONTAINER / "healthcheck.py")]
     for target in (
         f"http://127.0.0.1:{http_port}/live",

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import random
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -37,7 +35,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from tests.conftest import free_port
 from tests.etcd_server import ETCD_BINARY, MISSING_REASON, EtcdServer
-from tests.procs import Proc, poll
+from tests.procs import Proc, frontend_ready, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -184,14 +182,6 @@ class Mesh:
         return workers[wid].indexed_blocks
 
 
-def _health(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     if ETCD_BINARY is None:
@@ -213,7 +203,7 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 )
             m.addresses = {wid: w.address for wid, w in views.items()}
             for port in m.http_ports:
-                poll(lambda port=port: _health(port), 30, f"frontend :{port} healthy", 0.2)
+                poll(lambda port=port: frontend_ready(port), 30, f"frontend :{port} healthy", 0.2)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{m.logs()}") from None
         yield m
