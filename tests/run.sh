@@ -56,5 +56,12 @@ if ! command -v etcd >/dev/null; then
   else echo "etcd not found: its tests will be skipped (sudo apt-get install etcd-server)" >&2; fi
 fi
 
-step "pytest"
+step "iproute2 (ip netns) for the multi-host test (tests/integration/test_multihost_netns.py)"
+if ! command -v ip >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+  else echo "ip not found: the multi-host test will be skipped (sudo apt-get install iproute2)" >&2; fi
+fi
+
+step "pytest (includes tests/deploy: every manifest under deploy/ built and validated offline)"
 "$VENV/bin/python" -m pytest -q "$@"
