@@ -74,15 +74,17 @@ def _cmd_bench(ns: argparse.Namespace) -> None:
 
 
 def _cmd_replay(ns: argparse.Namespace) -> None:
+    from kvmesh.router.backend import DisaggConfig
+    from kvmesh.sim.config import ReplayConfig, ReplayError
     from kvmesh.sim.main import run_replay
-    from kvmesh.sim.replay import ReplayConfig, ReplayError
     from kvmesh.workers.mocker.config import MockerConfig
 
     try:
         mocker = from_args(MockerConfig, ns)
+        disagg = from_args(DisaggConfig, ns)
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
-    sys.exit(run_replay(from_args(ReplayConfig, ns, mocker=mocker)))
+    sys.exit(run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.frontend.config import FrontendConfig
     from kvmesh.router.main import RouterServerConfig
     from kvmesh.router.stack import MeshConfig
-    from kvmesh.sim.replay import add_replay_args
+    from kvmesh.sim.config import add_replay_args
     from kvmesh.workers.config import WorkerConfig
     from kvmesh.workers.main import engine_arg_groups
 
