@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.apps.cli import main
 from kvmesh.router.backend import DisaggConfig, LocalPrefill
 from kvmesh.router.routing import RouterMode
 from kvmesh.sim.config import ReplayConfig, ReplayError
@@ -94,3 +95,47 @@ def test_cli_compares_aggregated_and_disaggregated(trace_path: str) -> None:
     assert "kv-disagg-1p3d" in text.getvalue() and "GB of KV moved" in text.getvalue()
     with pytest.raises(ReplayError):
         config(trace_path, prefill_workers=4)
+
+
+def test_a_saturated_prefill_pool_sends_prefills_to_the_decode_workers(trace_path: str) -> None:
+    """The replay decides with the gateway's conditional disaggregation, saturation included:
+    with at most one prefill in flight per prefill worker, a burst overflows to local prefill."""
+    trace = load_trace(trace_path)
+    free, free_stats = simulate_disaggregated(trace, config(trace_path, 0, prefill_workers=1))
+    capped_cfg = config(trace_path, 0, prefill_workers=1)
+    capped_cfg.disagg.disagg_max_prefill_inflight = 1
+    capped, stats = simulate_disaggregated(trace, capped_cfg)
+    assert free_stats.remote_prefills == 120 and free_stats.local_prefills_total == 0
+    saturated = stats.local_prefills[LocalPrefill.PREFILL_SATURATED]
+    assert 0 < saturated < 120
+    assert stats.remote_prefills + saturated == 120
+    assert stats.local_prefills_total == saturated
+    assert capped.requests == free.requests == 120 and stats.blocks_in_use_at_end == 0
+    assert capped.per_worker[0].requests == stats.remote_prefills  # p0 got only those
+
+
+def test_cli_takes_the_gateways_disagg_flags(
+    trace_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["replay", "--trace", trace_path, "--workers", "2", "--prefill-workers", "1"]
+    with pytest.raises(SystemExit) as info:
+        main(
+            [
+                *argv,
+                "--disagg-local-prefill-tokens",
+                "0",
+                "--disagg-max-prefill-inflight",
+                "1",
+                "--json",
+            ]
+        )
+    assert info.value.code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    disagg = rows[1]["disagg"]
+    assert (
+        disagg["local_prefills"] > 0 and disagg["remote_prefills"] + disagg["local_prefills"] == 120
+    )
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--disagg-local-prefill-tokens", "-1"])
+    assert info.value.code == 2
+    assert "disagg thresholds must be >= 0" in capsys.readouterr().err

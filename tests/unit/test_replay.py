@@ -13,8 +13,8 @@ import pytest
 from kvmesh.apps.cli import main
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.routing import RouterMode
-from kvmesh.sim.main import run_replay
 from kvmesh.sim.config import ReplayConfig, ReplayError
+from kvmesh.sim.main import run_replay
 from kvmesh.sim.replay import simulate
 from kvmesh.sim.results import ModeResult
 from kvmesh.sim.trace import (
