@@ -19,8 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler, LoadSample
+from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler
+from kvmesh.router.kv_subscriber import sample_from_pb
 from kvmesh.router.routing import RouterMode, pick_simple
+from kvmesh.runtime import wire
 from kvmesh.runtime.kv_events import KvEventKind
 from kvmesh.runtime.types import LoadInfo
 from kvmesh.sim.config import ReplayConfig
@@ -154,14 +156,9 @@ class KvPolicy:
             apply(wid, kind)
 
     def load(self, worker: int, info: LoadInfo, now: float) -> None:
-        sample = LoadSample(
-            kv_active_blocks=info.kv_active_blocks,
-            kv_total_blocks=info.kv_total_blocks,
-            num_running=info.num_running,
-            num_waiting=info.num_waiting,
-            pending_prefill_tokens=info.pending_prefill_tokens,
-        )
-        self.sched.update_load(self.worker_ids[worker], sample, now)
+        # The live path: the worker's LoadMetrics message, read as the router's subscriber does.
+        metrics = wire.load_to_pb(info, timestamp_ms=int(now * 1e3), draining=False)
+        self.sched.update_load(self.worker_ids[worker], sample_from_pb(metrics), now)
 
 
 class SimplePolicy:
