@@ -13,17 +13,16 @@ import pytest
 from kvmesh.apps.cli import main
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.routing import RouterMode
+from kvmesh.sim.config import ReplayConfig, ReplayError
 from kvmesh.sim.main import run_replay
-from kvmesh.sim.replay import (
-    ModeResult,
-    ReplayConfig,
-    ReplayError,
+from kvmesh.sim.replay import simulate
+from kvmesh.sim.results import ModeResult
+from kvmesh.sim.trace import (
+    PromptBuilder,
     Trace,
     TraceRequest,
-    _PromptBuilder,
     load_trace,
     prefix_hit_bound,
-    simulate,
     token_block,
 )
 from kvmesh.workers.mocker import MockerConfig, PolynomialTiming
@@ -130,7 +129,7 @@ def test_token_blocks_are_fixed_per_hash_id() -> None:
 
 
 def test_prompts_share_exactly_their_common_hash_ids() -> None:
-    builder = _PromptBuilder(512)
+    builder = PromptBuilder(512)
     a = builder.prompt(TraceRequest(0, 3 * 512, 1, [1, 2, 3]), 0)
     b = builder.prompt(TraceRequest(0, 2 * 512 + 100, 1, [1, 2, 9]), 1)
     assert len(a) == 1536 and len(b) == 1124

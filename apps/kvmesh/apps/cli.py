@@ -58,17 +58,20 @@ def _cmd_bench(ns: argparse.Namespace) -> None:
 
 
 def _cmd_replay(ns: argparse.Namespace) -> int:
+    from kvmesh.router.backend import DisaggConfig
+    from kvmesh.sim.config import ReplayConfig
     from kvmesh.sim.main import run_replay
-    from kvmesh.sim.replay import ReplayConfig
     from kvmesh.workers.mocker.config import MockerConfig
 
-    return run_replay(from_args(ReplayConfig, ns, mocker=from_args(MockerConfig, ns)))
+    mocker = from_args(MockerConfig, ns)
+    disagg = from_args(DisaggConfig, ns)
+    return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg))
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (built on demand, never at import time)."""
     from kvmesh.apps.bench import BenchConfig
-    from kvmesh.sim.replay import add_replay_args
+    from kvmesh.sim.config import add_replay_args
 
     parser = argparse.ArgumentParser(prog="kvmesh", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
