@@ -194,9 +194,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         pulls = list(self._pulls)
         for t in pulls:
             t.cancel()
-        for t in pulls:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await asyncio.gather(*pulls, return_exceptions=True)  # each frees what it took
         self._pins.release_all()
         sched = self._scheduler
         requests, self._requests = self._requests, {}
