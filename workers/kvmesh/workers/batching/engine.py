@@ -266,16 +266,15 @@ class BatchingEngine(Engine, Generic[SchedT]):
     def configure_disaggregation(self, settings: DisaggSettings) -> None:
         self._disagg = settings
         self._pins.default_ttl_s = settings.pin_timeout_s
-        if self._info is not None:  # otherwise _open's card gets it from _apply_role
-            self._apply_role(self._info)
+        if self._info is not None:  # the card follows (else it is built with them)
+            self._info.role = settings.role
+            self._info.capabilities = self._capabilities()
 
-    def _apply_role(self, info: ModelInfo) -> None:
-        """Put the configured disaggregation role (and the capability) on a model card."""
-        info.role = self._disagg.role
-        caps = tuple(c for c in info.capabilities if c != "DISAGGREGATION")
-        if info.role is not Role.AGGREGATED:
-            caps += ("DISAGGREGATION",)
-        info.capabilities = caps
+    def _capabilities(self) -> tuple[str, ...]:
+        """The model card's capabilities: KV events if published, logprobs, and disaggregation
+        in a prefill or decode role."""
+        caps = ("KV_EVENTS", "LOGPROBS") if self._events is not None else ("LOGPROBS",)
+        return caps + (("DISAGGREGATION",) if self._disagg.role is not Role.AGGREGATED else ())
 
     async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
         sched = self._accept(request)

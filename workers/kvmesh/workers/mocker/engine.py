@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 from kvmesh.runtime.clock import Clock
 from kvmesh.runtime.kv_events import KvEventLog
-from kvmesh.runtime.types import KvBlockDescriptor, KvLayout, KvTransferHandle, ModelInfo, Role
+from kvmesh.runtime.types import KvBlockDescriptor, KvLayout, KvTransferHandle, ModelInfo
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.batching.scheduler import SeqOutput
 from kvmesh.workers.mocker.config import MockerConfig
@@ -64,7 +64,6 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
             max_model_len=max_len,
             events=self._events,
         )
-        capabilities = ("KV_EVENTS", "LOGPROBS") if self._events is not None else ("LOGPROBS",)
         self._info = ModelInfo(
             served_model_name=served_model_name,
             engine=self.engine_name,
@@ -72,10 +71,10 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
             kv_total_blocks=config.num_gpu_blocks,
             context_length=max_len,
             model_path=model_path,
-            role=Role.AGGREGATED,
+            role=self._disagg.role,
             max_num_seqs=config.max_num_seqs,
             eos_token_ids=eos,
-            capabilities=capabilities,
+            capabilities=self._capabilities(),
         )
 
     async def _run_step(self, sched: MockerScheduler) -> Sequence[SeqOutput] | None:

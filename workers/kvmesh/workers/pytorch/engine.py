@@ -173,11 +173,11 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             kv_total_blocks=num_blocks,
             context_length=sched.max_seq_len,
             model_path=str(self.model_dir),
+            role=self._disagg.role,
             max_num_seqs=cfg.max_num_seqs,
             eos_token_ids=self._eos,
-            capabilities=("KV_EVENTS", "LOGPROBS") if self._events is not None else ("LOGPROBS",),
+            capabilities=self._capabilities(),
         )
-        self._apply_role(self._info)
         log.info(
             "torch engine: %s (%s) on %s as %s, %d KV blocks of %d tokens (%.1f MiB), "
             "max model length %d",
