@@ -102,7 +102,8 @@ class BatchingEngine(Engine, Generic[SchedT]):
     """An Engine over a BatchScheduler (see the module docstring for the hooks).
 
     A subclass sets `engine_name`, puts its scheduler in `_scheduler` and its model card in
-    `_info` (in `__init__`, or in `_open` when they need the model), and implements the hooks.
+    `_info` (in `__init__`, or in `_open` when they need the model; the card's role is
+    `_disagg.role`, its capabilities `_capabilities()`), and implements the hooks.
     Beyond the Engine contract: `scheduler` (the synchronous core), `cached_blocks()` /
     `cached_block_hashes()` (the pool's view of the prefix cache), `num_pinned_transfers`.
     """
