@@ -124,7 +124,7 @@ def test_too_large() -> None:
     assert (
         e.value.param == "prompt" and "100" in e.value.message and "context length" in str(e.value)
     )
-    assert e.value.http_status == 413
+    assert e.value.http_status == 400
     with pytest.raises(RequestTooLarge) as e:
         validate_request(request(prompt=list(range(50)), stop=StopParams(max_tokens=51)), INFO)
     assert e.value.param == "max_tokens" and "50" in e.value.message

@@ -35,9 +35,9 @@ class InvalidRequest(KvmeshError):
 
 
 class RequestTooLarge(InvalidRequest):
-    """The prompt (plus requested output) does not fit the context window (HTTP 413)."""
+    """The prompt (plus requested output) does not fit the context window (gRPC INVALID_ARGUMENT,
+    HTTP 400 with OpenAI's code "context_length_exceeded", as OpenAI and vLLM answer)."""
 
-    http_status = 413
     reason = "CONTEXT_LENGTH_EXCEEDED"
 
 
