@@ -354,6 +354,26 @@ async def test_over_the_context_length_is_400_context_length_exceeded(
     assert info.value.code == "context_length_exceeded"
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    ],
+)
+async def test_image_and_audio_parts_are_refused_not_dropped(
+    gw: Gateway, part: dict[str, Any]
+) -> None:
+    """No engine has the MULTIMODAL capability: a chat with an image or audio part gets a 400
+    that names the part, instead of being served as its text alone."""
+    content = [{"type": "text", "text": "What is in this picture?"}, part]
+    got, payload = await gw.post(CHAT, _chat(messages=[{"role": "user", "content": content}]))
+    assert got == 400, payload
+    assert payload["error"]["param"] == "messages"
+    assert part["type"] in payload["error"]["message"]
+    assert not gw.backend.calls
+
+
 async def test_openai_client_sees_errors(gw: Gateway) -> None:
     with pytest.raises(openai.NotFoundError):
         await gw.client.chat.completions.create(model="nope", messages=USER)
