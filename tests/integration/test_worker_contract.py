@@ -78,7 +78,7 @@ async def collect(
 
 
 async def test_generate_streams_tokens_then_finish_and_usage(
-    stub: wpb_grpc.WorkerServiceStub,
+    stub: wpb_grpc.WorkerServiceStub, tiny_model: Path
 ) -> None:
     msgs = await collect(stub, gen_request(list(range(100, 110)), max_tokens=6))
     tokens = [t for m in msgs for t in m.token_ids]
@@ -88,8 +88,32 @@ async def test_generate_streams_tokens_then_finish_and_usage(
     assert last.finish_reason == cpb.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (10, 6)
     again = await collect(stub, gen_request(list(range(100, 110)), max_tokens=6))
-    assert [t for m in again for t in m.token_ids] == tokens, "greedy output is deterministic"
     assert again[-1].usage.cached_tokens > 0, "second identical prompt hits the prefix cache"
+    # Greedy output depends on the prompt only: not on this worker's cache, nor on anything of
+    # this process. Another worker (its own engine, cold cache) must give the same tokens, and
+    # so must seeded sampling; another seed must not.
+    other = Worker(WorkerConfig(), make_engine(tiny_model, num_gpu_blocks=64, block_size=4))
+    await other.start()
+    channel = insecure_channel(other.address)
+    try:
+        cold = await collect(
+            wpb_grpc.WorkerServiceStub(channel), gen_request(list(range(100, 110)), max_tokens=6)
+        )
+        assert cold[-1].usage.cached_tokens == 0
+        assert [t for m in again for t in m.token_ids] == tokens
+        assert [t for m in cold for t in m.token_ids] == tokens
+
+        async def sample(s: wpb_grpc.WorkerServiceStub, seed: int) -> list[int]:
+            req = gen_request(list(range(100, 110)), max_tokens=6, seed=seed)
+            req.sampling.temperature = 1.0
+            return [t for m in await collect(s, req) for t in m.token_ids]
+
+        seeded = await sample(stub, 42)
+        assert seeded == await sample(wpb_grpc.WorkerServiceStub(channel), 42)
+        assert seeded != await sample(wpb_grpc.WorkerServiceStub(channel), 43)
+    finally:
+        await channel.close()
+        await other.stop()
 
 
 @pytest.mark.parametrize(
