@@ -109,9 +109,7 @@ def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.KvmeshError:
         status = rpc_status.from_call(err)  # type: ignore[arg-type]  # an AioRpcError is a Call
     except ValueError:  # details that contradict the code or message: not ours, ignore them
         status = None
-    return error_from_status(
-        err.code(), err.details() or "", status.SerializeToString() if status is not None else b""
-    )
+    return _decode(err.code(), err.details() or "", status)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -121,14 +119,24 @@ def error_from_status(
     code: grpc.StatusCode | int, details: str, status_details: bytes = b""
 ) -> errors.KvmeshError:
     """The domain exception for a status code (enum or its number), its details and, if any, the
-    serialized google.rpc.Status that came with it (the `grpc-status-details-bin` trailer, or
-    StreamedGenerateOutput.error_status). Its ErrorInfo picks the exact class (when its reason
-    goes with `code`) and the parameter; without one the code alone decides."""
+    serialized google.rpc.Status that came with it (StreamedGenerateOutput.error_status)."""
     if isinstance(code, int):
         code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    status = None
+    if status_details:
+        try:
+            status = Status.FromString(status_details)
+        except DecodeError:  # garbage from a foreign server is just no details
+            pass
+    return _decode(code, details, status)
+
+
+def _decode(code: grpc.StatusCode, details: str, status: Status | None) -> errors.KvmeshError:
+    """The one decoder: the code picks the class, unless the status carries a kvmesh ErrorInfo
+    whose reason goes with that code (then the reason picks it); its metadata gives the param."""
     cls = _FROM_STATUS.get(code, errors.KvmeshError)
     param = None
-    info = _error_info(status_details)
+    info = _error_info(status) if status is not None else None
     if info is not None:
         by_reason = _BY_REASON.get(info.reason)
         if by_reason is not None and by_reason[1] is code:
@@ -137,14 +145,8 @@ def error_from_status(
     return cls(details or code.name, param=param)
 
 
-def _error_info(status_details: bytes) -> ErrorInfo | None:
-    """The kvmesh ErrorInfo in a serialized google.rpc.Status, if there is one."""
-    if not status_details:
-        return None
-    try:
-        status = Status.FromString(status_details)
-    except DecodeError:  # garbage from a foreign server is just no details
-        return None
+def _error_info(status: Status) -> ErrorInfo | None:
+    """The kvmesh ErrorInfo among a google.rpc.Status's details, if there is one."""
     for detail in status.details:
         if detail.Is(ErrorInfo.DESCRIPTOR):
             info = ErrorInfo()
