@@ -50,7 +50,7 @@ def _openai_errors(*statuses: int) -> dict[str, Schema]:
         400: "Invalid request",
         404: "Unknown model or route",
         405: "Method not allowed",
-        413: "Prompt (plus max_tokens) exceeds the context window, or body too large",
+        413: "Request body too large",
         429: "Overloaded",
         501: "Not implemented by the backend",
         503: "No worker available, or draining",
@@ -62,7 +62,7 @@ def _kserve_errors(*statuses: int) -> dict[str, Schema]:
     text = {
         400: "Invalid inference request",
         404: "Unknown model or version",
-        413: "Prompt (plus max_tokens) exceeds the context window, or body too large",
+        413: "Request body too large",
         429: "Overloaded",
         503: "No worker available, or draining",
     }

@@ -22,7 +22,7 @@ does `response_format`; without it the request is refused (400) instead of silen
 
 Context-window policy (documented deviation from vLLM, which answers 400): a prompt that
 leaves no room for a single output token, or whose prompt + max_tokens exceed the context
-window, is refused with RequestTooLarge (HTTP 413, code "context_length_exceeded"), with
+window, is refused with RequestTooLarge (HTTP 400, code "context_length_exceeded"), with
 vLLM's message. Without max_tokens, chat generates until the window is full and completions
 generate `default_completion_max_tokens` (16, like OpenAI).
 """
