@@ -47,7 +47,7 @@ step "mypy (strict; the namespace portions in place, see pyproject.toml)"
 "$VENV/bin/python" -m mypy
 
 step "pyright (the same tree, [tool.pyright] in pyproject.toml)"
-"$VENV/bin/python" -m pyright
+"$VENV/bin/python" -m pyright --pythonpath "$VENV/bin/python"
 
 step "etcd server (Debian's etcd-server) for the etcd discovery tests"
 if ! command -v etcd >/dev/null; then
