@@ -25,7 +25,10 @@ class ReplayConfig:
     """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; the
     conditional disaggregation thresholds the gateway's, a DisaggConfig, `disagg`)."""
 
-    trace: str = opt("", "Mooncake-format JSONL trace to replay (required)")
+    trace: str = opt(
+        "",
+        "trace to replay (required): Mooncake JSONL, or Azure LLM inference CSV (no prefixes)",
+    )
     workers: int = opt(4, "number of simulated mocker workers")
     router: list[RouterMode] = opt(
         [RouterMode.KV],

@@ -1,7 +1,11 @@
-"""Traces: Mooncake JSONL loading, the infinite-cache prefix bound, and prompt expansion.
+"""Traces: loading (Mooncake JSONL, Azure LLM inference CSV), writing, the infinite-cache prefix
+bound, and prompt expansion.
 
-A trace holds one request per line: `timestamp` (ms), `input_length`, `output_length`,
-`hash_ids` (ids of 512-token prefix blocks: equal leading ids = equal prefixes). Each hash id
+A Mooncake trace holds one request per line: `timestamp` (ms), `input_length`,
+`output_length`, `hash_ids` (ids of 512-token prefix blocks: equal leading ids = equal
+prefixes). An Azure trace (`TIMESTAMP,ContextTokens,GeneratedTokens`, wall-clock timestamps)
+has no prefix information: its requests get no hash ids, so every prompt is unique (generators
+that add prefix structure build on `load_trace` and `write_trace`). Each hash id
 becomes a fixed pseudo-random run of `trace_block_size` token ids (a pure function of the id,
 the same in every run and process), the runs are joined and cut to `input_length`; the engine
 then splits the prompt into its own `block_size`-token blocks (8 per trace block at 64). The
@@ -10,10 +14,13 @@ request asks for exactly `output_length` tokens (at least 1; max_tokens, EOS ign
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import math
 from dataclasses import dataclass
+from datetime import datetime
+from typing import TextIO
 
 from kvmesh.sim.config import ReplayError
 
@@ -25,6 +32,7 @@ __all__ = [
     "load_trace",
     "prefix_hit_bound",
     "token_block",
+    "write_trace",
 ]
 
 VOCAB_SIZE = 256
@@ -55,18 +63,21 @@ class Trace:
 
 
 def load_trace(path: str, limit: int = 0) -> Trace:
-    """Read a Mooncake JSONL trace (the first `limit` lines when > 0); ReplayError if malformed."""
+    """Read a trace (the first `limit` requests when > 0): Mooncake JSONL, or an Azure LLM
+    inference CSV when the file name ends in `.csv`; ReplayError if malformed."""
     if not path:
-        raise ReplayError("no trace given: pass --trace FILE (a Mooncake-format JSONL file)")
+        raise ReplayError("no trace given: pass --trace FILE (Mooncake JSONL or Azure CSV)")
     requests: list[TraceRequest] = []
     try:
         with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit and len(requests) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                requests.append(_parse_line(line, path, lineno))
+            if path.endswith(".csv"):
+                requests = _read_azure_csv(f, path, limit)
+            else:
+                for lineno, line in enumerate(f, 1):
+                    if limit and len(requests) >= limit:
+                        break
+                    if line.strip():
+                        requests.append(_parse_line(line, path, lineno))
     except OSError as exc:
         raise ReplayError(f"cannot read trace {path!r}: {exc.strerror or exc}") from None
     if not requests:
@@ -99,6 +110,47 @@ def _parse_line(line: str, path: str, lineno: int) -> TraceRequest:
     if isl < 1 or osl < 0:
         raise ReplayError(f"{where}: input_length must be >= 1 and output_length >= 0")
     return TraceRequest(ts, isl, osl, ids)
+
+
+def _read_azure_csv(f: TextIO, path: str, limit: int) -> list[TraceRequest]:
+    """Rows of an Azure LLM inference trace; timestamps become ms after the first row's."""
+    reader = csv.reader(f)
+    header = next(reader, None)
+    if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+        raise ReplayError(f"{path}: not an Azure LLM inference trace (header {header!r})")
+    requests: list[TraceRequest] = []
+    start: datetime | None = None
+    for lineno, row in enumerate(reader, 2):
+        if limit and len(requests) >= limit:
+            break
+        if not row:
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            stamp, isl, osl = row[0], int(row[1]), int(row[2])
+            day, _, frac = stamp.partition(".")
+            # Azure writes 7 fractional digits; datetime takes at most 6.
+            when = datetime.strptime(f"{day}.{(frac or '0')[:6]:0<6}", "%Y-%m-%d %H:%M:%S.%f")
+        except (ValueError, IndexError) as exc:
+            raise ReplayError(f"{where}: {exc}") from None
+        if isl < 1 or osl < 0:
+            raise ReplayError(f"{where}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
+        start = start or when
+        requests.append(TraceRequest((when - start).total_seconds() * 1e3, isl, osl, []))
+    return requests
+
+
+def write_trace(trace: Trace, path: str) -> None:
+    """Write `trace` as Mooncake JSONL (what load_trace reads back)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in trace.requests:
+            row = {
+                "timestamp": round(r.timestamp_ms, 3),
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": r.hash_ids,
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def prefix_hit_bound(trace: Trace, trace_block_size: int = 512) -> tuple[float, float]:
