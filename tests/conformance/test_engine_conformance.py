@@ -251,6 +251,44 @@ async def test_stop_token_ids(engine: Engine) -> None:
     assert len(tokens) > k + 1
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"temperature": 0.9, "seed": 11},
+        {"temperature": 0.0, "presence_penalty": 1.5, "frequency_penalty": 0.5},
+    ],
+    ids=["greedy", "seeded", "penalties"],
+)
+async def test_a_resumed_request_continues_its_output(
+    engine: Engine, sampling: dict[str, object]
+) -> None:
+    """Request migration: the prompt plus the first k output tokens, `resumed_output_tokens=k`
+    and the remaining max_tokens give exactly the rest of the unresumed output (penalties and the
+    sampling stream count the resumed tokens as output). Engines without RESUME refuse it."""
+    request = make(prompt=20, max_tokens=16, **sampling)
+    k = 6
+    resumed = EngineRequest(
+        f"conf-{next(_ids)}",
+        list(request.prompt),
+        request.sampling,
+        StopParams(max_tokens=10),
+        resumed_output_tokens=k,
+    )
+    if "RESUME" not in engine.info.capabilities:
+        with pytest.raises(InvalidRequest) as e:
+            await collect(engine, resumed)
+        assert e.value.param == "resumed_output_tokens"
+        return
+    full, _ = await collect(engine, request)
+    resumed.prompt += full[:k]
+    rest, outs = await collect(engine, resumed)
+    assert rest == full[k:]
+    usage = outs[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (20, 16)
+    assert_idle(engine)
+
+
 async def test_cancel_with_aclose_frees_blocks(engine: Engine) -> None:
     gen = engine.generate(make(prompt=100, max_tokens=None))
     first = await anext(gen)

@@ -143,6 +143,7 @@ def test_too_large() -> None:
         ),
         ("LOGPROBS", "logprobs", EngineRequest("r", [1, 2], SamplingParams(top_logprobs=0))),
         ("LORA", "lora_name", EngineRequest("r", [1, 2], lora_name="sql")),
+        ("RESUME", "resumed_output_tokens", EngineRequest("r", [1, 2], resumed_output_tokens=1)),
     ],
 )
 def test_fields_needing_a_capability_are_refused_without_it(
@@ -155,6 +156,14 @@ def test_fields_needing_a_capability_are_refused_without_it(
         validate_request(req, bare)
     assert e.value.param == param and capability in e.value.message
     validate_request(req, ModelInfo("m", "mocker", 16, 100, 100, capabilities=(capability,)))
+
+
+@pytest.mark.parametrize("resumed", [-1, 3, 4])
+def test_resumed_output_must_be_shorter_than_the_prompt(resumed: int) -> None:
+    info = ModelInfo("m", "mocker", 16, 100, 100, capabilities=("RESUME",))
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(EngineRequest("r", [1, 2, 3], resumed_output_tokens=resumed), info)
+    assert e.value.param == "resumed_output_tokens"
 
 
 def test_media_needs_the_multimodal_capability() -> None:

@@ -222,6 +222,11 @@ class EngineRequest:
     priority: int = 0
     remote_prefill: RemotePrefill | None = None
     """Set on a decode worker: the prompt was prefilled remotely (see the module docstring)."""
+    resumed_output_tokens: int = 0
+    """Request migration: the last this-many `prompt` tokens are output the request generated
+    before (on another worker, or before it was paused); the engine continues that output (they
+    count as output for penalties and the sampling stream). `stop` counts only what is still to
+    generate. Needs the RESUME capability. 0: a new request."""
 
 
 @dataclass(slots=True)

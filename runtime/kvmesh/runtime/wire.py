@@ -89,6 +89,7 @@ def request_to_pb(req: EngineRequest) -> wpb.GenerateRequest:
         stop=stop_to_pb(req.stop),
         lora_name=req.lora_name,
         priority=req.priority,
+        resumed_output_tokens=req.resumed_output_tokens,
     )
     if req.remote_prefill is not None:
         msg.remote_prefill.CopyFrom(remote_prefill_to_pb(req.remote_prefill))
@@ -151,6 +152,7 @@ def request_from_pb(msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
         remote_prefill=(
             remote_prefill_from_pb(msg.remote_prefill) if msg.HasField("remote_prefill") else None
         ),
+        resumed_output_tokens=msg.resumed_output_tokens,
     )
 
 

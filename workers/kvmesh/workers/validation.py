@@ -36,8 +36,9 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
     top_k >= 0; 0 <= min_p <= 1; presence/frequency penalties in [-2, 2]; repetition_penalty > 0;
     0 <= top_logprobs <= 20; logit_bias ids >= 0 with biases in [-100, 100]; max_tokens >= 1;
     0 <= min_tokens <= max_tokens; stop token ids >= 0; prompt shorter than the context length and
-    prompt + max_tokens within it; guided decoding, logprobs and a LoRA adapter only when the model
-    card advertises GUIDED_DECODING, LOGPROBS and LORA. Token ids are not checked against the
+    prompt + max_tokens within it; guided decoding, logprobs, a LoRA adapter and resumed output only
+    when the model card advertises GUIDED_DECODING, LOGPROBS, LORA and RESUME (resumed output
+    shorter than the prompt). Token ids are not checked against the
     vocabulary (unknown here).
     """
     _check_capabilities(request, info)
@@ -123,6 +124,16 @@ def _check_capabilities(request: EngineRequest, info: ModelInfo) -> None:
         raise _missing(info, "LOGPROBS", "logprobs", "logprobs")
     if request.lora_name and "LORA" not in caps:
         raise _missing(info, "LORA", f"LoRA adapter {request.lora_name!r}", "lora_name")
+    resumed = request.resumed_output_tokens
+    if resumed:
+        if "RESUME" not in caps:
+            raise _missing(info, "RESUME", "resumed_output_tokens", "resumed_output_tokens")
+        if not 0 < resumed < len(request.prompt):
+            raise InvalidRequest(
+                f"resumed_output_tokens ({resumed}) must be less than the number of prompt "
+                f"tokens ({len(request.prompt)})",
+                param="resumed_output_tokens",
+            )
 
 
 def validate_wire_request(

@@ -149,7 +149,8 @@ class Seq:
     def __init__(self, request: EngineRequest, arrival: int) -> None:
         self.request_id = request.request_id
         self.tokens: list[int] = list(request.prompt)
-        self.prompt_len = len(self.tokens)
+        self.prompt_len = len(self.tokens) - request.resumed_output_tokens
+        """The original prompt's length: a resumed request's earlier output is output."""
         self.lora = request.lora_name
         self.priority = request.priority
         self.arrival = arrival
@@ -161,7 +162,7 @@ class Seq:
         self.decoding = False
         self.status = SeqStatus.WAITING
         self.max_len = 0
-        self.min_len = self.prompt_len + request.stop.min_tokens
+        self.min_len = len(self.tokens) + request.stop.min_tokens
         self.stop_ids: frozenset[int] = frozenset()
         self.pin = False
 

@@ -129,7 +129,7 @@ class MockerScheduler(BatchScheduler[_Seq, MockerConfig]):
             seed = request.sampling.seed
         else:
             seed = self._rng.getrandbits(64)
-        seq.key = self.sampler.stream_key(seq.tokens, seed)
+        seq.key = self.sampler.stream_key(seq.tokens[: seq.prompt_len], seed)
         return seq
 
     def step(self, now: float) -> StepResult:

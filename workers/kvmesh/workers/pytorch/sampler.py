@@ -14,7 +14,8 @@ Per row, in this order (vLLM's semantics):
      search). Otherwise: divide by the temperature, keep the `top_k` best, keep the smallest set
      whose probability reaches `top_p`, drop tokens below `min_p` times the best probability,
      and draw from the renormalised distribution with the request's own torch.Generator (seeded
-     once per request, so a seeded request is reproducible whatever else runs in the batch).
+     by the scheduler from the request's seed and the position, so a seeded request is
+     reproducible whatever else runs in the batch, and a resumed one continues its stream).
 """
 
 from __future__ import annotations

@@ -30,15 +30,28 @@ from kvmesh.workers.pytorch.sampler import SampleSpec
 __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for sequence `position` of the stream `seed` (splitmix64)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 class _Seq(Seq):
     """Scheduler state of one request, with what the sampler needs."""
 
-    __slots__ = ("bias_ids", "bias_values", "generator", "params", "suppress")
+    __slots__ = ("bias_ids", "bias_values", "generator", "params", "seed", "suppress")
 
     def __init__(self, request: EngineRequest, arrival: int) -> None:
         super().__init__(request, arrival)
         self.params = request.sampling
         self.generator: torch.Generator | None = None
+        self.seed = 0
+        """Sampled requests: the seed the generator is keyed by at each position."""
         self.suppress: tuple[int, ...] = ()
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
@@ -119,8 +132,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             seed = request.sampling.seed
             if seed is None:
                 seed = self._rng.getrandbits(63)
+            seq.seed = seed & _MASK64
             seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(seed & ((1 << 64) - 1))
         return seq
 
     # -- scheduling ----------------------------------------------------------------------------
@@ -134,6 +147,10 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         ):
             spec = None
             if sample:
+                if seq.generator is not None:
+                    # Keyed by (seed, position): the draw for a position does not depend on the
+                    # draws before it, so a resumed request (a migration) continues its stream.
+                    seq.generator.manual_seed(_position_seed(seq.seed, len(seq.tokens)))
                 spec = SampleSpec(
                     seq.params,
                     seq.tokens,

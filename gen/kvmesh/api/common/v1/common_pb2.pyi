@@ -140,6 +140,11 @@ class _EngineCapabilityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Engi
     """Can serve PrefillRemote and pull blocks from a prefill worker."""
     ENGINE_CAPABILITY_KV_EVENTS: _EngineCapability.ValueType  # 8
     """Emits KV cache events on SubscribeKvEvents (without it routers use approximate mode)."""
+    ENGINE_CAPABILITY_RESUME: _EngineCapability.ValueType  # 9
+    """Continues a migrated request's output exactly (GenerateRequest.resumed_output_tokens): the
+    resumed tokens count as output for penalties and the sampling stream (greedy or seeded)
+    goes on at the same position. Workers without it refuse resumed_output_tokens.
+    """
 
 class EngineCapability(_EngineCapability, metaclass=_EngineCapabilityEnumTypeWrapper):
     """Optional engine features a worker advertises in its model card."""
@@ -170,6 +175,11 @@ ENGINE_CAPABILITY_DISAGGREGATION: EngineCapability.ValueType  # 7
 """Can serve PrefillRemote and pull blocks from a prefill worker."""
 ENGINE_CAPABILITY_KV_EVENTS: EngineCapability.ValueType  # 8
 """Emits KV cache events on SubscribeKvEvents (without it routers use approximate mode)."""
+ENGINE_CAPABILITY_RESUME: EngineCapability.ValueType  # 9
+"""Continues a migrated request's output exactly (GenerateRequest.resumed_output_tokens): the
+resumed tokens count as output for penalties and the sampling stream (greedy or seeded)
+goes on at the same position. Workers without it refuse resumed_output_tokens.
+"""
 Global___EngineCapability: _TypeAlias = EngineCapability  # noqa: Y015
 
 class _ErrorReason:

@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     MEDIA_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     ENGINE_PARAMS_JSON_FIELD_NUMBER: _builtins.int
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id, used in logs, traces and KV transfer. Empty: the worker makes one."""
     lora_name: _builtins.str
@@ -44,6 +45,15 @@ class GenerateRequest(_message.Message):
     """Engine-specific options as a JSON object, passed through untouched. Empty: none. Reserved
     for engine adapters that read it; no kvmesh engine does yet, so workers refuse a non-empty
     value with UNIMPLEMENTED.
+    """
+    resumed_output_tokens: _builtins.int
+    """Request migration: the last `resumed_output_tokens` of token_ids are output this request
+    already generated (on a worker that failed, or before it was paused); the rest is the
+    original prompt. The engine continues that output: those tokens count as output for the
+    presence and frequency penalties and the sampling stream (greedy or seeded) goes on at the
+    same position, so the continuation is the one the request would have produced. `stop`
+    counts only what is still to generate (max_tokens, min_tokens). Needs the RESUME capability
+    (INVALID_ARGUMENT otherwise); must be less than the number of token_ids. 0: a new request.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -85,10 +95,11 @@ class GenerateRequest(_message.Message):
         media: _abc.Iterable[_common_pb2.MediaInput] | None = ...,
         priority: _builtins.int = ...,
         engine_params_json: _builtins.str = ...,
+        resumed_output_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["remote_prefill", b"remote_prefill", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_params_json", b"engine_params_json", "lora_name", b"lora_name", "media", b"media", "priority", b"priority", "remote_prefill", b"remote_prefill", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_params_json", b"engine_params_json", "lora_name", b"lora_name", "media", b"media", "priority", b"priority", "remote_prefill", b"remote_prefill", "request_id", b"request_id", "resumed_output_tokens", b"resumed_output_tokens", "sampling", b"sampling", "stop", b"stop", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
