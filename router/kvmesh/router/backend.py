@@ -25,25 +25,32 @@ import contextlib
 import dataclasses
 import enum
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
+from kvmesh.router.admission import Admission, AdmissionConfig
 from kvmesh.router.pool import WorkerHandle, WorkerPool
-from kvmesh.router.routing import Router
+from kvmesh.router.routing import RouteDecision, Router
+from kvmesh.router.session import MAX_BUFFERED_OUTPUTS, RequestPaused, WorkerLost
 from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import error_from_rpc
 from kvmesh.runtime.tracing import TraceContext
-from kvmesh.runtime.types import EngineOutput, EngineRequest, ModelInfo, PrefillResult, Role
+from kvmesh.runtime.types import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    ModelInfo,
+    PrefillResult,
+    Role,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
-
-# Attempts per request when a worker is unavailable before it produced anything (one retry).
-MAX_ATTEMPTS = 2
 
 
 @dataclass
@@ -70,6 +77,81 @@ class DisaggConfig:
             raise ValueError("disagg thresholds must be >= 0")
         if not self.disagg_prefill_timeout_s > 0:
             raise ValueError("disagg_prefill_timeout_s must be > 0")
+
+
+@dataclass
+class MigrationConfig:
+    """Request migration and per-request flow control."""
+
+    migration_limit: int = opt(
+        3,
+        "times one request may move to another worker when its worker dies, hangs or cancels "
+        "it mid-stream (resuming after the tokens already sent); 0: never",
+    )
+    max_buffered_outputs: int = opt(
+        MAX_BUFFERED_OUTPUTS,
+        "outputs one request may buffer for a client that does not read them; past it the "
+        "worker stops generating for it (resumed when the client reads again, or ended); 0: no "
+        "limit",
+    )
+
+    def __post_init__(self) -> None:
+        if self.migration_limit < 0 or self.max_buffered_outputs < 0:
+            raise ValueError("migration_limit and max_buffered_outputs must be >= 0")
+
+
+@dataclass
+class BackendConfig(DisaggConfig, MigrationConfig, AdmissionConfig):
+    """Everything a MeshBackend is configured with."""
+
+
+class MigrationReason(enum.Enum):
+    """Why a request moved to another worker (kvmesh_migrations_total{reason})."""
+
+    STREAM_LOST = "stream_lost"
+    """The connection or stream to its worker broke (the worker died or was cut off)."""
+    UNRESPONSIVE = "unresponsive"
+    """Health checks found its worker hung and ejected it."""
+    WORKER_CANCELLED = "worker_cancelled"
+    """Its worker cancelled it (a drain that timed out)."""
+    WORKER_UNAVAILABLE = "worker_unavailable"
+    """Its worker refused it (draining, stopping) before producing anything."""
+
+
+def resume_request(
+    request: EngineRequest, generated: Sequence[int], info: ModelInfo
+) -> EngineRequest | None:
+    """The request that continues `request` after the output tokens `generated` on a worker with
+    card `info`, or None when that worker cannot continue it identically.
+
+    Nothing generated yet: `request` itself. Otherwise the prompt plus `generated`, with what is
+    left of max_tokens and min_tokens: marked as resumed output (`resumed_output_tokens`) for
+    engines with the RESUME capability, which continue the same output in every sampling mode;
+    for other engines only greedy requests without presence/frequency penalties continue
+    identically (a longer prompt is then the same computation). Guided decoding never does (the
+    grammar state is the engine's).
+    """
+    if not generated:
+        return request
+    s = request.sampling
+    if s.guided is not None:
+        return None
+    resumed = len(generated) if "RESUME" in info.capabilities else 0
+    if not resumed and (s.temperature > 0 or s.presence_penalty or s.frequency_penalty):
+        return None
+    stop = request.stop
+    k = len(generated)
+    return dataclasses.replace(
+        request,
+        prompt=[*request.prompt, *generated],
+        stop=dataclasses.replace(
+            stop,
+            max_tokens=None if stop.max_tokens is None else stop.max_tokens - k,
+            min_tokens=max(0, stop.min_tokens - k),
+        ),
+        remote_prefill=None,
+        resumed_output_tokens=request.resumed_output_tokens + resumed if resumed else 0,
+    )
 
 
 class LocalPrefill(enum.Enum):
@@ -109,11 +191,16 @@ def local_prefill_reason(
 
 
 class DisaggStats:
-    """Counters of the disaggregated path (cheap; exported by router.metrics)."""
+    """Counters of the disaggregated path, of migrations and of paused streams (cheap; exported
+    by router.metrics)."""
 
-    __slots__ = ("kv_transfer_bytes", "local_prefills", "remote_prefills")
+    __slots__ = ("kv_transfer_bytes", "local_prefills", "migrations", "pauses", "remote_prefills")
 
     def __init__(self) -> None:
+        self.migrations = dict.fromkeys(MigrationReason, 0)
+        """Requests moved to another worker mid-request, by reason."""
+        self.pauses = 0
+        """Times a request's worker stopped generating for a client that did not read."""
         self.remote_prefills = 0
         """Requests prefilled by PrefillRemote and continued on a decode worker."""
         self.local_prefills = dict.fromkeys(LocalPrefill, 0)
@@ -122,12 +209,40 @@ class DisaggStats:
         """Prompt KV bytes decode workers pulled from prefill workers."""
 
 
+class _Progress:
+    """What one request produced so far, over every worker it ran on."""
+
+    __slots__ = ("admitted", "generated", "migrations", "prompt_tokens", "resumed", "worker")
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.prompt_tokens = len(request.prompt)
+        self.generated: list[int] = []
+        """Output tokens delivered to the consumer."""
+        self.migrations = 0
+        self.resumed = False
+        """An attempt continued after earlier output (usage is then recounted)."""
+        self.admitted = False
+        """The request holds an admission slot."""
+        self.worker: WorkerHandle | None = None
+        """The worker of the current attempt (None while routing)."""
+
+
 class MeshBackend:
     """GenerateBackend over a WorkerPool and a Router.
 
     `configured` holds the models this gateway is set up to serve (from its own model
     directory), so an expected model with no live worker is "unavailable" (503), not
-    "unknown" (404). `disagg`: conditional disaggregation thresholds.
+    "unknown" (404). `disagg`: conditional disaggregation thresholds, and, when it is a
+    BackendConfig, migration and admission settings.
+
+    Resilience: each generation is admitted first (`admission`: concurrency limit, per-worker
+    limits, bounded queue with timeout; kvmesh.router.admission). When its worker dies, hangs
+    (ejected by health checks), refuses it or cancels it before it finished, the request moves to
+    another worker (`MigrationConfig.migration_limit` times at most) and continues after the
+    tokens already delivered (`resume_request`): the consumer sees one stream, with no token
+    repeated or missing and usage counted once. A request whose consumer stops reading is
+    stopped on its worker and resumed where it stopped once the consumer has caught up
+    (kvmesh.router.session flow control).
     """
 
     def __init__(
@@ -140,13 +255,21 @@ class MeshBackend:
         self.pool = pool
         self.router = router
         self.configured = dict(configured or {})
-        self.disagg = disagg if disagg is not None else DisaggConfig()
+        if isinstance(disagg, BackendConfig):
+            config = disagg
+        else:
+            config = BackendConfig(**dataclasses.asdict(disagg)) if disagg else BackendConfig()
+        self.config = config
+        self.disagg: DisaggConfig = config
         self.stats = DisaggStats()
+        self.admission = Admission(config)
         self._releases: set[asyncio.Task[None]] = set()
+        pool.add_listener(lambda _w, joined: self.admission.wake() if joined else None)
 
     def ready(self) -> bool:
-        """A worker that can generate is live (prefill-only workers cannot serve alone)."""
-        return any(w.info.role is not Role.PREFILL for w in self.pool.workers())
+        """A worker that can generate is live and answering (prefill-only workers cannot serve
+        alone; ejected and draining workers take no new work)."""
+        return any(w.info.role is not Role.PREFILL and w.available for w in self.pool.workers())
 
     def models(self) -> list[ModelInfo]:
         merged = {**self.configured, **self.pool.models()}
@@ -164,87 +287,214 @@ class MeshBackend:
     async def generate(
         self, model: str, request: EngineRequest, trace: TraceContext | None
     ) -> AsyncIterator[EngineOutput]:
-        if self.disaggregated(model):
-            stream = self._generate_disaggregated(model, request, trace)
-        else:
-            stream = self._generate_aggregated(model, request, trace)
+        progress = _Progress(request)
+        disaggregated = self.disaggregated(model)
+        exclude: list[str] = []
+        cause: Exception | None = None
         try:
-            async for out in stream:
-                yield out
+            while True:
+                if disaggregated and cause is None:
+                    stream = self._generate_disaggregated(model, request, trace, progress)
+                else:
+                    role = Role.DECODE if disaggregated else None
+                    stream = self._attempt(model, request, trace, progress, exclude, role, cause)
+                try:
+                    try:
+                        async for out in stream:
+                            yield out
+                    finally:
+                        await stream.aclose()
+                    return
+                except RequestPaused as exc:
+                    self.stats.pauses += 1
+                    cause = exc  # resumed where it stopped, on any worker (its own is likely)
+                except Unavailable as exc:
+                    if not self._migrate(request, progress, exc, exclude, trace):
+                        raise
+                    cause = exc
         finally:
-            await stream.aclose()
+            if progress.admitted:
+                self.admission.finished()
 
-    async def _generate_aggregated(
-        self, model: str, request: EngineRequest, trace: TraceContext | None
-    ) -> AsyncGenerator[EngineOutput, None]:
-        rid = request.request_id
-        tried: list[str] = []
-        while True:
-            decision = await self.router.route(
+    def _migrate(
+        self,
+        request: EngineRequest,
+        progress: _Progress,
+        exc: Unavailable,
+        exclude: list[str],
+        trace: TraceContext | None,
+    ) -> bool:
+        """Whether the request moves on after `exc` ended its attempt on `progress.worker`
+        (and if so, the failed worker is avoided and the migration counted)."""
+        worker = progress.worker
+        if worker is None:  # routing failed: no worker to move from
+            return False
+        if isinstance(exc, WorkerLost):
+            reason = MigrationReason(exc.cause)
+        else:
+            reason = MigrationReason.WORKER_UNAVAILABLE
+        if reason is not MigrationReason.UNRESPONSIVE:
+            WorkerPool.mark_down(worker)  # (health checks already ejected an unresponsive one)
+        if progress.migrations >= self.config.migration_limit:
+            log.warning(
+                "request %s: %s on worker %s; migration limit (%d) reached",
+                request.request_id,
+                exc.message,
+                worker.worker_id,
+                self.config.migration_limit,
+            )
+            return False
+        progress.migrations += 1
+        exclude.append(worker.worker_id)
+        self.stats.migrations[reason] += 1
+        log.warning(
+            "request %s%s: %s on worker %s after %d tokens; migrating (%d of %d)",
+            request.request_id,
+            f" (trace {trace.trace_id})" if trace is not None else "",
+            exc.message,
+            worker.worker_id,
+            len(progress.generated),
+            progress.migrations,
+            self.config.migration_limit,
+        )
+        return True
+
+    async def _route(
+        self,
+        model: str,
+        prompt: Sequence[int],
+        request: EngineRequest,
+        progress: _Progress,
+        *,
+        exclude: Sequence[str] = (),
+        role: Role | None = None,
+    ) -> RouteDecision:
+        """Admit the request (or, once admitted, re-admit it at the head of the queue) and book a
+        worker for it."""
+        progress.worker = None
+
+        def route() -> Awaitable[RouteDecision]:
+            return self.router.route(
                 model,
-                request.prompt,
-                rid,
+                prompt,
+                request.request_id,
                 lora_name=request.lora_name,
-                exclude=tried,
+                exclude=exclude,
+                role=role,
                 expected_output_tokens=request.stop.max_tokens or 0,
             )
-            worker = decision.worker
-            started = False
-            try:
-                async for out in self._stream(worker, request, trace, first_token=True):
-                    started = True
-                    yield out
-                return
-            except Unavailable as exc:
-                # The worker died or is draining and nothing reached the client yet: avoid it
-                # and try another one (a dead worker stays in discovery until its lease ends).
-                if started or len(tried) + 1 >= MAX_ATTEMPTS:
-                    raise
-                WorkerPool.mark_down(worker)
-                tried.append(worker.worker_id)
-                log.info(
-                    "request %s: worker %s unavailable (%s); retrying",
-                    rid,
-                    worker.worker_id,
-                    exc.message,
+
+        admitted = progress.admitted
+        decision = await self.admission.admit(route, new=not admitted, urgent=admitted)
+        progress.admitted = True
+        progress.worker = decision.worker
+        return decision
+
+    def _booking_ended(self, request_id: str) -> None:
+        self.router.finished(request_id)
+        self.admission.wake()
+
+    async def _attempt(
+        self,
+        model: str,
+        request: EngineRequest,
+        trace: TraceContext | None,
+        progress: _Progress,
+        exclude: Sequence[str],
+        role: Role | None,
+        cause: Exception | None,
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """One attempt at `request` on a worker (after `cause` ended the previous one), continuing
+        after the output delivered so far."""
+        done = progress.generated
+        if done:
+            stop = request.stop
+            info = self.model_info(model)
+            context = info.context_length if info is not None else 0
+            if (stop.max_tokens is not None and len(done) >= stop.max_tokens) or (
+                context and progress.prompt_tokens + len(done) >= context
+            ):  # the output was complete; only the final message was lost
+                yield EngineOutput(
+                    [],
+                    finish_reason=FinishReason.LENGTH,
+                    usage=Usage(progress.prompt_tokens, len(done)),
                 )
-            finally:
-                self.router.finished(rid)
+                return
+        prompt = [*request.prompt, *done] if done else request.prompt
+        decision = await self._route(model, prompt, request, progress, exclude=exclude, role=role)
+        try:
+            attempt = resume_request(request, done, decision.worker.info)
+            if attempt is None:
+                assert cause is not None  # nothing generated: the request itself is resumable
+                log.warning(
+                    "request %s cannot be resumed identically on %s (its sampling state is the "
+                    "engine's); not migrated",
+                    request.request_id,
+                    decision.worker.info.engine,
+                )
+                raise cause
+            progress.resumed = progress.resumed or bool(done)
+            async for out in self._stream(
+                decision.worker, attempt, trace, progress, first_token=not done
+            ):
+                yield out
+        finally:
+            self._booking_ended(request.request_id)
 
     async def _stream(
         self,
         worker: WorkerHandle,
         request: EngineRequest,
         trace: TraceContext | None,
+        progress: _Progress,
         *,
         first_token: bool,
     ) -> AsyncGenerator[EngineOutput, None]:
         """Stream `request` from `worker`; `first_token`: tell the router when it arrives."""
         child = trace.child() if trace is not None else None
-        stream = worker.session.generate(wire.request_to_pb(request), child)
+        limit = self.config.max_buffered_outputs
+        stream = worker.session.generate(
+            wire.request_to_pb(request),
+            child,
+            max_buffered=limit,
+            pausable=bool(limit) and resume_request(request, [0], worker.info) is not None,
+        )
+        generated = progress.generated
         try:
             async for msg in stream:
                 if first_token:
                     first_token = False
                     self.router.first_token(request.request_id)
-                yield wire.output_from_pb(msg)
+                out = wire.output_from_pb(msg)
+                if out.finish_reason is FinishReason.CANCELLED:
+                    # Not this consumer's doing: the worker gave up on it (a drain timed out).
+                    if out.token_ids:
+                        generated += out.token_ids
+                        yield EngineOutput(out.token_ids, out.logprobs)
+                    raise WorkerLost(
+                        f"worker {worker.worker_id} cancelled the request",
+                        MigrationReason.WORKER_CANCELLED.value,
+                    )
+                generated += out.token_ids
+                if out.usage is not None and progress.resumed:
+                    out.usage = Usage(
+                        progress.prompt_tokens, len(generated), out.usage.cached_tokens
+                    )
+                yield out
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
     # -- disaggregated ---------------------------------------------------------------------------
 
     async def _generate_disaggregated(
-        self, model: str, request: EngineRequest, trace: TraceContext | None
+        self,
+        model: str,
+        request: EngineRequest,
+        trace: TraceContext | None,
+        progress: _Progress,
     ) -> AsyncGenerator[EngineOutput, None]:
         rid = request.request_id
-        decision = await self.router.route(
-            model,
-            request.prompt,
-            rid,
-            lora_name=request.lora_name,
-            role=Role.DECODE,
-            expected_output_tokens=request.stop.max_tokens or 0,
-        )
+        decision = await self._route(model, request.prompt, request, progress, role=Role.DECODE)
         decode = decision.worker
         try:
             reason = self._local_reason(model, request, decode, decision.overlap_blocks)
@@ -254,7 +504,7 @@ class MeshBackend:
             if prefilled is None:
                 assert reason is not None
                 self.stats.local_prefills[reason] += 1
-                async for out in self._stream(decode, request, trace, first_token=True):
+                async for out in self._stream(decode, request, trace, progress, first_token=True):
                     yield out
                 return
             result, prefill = prefilled
@@ -263,6 +513,7 @@ class MeshBackend:
             first = EngineOutput(
                 [rp.first_token_id], [rp.first_logprob] if rp.first_logprob is not None else None
             )
+            progress.generated.append(rp.first_token_id)
             if result.finish_reason is not None:  # the first token ended it on P
                 first.finish_reason = result.finish_reason
                 first.usage = result.usage
@@ -274,7 +525,7 @@ class MeshBackend:
             completed = False
             try:
                 remote = dataclasses.replace(request, remote_prefill=rp)
-                async for out in self._stream(decode, remote, trace, first_token=False):
+                async for out in self._stream(decode, remote, trace, progress, first_token=False):
                     if out.finish_reason is not None:
                         completed = True
                         self.stats.kv_transfer_bytes += out.kv_transfer_bytes
@@ -286,7 +537,7 @@ class MeshBackend:
                     # D failed or the client left: D may not have released P's blocks.
                     self._release_later(prefill, rp.handle.transfer_id)
         finally:
-            self.router.finished(rid)
+            self._booking_ended(rid)
 
     def _local_reason(
         self, model: str, request: EngineRequest, decode: WorkerHandle, overlap_blocks: int

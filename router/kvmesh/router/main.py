@@ -33,7 +33,9 @@ async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
     await pool.start()
     server = GrpcServer(config.host, config.port)
     server.add(
-        rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(pool, router), ROUTER_SERVICE
+        rpb_grpc.add_RouterServiceServicer_to_server,
+        RouterServicer(pool, router, mesh),
+        ROUTER_SERVICE,
     )
     await server.start()
     log.info("router (%s) serving on %s", mesh.router_mode.value, server.address)

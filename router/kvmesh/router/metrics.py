@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from kvmesh.router.backend import DisaggStats, LocalPrefill
+from kvmesh.router.backend import DisaggStats, LocalPrefill, MigrationReason
 from kvmesh.router.routing import RoutingStats
 
 PREFIX = "kvmesh_router_"
@@ -73,6 +73,24 @@ class DisaggCollector:
         )
         moved.add_metric([], s.kv_transfer_bytes)
         yield moved
+        migrations = CounterMetricFamily(
+            "kvmesh_migrations",
+            "Requests moved to another worker before they finished, by reason (stream_lost: "
+            "the worker died or was cut off; unresponsive: health checks ejected it; "
+            "worker_cancelled: it cancelled the request, e.g. a drain timed out; "
+            "worker_unavailable: it refused the request before producing anything).",
+            labels=["reason"],
+        )
+        for reason in MigrationReason:
+            migrations.add_metric([reason.value], s.migrations[reason])
+        yield migrations
+        pauses = CounterMetricFamily(
+            "kvmesh_stream_pauses",
+            "Times a worker stopped generating for a client that did not read its stream (the "
+            "request resumes where it stopped when the client reads again).",
+        )
+        pauses.add_metric([], s.pauses)
+        yield pauses
 
 
 def _le(bound: float) -> str:

@@ -3,6 +3,16 @@
 Routers pick from it; the gateway's backend calls the picked worker through it. Listeners
 (e.g. the KV index, which subscribes to each worker's event stream) hear about joins and
 leaves.
+
+Health (`HealthConfig`): discovery only notices a worker that died when its lease ends, and
+never one that hangs (a stopped process keeps its connections open). So each worker is also
+checked here, as Envoy's active health checks and outlier detection do: every interval a worker
+that has shown no sign of life (no output on a stream with requests in flight, or no traffic at
+all) gets a canary, the standard `grpc.health.v1` Check with a deadline. After
+`health_check_failures` consecutive failures it is ejected: routers skip it, readiness stops
+counting it, and its stream is abandoned, so its requests fail with WorkerLost and the backend
+migrates them. One answered check readmits it. A worker that answers NOT_SERVING is draining: no
+new requests go to it, and its requests in flight finish there.
 """
 
 from __future__ import annotations
@@ -15,11 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.router.session import WorkerSession
 from kvmesh.runtime import wire
+from kvmesh.runtime.config import opt
 from kvmesh.runtime.discovery import Discovery, EventKind, Instance
 from kvmesh.runtime.grpcutil import insecure_channel
 from kvmesh.runtime.types import ModelInfo
@@ -33,6 +45,43 @@ REMOVED_CHANNEL_GRACE_S = 120.0
 # How long a worker that failed to answer is avoided (about one discovery lease: by then it
 # has either answered again or left discovery).
 DOWN_S = 5.0
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+@dataclass
+class HealthConfig:
+    """How a frontend or router checks its workers and how much it sends each."""
+
+    health_check_interval_s: float = opt(
+        1.0,
+        "a worker that showed no sign of life for this long (no output while requests are in "
+        "flight, or idle) gets a health check (grpc.health.v1 Check); 0: no health checks",
+    )
+    health_check_timeout_s: float = opt(2.0, "a health check not answered within this long fails")
+    health_check_failures: int = opt(
+        2,
+        "consecutive failed health checks that eject a worker from routing (its requests in "
+        "flight are migrated); one answered check readmits it",
+    )
+    max_inflight_per_worker: int = opt(
+        -1,
+        "requests this process keeps in flight on one worker (prefill workers excepted); more "
+        "wait in the admission queue. -1: the worker's max_num_seqs (its batch size), 0: no limit",
+    )
+
+    def __post_init__(self) -> None:
+        if self.health_check_interval_s < 0 or not self.health_check_timeout_s > 0:
+            raise ValueError("health_check_interval_s must be >= 0, health_check_timeout_s > 0")
+        if self.health_check_failures < 1:
+            raise ValueError("health_check_failures must be >= 1")
+        if self.max_inflight_per_worker < -1:
+            raise ValueError("max_inflight_per_worker must be >= -1")
+
+    def inflight_limit(self, info: ModelInfo) -> int:
+        """The in-flight limit of a worker with card `info` (0: none)."""
+        limit = self.max_inflight_per_worker
+        return info.max_num_seqs if limit == -1 else limit
 
 
 @dataclass(eq=False)
@@ -51,8 +100,17 @@ class WorkerHandle:
     """Requests this process has in flight on the worker."""
     down_until: float = 0.0
     """Monotonic time until which routers avoid this worker: it failed to answer (it may
-    have died; discovery removes it when its lease expires). 0: healthy."""
+    have died; discovery removes it when its lease expires), or (inf) health checks ejected it
+    or found it draining. 0: healthy."""
+    max_inflight: int = 0
+    """Most requests routers book on it from this process (HealthConfig.inflight_limit); 0: no
+    limit."""
     extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def available(self) -> bool:
+        """Neither ejected by health checks nor draining (it may have failed a request lately)."""
+        return self.down_until != float("inf")
 
 
 Listener = Callable[[WorkerHandle, bool], None]
@@ -62,9 +120,19 @@ Listener = Callable[[WorkerHandle, bool], None]
 class WorkerPool:
     """Tracks workers announced by discovery; a worker joins once its model card is read."""
 
-    def __init__(self, discovery: Discovery, *, card_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        discovery: Discovery,
+        *,
+        card_timeout_s: float = 5.0,
+        health: HealthConfig | None = None,
+    ) -> None:
         self._discovery = discovery
         self._card_timeout_s = card_timeout_s
+        self.health = health if health is not None else HealthConfig()
+        self._checks: dict[str, asyncio.Task[None]] = {}
+        self.ejections = 0
+        """Workers ejected by health checks so far."""
         self._workers: dict[str, WorkerHandle] = {}
         self._pending: dict[str, asyncio.Task[None]] = {}
         self._listeners: list[Listener] = []
@@ -85,7 +153,11 @@ class WorkerPool:
 
     async def stop(self) -> None:
         """Stop watching and close every channel."""
-        tasks = [t for t in (self._task, *self._pending.values()) if t is not None]
+        tasks = [
+            t
+            for t in (self._task, *self._pending.values(), *self._checks.values())
+            if t is not None
+        ]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -111,7 +183,7 @@ class WorkerPool:
     def mark_down(handle: WorkerHandle, seconds: float = DOWN_S) -> None:
         """Avoid `handle` for `seconds` (it failed to answer); routers skip it meanwhile unless
         no other worker is left."""
-        handle.down_until = time.monotonic() + seconds
+        handle.down_until = max(handle.down_until, time.monotonic() + seconds)
 
     def models(self) -> dict[str, ModelInfo]:
         """Served model name -> the model card of one of its workers."""
@@ -151,17 +223,23 @@ class WorkerPool:
         except asyncio.CancelledError:
             await channel.close()
             raise
+        info = wire.card_from_pb(card.card)
         handle = WorkerHandle(
             instance_id=inst.instance_id,
             worker_id=card.worker_id or inst.instance_id,
             address=inst.address,
-            info=wire.card_from_pb(card.card),
+            info=info,
             channel=channel,
             stub=stub,
             session=WorkerSession(stub, inst.address),
+            max_inflight=self.health.inflight_limit(info),
         )
         self._pending.pop(inst.instance_id, None)
         self._workers[inst.instance_id] = handle
+        if self.health.health_check_interval_s > 0:
+            self._checks[inst.instance_id] = asyncio.get_running_loop().create_task(
+                self._check(handle), name=f"health-{handle.worker_id}"
+            )
         log.info("worker %s joined (%s, %s)", handle.worker_id, handle.address, handle.info.engine)
         self._notify(handle, True)
 
@@ -169,6 +247,9 @@ class WorkerPool:
         pending = self._pending.pop(instance_id, None)
         if pending is not None:
             pending.cancel()
+        check = self._checks.pop(instance_id, None)
+        if check is not None:
+            check.cancel()
         handle = self._workers.pop(instance_id, None)
         if handle is None:
             return
@@ -177,6 +258,55 @@ class WorkerPool:
         task = asyncio.get_running_loop().create_task(self._retire(handle))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+
+    async def _check(self, handle: WorkerHandle) -> None:
+        """Health-check `handle` until it leaves (see the module docstring)."""
+        cfg = self.health
+        check = handle.channel.unary_unary(
+            HEALTH_CHECK,
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            await asyncio.sleep(cfg.health_check_interval_s)
+            session = handle.session
+            if session.inflight and session.idle_for(loop.time()) < cfg.health_check_interval_s:
+                failures = 0  # output is flowing: alive
+                if handle.down_until == float("inf"):
+                    self._readmit(handle)
+                continue
+            try:
+                resp = await check(
+                    health_pb2.HealthCheckRequest(), timeout=cfg.health_check_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                failures += 1
+                if failures >= cfg.health_check_failures:
+                    self._eject(handle, f"{failures} health checks failed ({exc.code().name})")
+                continue
+            failures = 0
+            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                if handle.down_until == float("inf"):
+                    self._readmit(handle)
+            elif handle.down_until != float("inf"):
+                log.info("worker %s is draining: no new requests go to it", handle.worker_id)
+                handle.down_until = float("inf")
+
+    def _eject(self, handle: WorkerHandle, why: str) -> None:
+        """Take `handle` out of routing (if it is not out yet) and abandon its requests."""
+        if handle.down_until != float("inf"):
+            self.ejections += 1
+            handle.down_until = float("inf")
+            log.warning("worker %s ejected: %s; migrating its requests", handle.worker_id, why)
+            self._changed.set()
+        handle.session.abandon(f"ejected: {why}")
+
+    def _readmit(self, handle: WorkerHandle) -> None:
+        log.info("worker %s answers again: readmitted", handle.worker_id)
+        handle.down_until = 0.0
+        self._changed.set()
 
     @staticmethod
     async def _retire(handle: WorkerHandle) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.router.pool import WorkerHandle, WorkerPool
-from kvmesh.runtime.errors import NotFound, Unavailable
+from kvmesh.runtime.errors import NotFound, ResourceExhausted, Unavailable
 from kvmesh.runtime.types import Role
 
 
@@ -102,6 +102,11 @@ class RoutingStats:
         return self.total_s / self.decisions if self.decisions else 0.0
 
 
+class Saturated(ResourceExhausted):
+    """Every worker that could take the request has its `max_inflight` requests in flight (the
+    caller queues it: kvmesh.router.admission)."""
+
+
 def pick_candidates(
     pool: WorkerPool, model: str, exclude: Collection[str], role: Role | None
 ) -> list[WorkerHandle]:
@@ -109,8 +114,10 @@ def pick_candidates(
 
     `role` None: aggregated workers, or decode workers when the model has no aggregated ones.
     NotFound when nobody serves the model while other models are served; Unavailable when no
-    worker is live at all, or none is left after the role filter and `exclude`. Workers marked
-    down (WorkerPool.mark_down) are left out while others remain.
+    worker is live at all, or none is left after the role filter and `exclude`; Saturated when
+    every one left has its `max_inflight` requests in flight (prefill workers have no such
+    limit). Workers marked down (WorkerPool.mark_down, health ejections) are left out while
+    others remain.
     """
     workers = pool.workers(model)
     if not workers:
@@ -129,6 +136,13 @@ def pick_candidates(
         chosen = [w for w in chosen if w.worker_id not in exclude]
         if not chosen:
             raise Unavailable(f"no other worker serves model {model!r}")
+    chosen = [w for w in chosen if w.available]
+    if not chosen:
+        raise Unavailable(f"no worker serving model {model!r} is answering health checks")
+    if role is not Role.PREFILL:
+        chosen = [w for w in chosen if not w.max_inflight or w.inflight < w.max_inflight]
+        if not chosen:
+            raise Saturated(f"every worker serving model {model!r} is at its in-flight limit")
     now = time.monotonic()
     up = [w for w in chosen if w.down_until <= now]
     return up or chosen  # workers that just failed are a last resort, not excluded

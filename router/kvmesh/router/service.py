@@ -19,7 +19,7 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.router.v1 import router_service_pb2 as rpb
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
-from kvmesh.router.backend import MeshBackend
+from kvmesh.router.backend import BackendConfig, MeshBackend
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_subscriber import load_event_to_pb
 from kvmesh.router.pool import WorkerPool
@@ -54,10 +54,12 @@ def _only_model(pool: WorkerPool, model: str) -> str:
 class RouterServicer(rpb_grpc.RouterServiceServicer):
     """RouterService over an in-process Router and its WorkerPool."""
 
-    def __init__(self, pool: WorkerPool, router: Router) -> None:
+    def __init__(
+        self, pool: WorkerPool, router: Router, config: BackendConfig | None = None
+    ) -> None:
         self.pool = pool
         self.router = router
-        self.backend = MeshBackend(pool, router)
+        self.backend = MeshBackend(pool, router, disagg=config)
 
     async def Route(
         self, request: rpb.RouteRequest, context: grpc.aio.ServicerContext[Any, Any]

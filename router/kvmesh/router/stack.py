@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.router.backend import DisaggConfig
+from kvmesh.router.backend import BackendConfig
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_scheduler import KvRouterConfig
-from kvmesh.router.pool import WorkerPool
+from kvmesh.router.pool import HealthConfig, WorkerPool
 from kvmesh.router.routing import Router, RouterMode, SimpleRouter
 from kvmesh.router.service import RemoteRouter
 from kvmesh.runtime.config import opt
@@ -20,9 +20,10 @@ from kvmesh.runtime.discovery import open_discovery
 
 
 @dataclass
-class MeshConfig(DisaggConfig):
+class MeshConfig(BackendConfig, HealthConfig):
     """How a frontend or router finds workers and routes to them (with the conditional
-    disaggregation thresholds of DisaggConfig)."""
+    disaggregation thresholds, migration and admission settings of BackendConfig, and the
+    health checks and per-worker limits of HealthConfig)."""
 
     discovery: str = opt("", "discovery URL: file:///dir, static://h:p,h:p or etcd://h:p")
     router_mode: RouterMode = opt(
@@ -56,7 +57,7 @@ def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
     """The worker pool and the router a frontend or router process uses."""
     if not mesh.discovery:
         raise ValueError("--discovery is required (file:///dir, static://host:port,...)")
-    pool = WorkerPool(open_discovery(mesh.discovery))
+    pool = WorkerPool(open_discovery(mesh.discovery), health=mesh)
     router: Router
     if mesh.router_address:
         router = RemoteRouter(mesh.router_address, pool)

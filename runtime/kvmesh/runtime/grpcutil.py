@@ -112,6 +112,34 @@ def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.KvmeshError:
     return _decode(err.code(), err.details() or "", status)
 
 
+# Codes a call gets when it breaks below the service: the peer died or was cut off (UNAVAILABLE,
+# "Socket closed"), the channel was closed (CANCELLED), the HTTP/2 stream was reset or ended
+# without a status (INTERNAL "Internal error from Core", UNKNOWN), or it hung (DEADLINE_EXCEEDED).
+_TRANSPORT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+
+
+def transport_failure(err: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call broke below the service (connection lost, peer killed or hung, stream
+    reset) rather than ended with an error the peer's servicer returned. Every status a kvmesh
+    server sends carries a kvmesh ErrorInfo (`status_of`), so a status in one of the transport's
+    codes without one came from the transport, whatever its message says."""
+    if err.code() not in _TRANSPORT_CODES:
+        return False
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]  # an AioRpcError is a Call
+    except ValueError:
+        return True
+    return status is None or _error_info(status) is None
+
+
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 

@@ -274,8 +274,10 @@ class BatchingEngine(Engine, Generic[SchedT]):
     def _capabilities(self) -> tuple[str, ...]:
         """The model card's capabilities: KV events if published, logprobs, resumed output, and
         disaggregation in a prefill or decode role."""
-        caps = ("KV_EVENTS", "LOGPROBS") if self._events is not None else ("LOGPROBS",)
-        caps += ("RESUME",)  # a migrated request's output continues exactly (Seq.prompt_len)
+        # RESUME: a migrated request's output continues exactly (Seq.prompt_len).
+        caps: tuple[str, ...] = ("LOGPROBS", "RESUME")
+        if self._events is not None:
+            caps = ("KV_EVENTS", *caps)
         return caps + (("DISAGGREGATION",) if self._disagg.role is not Role.AGGREGATED else ())
 
     async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
