@@ -11,7 +11,7 @@ import pytest
 from kvmesh.frontend import kserve
 from kvmesh.frontend.kserve import InferEncoder, InferRequest, Tensor, to_generation
 from kvmesh.frontend.kserve_http import decode_generate, decode_infer, encode_infer
-from kvmesh.frontend.protocol import ChoiceDelta, ChoiceResult, CompletionResult, UsageInfo
+from kvmesh.frontend.dataplane import ChoiceDelta, ChoiceResult, CompletionResult, UsageInfo
 from kvmesh.runtime.errors import InvalidRequest, NotFound
 
 pytestmark = pytest.mark.unit

@@ -30,6 +30,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
 from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
 from kvmesh.frontend.errors import error_body, error_from_exception
 from kvmesh.frontend.kserve_http import KServeRoutes
 from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -37,9 +38,6 @@ from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.protocol import (
     DONE_EVENT,
     ChatChunkEncoder,
-    ChatCompletionRequest,
-    CompletionRequest,
-    CompletionResult,
     ParsedChatChunkEncoder,
     TextChunkEncoder,
     encode_embeddings,

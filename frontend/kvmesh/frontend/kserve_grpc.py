@@ -29,8 +29,8 @@ import grpc
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2 as pb
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from kvmesh.frontend import kserve
+from kvmesh.frontend.dataplane import CompletionResult
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
-from kvmesh.frontend.protocol import CompletionResult
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound, RequestTooLarge
 from kvmesh.runtime.grpcutil import GrpcServer, status_for

@@ -28,8 +28,8 @@ import orjson
 from aiohttp import web
 
 from kvmesh.frontend import kserve
+from kvmesh.frontend.dataplane import CompletionResult
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
-from kvmesh.frontend.protocol import CompletionResult
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound
 from kvmesh.runtime.tracing import TraceContext
