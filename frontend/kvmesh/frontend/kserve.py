@@ -54,13 +54,19 @@ from kvmesh.runtime.types import ModelInfo
 __all__ = [
     "DATATYPES",
     "EXTENSIONS",
+    "INPUT_TYPES",
+    "OUTPUT_TYPES",
+    "SERVER_METADATA",
     "SERVER_NAME",
     "GenerationCall",
     "InferEncoder",
     "InferRequest",
     "InferResponse",
+    "ModelMetadataResponse",
     "ParamValue",
+    "ServerMetadataResponse",
     "Tensor",
+    "TensorMetadata",
     "check_version",
     "decode_bytes_tensor",
     "decode_raw",
@@ -237,9 +243,27 @@ _FLAGS = frozenset(
     }
 )
 _PROMPTS = frozenset({"text_input", "input_ids"})
-_OTHER_INPUTS = frozenset({"stop", "stop_words", "sampling_parameters", "beam_width"})
-INPUT_NAMES = frozenset(_SCALARS) | _FLAGS | _PROMPTS | _OTHER_INPUTS
-"""Input tensor names the LLM models accept."""
+_KIND_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
+INPUT_TYPES: dict[str, Any] = {
+    "text_input": str,
+    "input_ids": list[int],
+    **{name: _KIND_TYPES[kind] for name, (kind, _) in _SCALARS.items()},
+    **dict.fromkeys(sorted(_FLAGS), bool),
+    "stop": str | list[str],
+    "stop_words": str | list[str],
+    "sampling_parameters": str,
+    "beam_width": int,
+}
+"""Input tensors the LLM models accept, with their JSON type in the generate extension."""
+INPUT_NAMES = frozenset(INPUT_TYPES)
+OUTPUT_TYPES: dict[str, Any] = {
+    "text_output": str,
+    "finish_reason": str,
+    "num_input_tokens": int,
+    "num_output_tokens": int,
+    "output_ids": list[int],
+}
+"""Output tensors, with their JSON type in the generate extension."""
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
 OPTIONAL_OUTPUTS = ("output_ids",)
 SAMPLING_KEYS = frozenset(
@@ -585,38 +609,69 @@ class InferEncoder:
 # Metadata
 
 
-def model_metadata(info: ModelInfo, name: str) -> dict[str, Any]:
-    """ModelMetadata of an LLM (REST JSON shape; the gRPC servicer converts it)."""
-    return {
-        "name": name,
-        "versions": [MODEL_VERSION],
-        "platform": "kvmesh",
-        "inputs": [
-            {"name": "text_input", "datatype": "BYTES", "shape": [1]},
-            {"name": "input_ids", "datatype": "INT64", "shape": [-1]},
-            {"name": "stream", "datatype": "BOOL", "shape": [1]},
-            {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1]},
-            {"name": "max_tokens", "datatype": "INT32", "shape": [1]},
-            {"name": "temperature", "datatype": "FP32", "shape": [1]},
-            {"name": "top_p", "datatype": "FP32", "shape": [1]},
-            {"name": "top_k", "datatype": "INT32", "shape": [1]},
-            {"name": "seed", "datatype": "INT64", "shape": [1]},
-            {"name": "stop", "datatype": "BYTES", "shape": [-1]},
-            {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": [1]},
+class TensorMetadata(Struct):
+    """A tensor of a model's metadata (-1: a dimension of any size)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadataResponse(Struct):
+    """A model's metadata (both transports: REST JSON, and the gRPC message)."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+    properties: dict[str, str]
+
+
+class ServerMetadataResponse(Struct):
+    """The server's name, version and protocol extensions."""
+
+    name: str
+    version: str
+    extensions: list[str]
+
+
+SERVER_METADATA = ServerMetadataResponse(SERVER_NAME, SERVER_VERSION, list(EXTENSIONS))
+_T = TensorMetadata
+
+
+def model_metadata(info: ModelInfo, name: str) -> ModelMetadataResponse:
+    """ModelMetadata of an LLM."""
+    return ModelMetadataResponse(
+        name,
+        [MODEL_VERSION],
+        "kvmesh",
+        [
+            _T("text_input", "BYTES", [1]),
+            _T("input_ids", "INT64", [-1]),
+            _T("stream", "BOOL", [1]),
+            _T("sampling_parameters", "BYTES", [1]),
+            _T("max_tokens", "INT32", [1]),
+            _T("temperature", "FP32", [1]),
+            _T("top_p", "FP32", [1]),
+            _T("top_k", "INT32", [1]),
+            _T("seed", "INT64", [1]),
+            _T("stop", "BYTES", [-1]),
+            _T("exclude_input_in_output", "BOOL", [1]),
         ],
-        "outputs": [
-            {"name": "text_output", "datatype": "BYTES", "shape": [-1]},
-            {"name": "finish_reason", "datatype": "BYTES", "shape": [-1]},
-            {"name": "num_input_tokens", "datatype": "UINT32", "shape": [1]},
-            {"name": "num_output_tokens", "datatype": "UINT32", "shape": [1]},
-            {"name": "output_ids", "datatype": "INT64", "shape": [-1]},
+        [
+            _T("text_output", "BYTES", [-1]),
+            _T("finish_reason", "BYTES", [-1]),
+            _T("num_input_tokens", "UINT32", [1]),
+            _T("num_output_tokens", "UINT32", [1]),
+            _T("output_ids", "INT64", [-1]),
         ],
-        "properties": {
+        {
             "engine": info.engine,
             "context_length": str(info.context_length),
             "served_model_name": info.served_model_name,
         },
-    }
+    )
 
 
 def model_config(info: ModelInfo, name: str) -> dict[str, Any]:
@@ -629,20 +684,16 @@ def model_config(info: ModelInfo, name: str) -> dict[str, Any]:
         "max_batch_size": 0,
         "input": [
             {
-                "name": t["name"],
-                "data_type": _config_type(t["datatype"]),
-                "dims": t["shape"],
-                "optional": t["name"] != "text_input",
+                "name": t.name,
+                "data_type": _config_type(t.datatype),
+                "dims": t.shape,
+                "optional": t.name != "text_input",
             }
-            for t in meta["inputs"]
+            for t in meta.inputs
         ],
         "output": [
-            {
-                "name": t["name"],
-                "data_type": _config_type(t["datatype"]),
-                "dims": t["shape"],
-            }
-            for t in meta["outputs"]
+            {"name": t.name, "data_type": _config_type(t.datatype), "dims": t.shape}
+            for t in meta.outputs
         ],
         "model_transaction_policy": {"decoupled": True},
     }

@@ -159,19 +159,15 @@ def encode_response(resp: InferResponse) -> pb.ModelInferResponse:
     return msg
 
 
-def _metadata_pb(meta: dict[str, Any]) -> pb.ModelMetadataResponse:
+def _metadata_pb(meta: kserve.ModelMetadataResponse) -> pb.ModelMetadataResponse:
     tm = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
-        name=meta["name"],
-        versions=meta["versions"],
-        platform=meta["platform"],
-        inputs=[
-            tm(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["inputs"]
-        ],
-        outputs=[
-            tm(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["outputs"]
-        ],
-        properties=meta["properties"],
+        name=meta.name,
+        versions=meta.versions,
+        platform=meta.platform,
+        inputs=[tm(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.inputs],
+        outputs=[tm(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.outputs],
+        properties=meta.properties,
     )
 
 
@@ -236,8 +232,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
+        meta = kserve.SERVER_METADATA
         return pb.ServerMetadataResponse(
-            name=kserve.SERVER_NAME, version=kserve.SERVER_VERSION, extensions=kserve.EXTENSIONS
+            name=meta.name, version=meta.version, extensions=meta.extensions
         )
 
     async def ModelMetadata(

@@ -31,12 +31,10 @@ msgspec, so the document describes exactly what is sent.
 from __future__ import annotations
 
 import base64
-import functools
 import struct
-import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, cast
 
 import msgspec
 import orjson
@@ -58,13 +56,12 @@ from kvmesh.frontend.dataplane import (
     UsageInfo,
     tool_name,
 )
+from kvmesh.frontend.decoding import Refusals, decode, load_object
 from kvmesh.runtime.errors import InvalidRequest
 from kvmesh.runtime.types import GuidedDecoding, GuidedKind, ModelInfo
 
 __all__ = [
     "DONE_EVENT",
-    "REQUEST_SCHEMAS",
-    "RESPONSE_SCHEMAS",
     "ChatChunkEncoder",
     "CreateChatCompletionRequest",
     "CreateChatCompletionResponse",
@@ -255,6 +252,13 @@ class ChatCompletionAllowedToolsChoice(Struct, tag="allowed_tools", tag_field="t
     allowed_tools: AllowedTools
 
 
+ToolChoiceValue = (
+    Literal["none", "auto", "required"]
+    | ChatCompletionNamedToolChoice
+    | ChatCompletionAllowedToolsChoice
+)
+
+
 class CreateChatCompletionRequest(_Generation, kw_only=True):
     """POST /v1/chat/completions."""
 
@@ -264,12 +268,7 @@ class CreateChatCompletionRequest(_Generation, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[ChatCompletionTool] | None = None
     functions: Annotated[list[FunctionObject], Meta(description="Deprecated: tools")] | None = None
-    tool_choice: (
-        Literal["none", "auto", "required"]
-        | ChatCompletionNamedToolChoice
-        | ChatCompletionAllowedToolsChoice
-        | None
-    ) = None
+    tool_choice: ToolChoiceValue | None = None
     function_call: (
         Annotated[Literal["none", "auto", "required"], Meta(description="Deprecated: tool_choice")]
         | FunctionName
@@ -309,212 +308,49 @@ class CreateEmbeddingRequest(Struct, kw_only=True):
     user: str | None = None
 
 
-REQUEST_SCHEMAS = (CreateChatCompletionRequest, CreateCompletionRequest, CreateEmbeddingRequest)
-
 # --------------------------------------------------------------------------------------------
-# Decoding
-
-B = TypeVar("B", bound=Struct)
-R = TypeVar("R")
-_MISSING: Any = object()
-
-
-def _load(body: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return data
-
-
-def _decode(cls: type[B], raw: dict[str, Any], build: Callable[[B, dict[str, Any]], R]) -> R:
-    """`build(body, raw)` over `raw` converted to `cls`, or over a `_Lazy` view of it."""
-    try:
-        body = msgspec.convert(raw, cls)
-    except msgspec.ValidationError:
-        return build(cast(B, _Lazy(cls, raw, ())), raw)
-    return build(body, raw)
-
-
-class _Lazy:
-    """The fields of `raw` converted to `cls`'s field types one at a time, as they are read; a
-    field that does not convert raises its InvalidRequest (see the module docstring)."""
-
-    __slots__ = ("_cls", "_path", "_raw")
-
-    def __init__(self, cls: type[Struct], raw: dict[str, Any], path: tuple[str, ...]) -> None:
-        self._cls = cls
-        self._raw = raw
-        self._path = path
-
-    def __getattr__(self, name: str) -> Any:
-        info = _fields(self._cls)[name]
-        path = (*self._path, name)
-        value = self._raw.get(info.encode_name, _MISSING)
-        if value is _MISSING or (value is None and info.required):
-            if info.required:
-                raise InvalidRequest(f"'{name}' is required", param=name)
-            if info.default_factory is not msgspec.NODEFAULT:
-                return info.default_factory()
-            return info.default
-        try:
-            return msgspec.convert(value, info.type)
-        except msgspec.ValidationError as exc:
-            nested = _struct_of(info.type) if not self._path else None
-            if nested is None:
-                raise _field_error(path, value, info.type, exc) from None
-            if isinstance(value, dict):
-                return _Lazy(nested, value, path)
-            return _Invalid(_field_error(path, value, info.type, exc))
-
-
-class _Invalid:
-    """An object-valued field whose value is not an object: raises once it is used."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: InvalidRequest) -> None:
-        self._error = error
-
-    def __getattr__(self, name: str) -> Any:
-        raise self._error
-
-
-_FIELDS: dict[type[Struct], dict[str, msgspec.structs.FieldInfo]] = {}
-
-
-def _fields(cls: type[Struct]) -> dict[str, msgspec.structs.FieldInfo]:
-    fields = _FIELDS.get(cls)
-    if fields is None:
-        fields = _FIELDS[cls] = {f.name: f for f in msgspec.structs.fields(cls)}
-    return fields
-
-
-def _struct_of(tp: Any) -> type[Struct] | None:
-    """S for a field of type `S | None` (S a Struct), else None."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        tp = args[0] if len(args) == 1 else None
-    return tp if isinstance(tp, type) and issubclass(tp, Struct) else None
-
-
-# -- messages of refused fields ----------------------------------------------------------------
-
-
-def _fail(message: str, param: str) -> Callable[[Any], None]:
-    def fail(value: Any) -> None:
-        raise InvalidRequest(message, param=param)
-
-    return fail
-
-
-def _field_error(
-    path: tuple[str, ...], value: Any, tp: Any, exc: msgspec.ValidationError
-) -> InvalidRequest:
-    """The InvalidRequest for `value` at `path`, which msgspec refused with `exc`."""
-    handler = _FIELD_ERRORS.get(".".join(path))
-    try:
-        if handler is not None:
-            handler(value)
-        else:
-            _scalar_error(path[-1], tp, value)
-    except InvalidRequest as error:
-        return error
-    return InvalidRequest(f"'{path[0]}' is invalid: {exc}", param=path[0])
-
-
-_KINDS: dict[type[Any], str] = {
-    msgspec.inspect.StrType: "a string",
-    msgspec.inspect.BoolType: "a boolean",
-    msgspec.inspect.IntType: "an integer",
-    msgspec.inspect.FloatType: "a number",
-}
-
-
-@functools.cache
-def _scalar_type(tp: Any) -> msgspec.inspect.Type:
-    """The type of a field `tp` (`T`, `T | None`, maybe with Meta) without None and Meta."""
-    info = msgspec.inspect.type_info(tp)
-    if isinstance(info, msgspec.inspect.UnionType):
-        info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
-    return info.type if isinstance(info, msgspec.inspect.Metadata) else info
-
-
-def _scalar_error(key: str, tp: Any, value: Any) -> None:
-    """ "'key' must be <kind>" or "'key' must be <range>, got <value>"."""
-    info = _scalar_type(tp)
-    kind = _KINDS.get(type(info))
-    if kind is None:
-        return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(info, msgspec.inspect.IntType) and number and isinstance(value, int):
-        lo, hi, lo_open = info.ge, info.le, False
-    elif isinstance(info, msgspec.inspect.FloatType) and number:
-        lo_open = info.gt is not None
-        lo, hi = (info.gt if lo_open else info.ge), info.le
-    else:
-        raise InvalidRequest(f"'{key}' must be {kind}", param=key)
-    raise InvalidRequest(f"'{key}' must be {_range(lo, hi, lo_open)}, got {value}", param=key)
-
-
-def _range(lo: float | None, hi: float | None, lo_open: bool) -> str:
-    if lo is not None and hi is not None:
-        return f"in ({lo}, {hi}]" if lo_open else f"between {lo} and {hi}"
-    if lo is not None:
-        return f"> {lo}" if lo_open else f">= {lo}"
-    return f"<= {hi}"
-
-
-def _stop_error(value: Any) -> None:
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        raise InvalidRequest(
-            f"'stop' accepts at most {MAX_STOP_STRINGS} strings, got {len(value)}", param="stop"
-        )
-    raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
+# Refused fields (kvmesh.frontend.decoding): the messages of fields with structure
 
 
 def _messages_error(value: Any) -> None:
-    """The first problem of a message list, in the order the messages are checked."""
+    """The first problem of a message list, in the order the checks meet them."""
+
+    def bad(problem: str) -> InvalidRequest:
+        return InvalidRequest(problem, param="messages")
+
+    if value is None:
+        raise bad("'messages' is required")
     if not isinstance(value, list):
-        raise InvalidRequest("'messages' must be a list of messages", param="messages")
+        raise bad("'messages' must be a list of messages")
     if not value:
-        raise InvalidRequest("'messages' must not be empty", param="messages")
+        raise bad("'messages' must not be empty")
     for i, raw in enumerate(value):
+        at = f"messages[{i}]"
         if not isinstance(raw, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
+            raise bad(f"{at} must be an object")
         role = raw.get("role")
         if not isinstance(role, str):
-            raise InvalidRequest(f"messages[{i}].role must be a string", param="messages")
+            raise bad(f"{at}.role must be a string")
         if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role {role!r} is not supported", param="messages")
+            raise bad(f"{at}.role {role!r} is not supported")
         content = raw.get("content")
-        if not (content is None or isinstance(content, (str, list))):
-            raise InvalidRequest(
-                f"messages[{i}].content must be a string, a list of parts or null",
-                param="messages",
-            )
+        if not isinstance(content, (str, list, type(None))):
+            raise bad(f"{at}.content must be a string, a list of parts or null")
         for part in content if isinstance(content, list) else ():
             if not isinstance(part, (str, dict)):
-                raise InvalidRequest(
-                    f"messages[{i}].content parts must be objects", param="messages"
-                )
+                raise bad(f"{at}.content parts must be objects")
             if isinstance(part, dict):
                 _part_text(part.get("type"), part.get("text", part.get("refusal")), i)
         _check_content(content, role, i)
-        for key, expected in (
-            ("name", "a string"),
-            ("tool_calls", "a list of objects"),
-            ("tool_call_id", "a string"),
+        if not isinstance(raw.get("name"), (str, type(None))):
+            raise bad(f"{at}.name must be a string")
+        calls = raw.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
         ):
-            item = raw.get(key)
-            if item is not None and not (
-                isinstance(item, str)
-                if key != "tool_calls"
-                else isinstance(item, list) and all(isinstance(c, dict) for c in item)
-            ):
-                raise InvalidRequest(f"messages[{i}].{key} must be {expected}", param="messages")
+            raise bad(f"{at}.tool_calls must be a list of objects")
+        if not isinstance(raw.get("tool_call_id"), (str, type(None))):
+            raise bad(f"{at}.tool_call_id must be a string")
 
 
 def _tools_error(value: Any, key: str = "tools") -> None:
@@ -551,18 +387,20 @@ def _tool_choice_error(value: Any, key: str = "tool_choice") -> None:
 def _json_schema_error(value: Any) -> None:
     key = "response_format"
     if not isinstance(value, dict):
-        raise InvalidRequest(
-            "response_format of type 'json_schema' needs a 'json_schema' object", param=key
-        )
-    if value.get("name") is not None and not isinstance(value["name"], str):
-        raise InvalidRequest("response_format.json_schema.name must be a string", param=key)
-    raise InvalidRequest(f"'{key}' must be a JSON Schema object", param=key)
+        message = "response_format of type 'json_schema' needs a 'json_schema' object"
+    elif value.get("name") is not None and not isinstance(value["name"], str):
+        message = "response_format.json_schema.name must be a string"
+    else:
+        message = "'response_format' must be a JSON Schema object"
+    raise InvalidRequest(message, param=key)
 
 
-def _encoding_format_error(value: Any) -> None:
-    if not isinstance(value, str):
-        raise InvalidRequest("'encoding_format' must be a string", param="encoding_format")
-    raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+def _stop_error(value: Any) -> None:
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        message = f"'stop' accepts at most {MAX_STOP_STRINGS} strings, got {len(value)}"
+    else:
+        message = "'stop' must be a string or a list of strings"
+    raise InvalidRequest(message, param="stop")
 
 
 def _response_type_error(value: Any) -> None:
@@ -572,53 +410,40 @@ def _response_type_error(value: Any) -> None:
     )
 
 
-def _in_guided(key: str, param: str, expected: str) -> tuple[str, Callable[[Any], object]]:
-    return key, _fail(f"'{param}' must be {expected}", param)
+def _encoding_format_error(value: Any) -> None:
+    what = "'float' or 'base64'" if isinstance(value, str) else "a string"
+    raise InvalidRequest(f"'encoding_format' must be {what}", param="encoding_format")
 
 
-_SCHEMA, _TEXT = "a JSON Schema object", "a non-empty string"
-_CHOICES = "a non-empty list of non-empty strings"
+_OBJECT, _SCHEMA = "must be an object", "must be a JSON Schema object"
+_TEXT, _CHOICES = "must be a non-empty string", "must be a non-empty list of non-empty strings"
 
-_FIELD_ERRORS: dict[str, Callable[[Any], object]] = dict(
-    [
-        ("messages", _messages_error),
-        ("stop", _stop_error),
-        ("stop_token_ids", lambda v: token_ids(v, "stop_token_ids")),
-        ("logit_bias", lambda v: _logit_bias(v)),
-        ("stream_options", _fail("'stream_options' must be an object", "stream_options")),
-        (
-            "stream_options.include_usage",
-            _fail("'include_usage' must be a boolean", "include_usage"),
-        ),
-        ("tools", _tools_error),
-        ("functions", lambda v: _tools_error(v, "functions")),
-        ("tool_choice", _tool_choice_error),
-        ("function_call", lambda v: _tool_choice_error(v, "function_call")),
-        (
-            "chat_template_kwargs",
-            _fail("'chat_template_kwargs' must be an object", "chat_template_kwargs"),
-        ),
-        ("prompt", lambda v: _prompts(v, "prompt", checked=False)),
-        ("input", lambda v: _prompts(v, "input", checked=False)),
-        ("encoding_format", _encoding_format_error),
-        ("response_format", _fail("'response_format' must be an object", "response_format")),
-        ("response_format.type", _response_type_error),
-        ("response_format.json_schema", _json_schema_error),
-        _in_guided("guided_json", "guided_json", _SCHEMA),
-        _in_guided("guided_regex", "guided_regex", _TEXT),
-        _in_guided("guided_grammar", "guided_grammar", _TEXT),
-        _in_guided("guided_choice", "guided_choice", _CHOICES),
-        (
-            "structured_outputs",
-            _fail("'structured_outputs' must be an object", "structured_outputs"),
-        ),
-        _in_guided("structured_outputs.json", "structured_outputs", _SCHEMA),
-        _in_guided("structured_outputs.regex", "structured_outputs", _TEXT),
-        _in_guided("structured_outputs.grammar", "structured_outputs", _TEXT),
-        _in_guided("structured_outputs.choice", "structured_outputs", _CHOICES),
-    ]
-)
-"""Messages of refused fields with structure, by path (the rest: `_scalar_error`)."""
+REFUSALS: Refusals = {
+    "messages": _messages_error,
+    "tools": _tools_error,
+    "functions": lambda v: _tools_error(v, "functions"),
+    "tool_choice": _tool_choice_error,
+    "function_call": lambda v: _tool_choice_error(v, "function_call"),
+    "prompt": lambda v: _prompts(v, "prompt", checked=False),
+    "input": lambda v: _prompts(v, "input", checked=False),
+    "stop": _stop_error,
+    "stop_token_ids": lambda v: token_ids(v, "stop_token_ids"),
+    "logit_bias": lambda v: _logit_bias(v),
+    "encoding_format": _encoding_format_error,
+    "response_format.type": _response_type_error,
+    "response_format.json_schema": _json_schema_error,
+    **{
+        k: f"'{k}' {_OBJECT}" for k in ("stream_options", "chat_template_kwargs", "response_format")
+    },
+    "structured_outputs": f"'structured_outputs' {_OBJECT}",
+    "guided_json": f"'guided_json' {_SCHEMA}",
+    "structured_outputs.json": f"'structured_outputs' {_SCHEMA}",
+    **{k: f"'{k}' {_TEXT}" for k in ("guided_regex", "guided_grammar")},
+    **{f"structured_outputs.{k}": f"'structured_outputs' {_TEXT}" for k in ("regex", "grammar")},
+    "guided_choice": f"'guided_choice' {_CHOICES}",
+    "structured_outputs.choice": f"'structured_outputs' {_CHOICES}",
+}
+"""How refused fields with structure are reported (the rest: by their type and range)."""
 
 # -- building the typed requests ----------------------------------------------------------------
 
@@ -636,6 +461,8 @@ def _prompts(value: Any, key: str, *, checked: bool) -> list[str | list[int]]:
     """The `prompt` / `input` field as a list of texts or token id lists (`checked`: msgspec has
     checked the types already, only their mix is left)."""
     ids = (lambda v: v) if checked else (lambda v: token_ids(v, key))
+    if value is None:
+        raise InvalidRequest(f"'{key}' is required", param=key)
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
@@ -745,7 +572,7 @@ def generation_options(fields: dict[str, Any]) -> GenerationOptions:
     """GenerationOptions from named sampling values (SamplingParameters' fields), checked and
     refused with the same messages as in an OpenAI body. For KServe, whose
     `sampling_parameters`, request parameters and input tensors merge into `fields`."""
-    return _decode(SamplingParameters, fields, lambda b, _: _options(b, None))
+    return decode(SamplingParameters, fields, lambda b: _options(b, None), REFUSALS)
 
 
 def _schema_text(value: str | bool | dict[str, Any], key: str) -> str:
@@ -895,11 +722,15 @@ def _tools(
         if b.function_call is None:
             return None, _NO_TOOLS
     tools: list[dict[str, Any]] | None = None
+    names: list[str | None] = []
     if b.tools is not None:
+        names = [t.function.name if t.function is not None else None for t in b.tools]
         tools = raw["tools"]
     elif b.functions is not None:
+        names = [f.name for f in b.functions]
         tools = [{"type": "function", "function": f} for f in raw["functions"]]
-    choice_key, spec = "tool_choice", b.tool_choice
+    choice_key = "tool_choice"
+    spec: ToolChoiceValue | FunctionName | None = b.tool_choice
     if spec is None and b.function_call is not None:
         choice_key, spec = "function_call", b.function_call
     if spec is None:
@@ -912,14 +743,15 @@ def _tools(
         choice = ToolChoice("function", spec.function.name)
     else:
         allowed = spec.allowed_tools
-        names = {tool_name(t) for t in allowed.tools}
-        tools = [t for t in tools or () if tool_name(t) in names]
+        listed = {tool_name(t) for t in allowed.tools}
+        kept = [i for i, name in enumerate(names) if name in listed]
+        tools, names = [tools[i] for i in kept] if tools else [], [names[i] for i in kept]
         choice = ToolChoice(allowed.mode)
     if choice.mode in ("required", "function") and not tools:
         raise InvalidRequest(
             f"'{choice_key}' {choice.name or choice.mode!r} needs 'tools'", param=choice_key
         )
-    if choice.mode == "function" and all(tool_name(t) != choice.name for t in tools or ()):
+    if choice.mode == "function" and choice.name not in names:
         raise InvalidRequest(
             f"'{choice_key}' names {choice.name!r}, which is not in 'tools'", param=choice_key
         )
@@ -961,7 +793,7 @@ def _chat_request(b: CreateChatCompletionRequest, raw: dict[str, Any]) -> ChatCo
     )
 
 
-def _completion_request(b: CreateCompletionRequest, raw: dict[str, Any]) -> CompletionRequest:
+def _completion_request(b: CreateCompletionRequest) -> CompletionRequest:
     model = b.model
     prompts = _prompts(b.prompt, "prompt", checked=True)
     logprobs = b.logprobs
@@ -976,7 +808,7 @@ def _completion_request(b: CreateCompletionRequest, raw: dict[str, Any]) -> Comp
     return CompletionRequest(model, prompts, options, stream, include_usage, echo, b.user)
 
 
-def _embedding_request(b: CreateEmbeddingRequest, raw: dict[str, Any]) -> EmbeddingRequest:
+def _embedding_request(b: CreateEmbeddingRequest) -> EmbeddingRequest:
     model = b.model
     inputs = _prompts(b.input, "input", checked=True)
     if any(not p for p in inputs):
@@ -989,17 +821,18 @@ def _embedding_request(b: CreateEmbeddingRequest, raw: dict[str, Any]) -> Embedd
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse and validate a chat completion request body. Raises InvalidRequest."""
-    return _decode(CreateChatCompletionRequest, _load(body), _chat_request)
+    raw = load_object(body)
+    return decode(CreateChatCompletionRequest, raw, lambda b: _chat_request(b, raw), REFUSALS)
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Parse and validate a text completion request body. Raises InvalidRequest."""
-    return _decode(CreateCompletionRequest, _load(body), _completion_request)
+    return decode(CreateCompletionRequest, load_object(body), _completion_request, REFUSALS)
 
 
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     """Parse and validate an embeddings request body. Raises InvalidRequest."""
-    return _decode(CreateEmbeddingRequest, _load(body), _embedding_request)
+    return decode(CreateEmbeddingRequest, load_object(body), _embedding_request, REFUSALS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1178,14 +1011,6 @@ class ErrorResponse(Struct):
 
     error: ErrorObject
 
-
-RESPONSE_SCHEMAS = (
-    CreateChatCompletionResponse,
-    CreateCompletionResponse,
-    CreateEmbeddingResponse,
-    ListModelsResponse,
-    ErrorResponse,
-)
 
 # --------------------------------------------------------------------------------------------
 # Encoding
