@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP transport (aiohttp).
 
-Each route parses the request into a typed message (kvmesh.frontend.protocol), calls ONE
-method of OpenAIService, and encodes the result: a JSON body, or Server-Sent Events for
+Each route parses the request into a typed request (kvmesh.frontend.protocol decodes it into
+kvmesh.frontend.dataplane), calls ONE method of OpenAIService, and encodes the result: a JSON body, or Server-Sent Events for
 streams. Errors are OpenAI-shaped JSON everywhere, including unknown paths (404), wrong
 methods (405) and oversized bodies (413). After a stream has started, an error is sent as
 `data: {"error": {...}}` followed by `data: [DONE]`. The KServe v2 REST routes

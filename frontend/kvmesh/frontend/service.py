@@ -1,9 +1,9 @@
-"""The OpenAI service: everything between a parsed request and a typed result.
+"""The service behind every door: everything between a typed request and a typed result.
 
 Transports stay thin: the aiohttp routes (kvmesh.frontend.app: OpenAI and KServe v2 REST) and
-the KServe v2 gRPC servicer (kvmesh.frontend.kserve_grpc) parse their wire format into the typed
-requests of kvmesh.frontend.protocol, call ONE method of `OpenAIService`, and encode what it
-returns.
+the KServe v2 gRPC servicer (kvmesh.frontend.kserve_grpc) turn their wire format into the typed
+requests of kvmesh.frontend.dataplane, call ONE method of `OpenAIService` (`chat_completion`,
+`completion`, `embeddings`), and encode the typed result or stream it returns.
 
 Per request the service: refuses new work while draining; resolves the model card and the
 tokenizer; applies the chat template and tokenizes; validates against the context window;
