@@ -4,10 +4,10 @@ Each route decodes the request into a typed request of kvmesh.frontend.dataplane
 kvmesh.frontend.protocol), calls ONE method of OpenAIService, and encodes the result: a JSON
 body, or Server-Sent Events for streams. Errors are OpenAI-shaped JSON everywhere, including
 unknown paths (404), wrong methods (405) and oversized bodies (413). After a stream has
-started, an error is sent as `data: {"error": {...}}` followed by `data: [DONE]`. The KServe v2 REST routes
-(kvmesh.frontend.kserve_http, under /v2) share the app and the service but answer with the
-protocol's own `{"error": "..."}`. `ROUTES` is the route table: it registers the handlers and
-GET /openapi.json is generated from it (kvmesh.frontend.openapi).
+started, an error is sent as `data: {"error": {...}}` followed by `data: [DONE]`. The KServe v2
+REST routes (kvmesh.frontend.kserve_http, under /v2) share the app and the service but answer
+with the protocol's own `{"error": "..."}`. `ROUTES` is the route table: it registers the
+handlers, and GET /openapi.json is generated from it (kvmesh.frontend.openapi).
 
 Performance notes: no middlewares (each costs a call per request), no access log, pre-encoded
 SSE fragments, the last event of a stream coalesced with `[DONE]` and the chunked-encoding
