@@ -68,26 +68,26 @@ def decode(cls: type[B], raw: dict[str, Any], build: Callable[[B], R], refusals:
 class _Lazy:
     """The fields of `raw` converted to `cls`'s field types one at a time, as they are read."""
 
-    __slots__ = ("_cls", "_path", "_raw", "_refusals")
+    __slots__ = ("_fields", "_path", "_raw", "_refusals")
 
     def __init__(
         self, cls: type[Struct], raw: dict[str, Any], path: tuple[str, ...], refusals: Refusals
     ) -> None:
-        self._cls = cls
+        self._fields = _fields(cls)
         self._raw = raw
         self._path = path
         self._refusals = refusals
 
     def __getattr__(self, name: str) -> Any:
-        info = _fields(self._cls)[name]
-        path = (*self._path, name)
+        info = self._fields[name]
         value = self._raw.get(info.encode_name, _MISSING)
-        if value is _MISSING or (value is None and info.required):
-            if info.required:
-                raise _refused(path, None, tp=info.type, refusals=self._refusals, required=True)
+        if value is _MISSING and not info.required:
             if info.default_factory is not msgspec.NODEFAULT:
                 return info.default_factory()
             return info.default
+        path = (*self._path, name)
+        if value is _MISSING or (value is None and info.required):
+            raise _refused(path, None, tp=info.type, refusals=self._refusals, required=True)
         try:
             return msgspec.convert(value, info.type)
         except msgspec.ValidationError:
@@ -142,6 +142,7 @@ def _fields(cls: type[Struct]) -> dict[str, msgspec.structs.FieldInfo]:
     return {f.name: f for f in msgspec.structs.fields(cls)}
 
 
+@functools.cache
 def _struct_of(tp: Any, inside: type | None = None) -> type[Struct] | None:
     """S for a field of type `S` (`inside=list`: `list[S]`), maybe `| None` and with Meta
     (S a Struct), else None."""

@@ -1079,10 +1079,8 @@ def _head(id_: str, object_: str, created: int, model: str, fingerprint: str) ->
     return head
 
 
-def _delta_logprobs(d: ChoiceDelta) -> bytes:
-    if d.logprobs is None:
-        return b"null"
-    return _encode(ChatChoiceLogprobs(_chat_logprobs(d.logprobs)))
+def _delta_logprobs(infos: Sequence[TokenLogprobInfo]) -> bytes:
+    return _encode(ChatChoiceLogprobs(_chat_logprobs(infos)))
 
 
 class ChatChunkEncoder:
@@ -1128,7 +1126,7 @@ class ChatChunkEncoder:
             + idx
             + body
             + b'},"logprobs":'
-            + _delta_logprobs(d)
+            + (b"null" if d.logprobs is None else _delta_logprobs(d.logprobs))
             + b',"finish_reason":'
             + _finish_bytes(d.finish_reason)
             + self._tail
@@ -1186,7 +1184,7 @@ class ParsedChatChunkEncoder(ChatChunkEncoder):
             + idx
             + b",".join(parts)
             + b'},"logprobs":'
-            + _delta_logprobs(d)
+            + (b"null" if d.logprobs is None else _delta_logprobs(d.logprobs))
             + b',"finish_reason":'
             + _finish_bytes(d.finish_reason)
             + self._tail
