@@ -380,82 +380,33 @@ def _replies(ok: Reply, *errors: int) -> dict[int, Reply]:
 
 
 _GENERATION_ERRORS = (400, 404, 413, 429, 503)
-OPENAI_ROUTES: tuple[Route, ...] = (
-    Route(
-        CHAT_PATH,
-        "POST",
-        _Routes.chat,
-        "Chat completion (stream: Server-Sent Events)",
-        _replies(
-            Reply(
-                CreateChatCompletionResponse,
-                "A chat.completion, or chat.completion.chunk events",
-                (JSON, SSE),
-            ),
-            *_GENERATION_ERRORS,
-        ),
-        CreateChatCompletionRequest,
-    ),
-    Route(
-        COMPLETIONS_PATH,
-        "POST",
-        _Routes.completions,
-        "Text completion (stream: Server-Sent Events)",
-        _replies(
-            Reply(
-                CreateCompletionResponse,
-                "A text_completion, or text_completion events",
-                (JSON, SSE),
-            ),
-            *_GENERATION_ERRORS,
-        ),
-        CreateCompletionRequest,
-    ),
-    Route(
-        EMBEDDINGS_PATH,
-        "POST",
-        _Routes.embeddings,
-        "Embeddings (engines with the EMBEDDINGS capability)",
-        _replies(Reply(CreateEmbeddingResponse, "One vector per input"), *_GENERATION_ERRORS, 501),
-        CreateEmbeddingRequest,
-    ),
-    Route(
-        "/v1/models",
-        "GET",
-        _Routes.models,
-        "Models served now",
-        _replies(Reply(ListModelsResponse, "Model list")),
-    ),
-    Route(
-        "/v1/models/{model}",
-        "GET",
-        _Routes.model,
-        "One model",
-        _replies(Reply(Model, "The model"), 404),
-    ),
-    Route(
-        "/health",
-        "GET",
-        _Routes.health,
-        "Readiness",
-        {200: Reply(Health, "Ready"), 503: Reply(Health, "Not ready")},
-    ),
-    Route("/live", "GET", _Routes.live, "Liveness", {200: Reply(Health, "Alive")}),
-    Route(
-        "/metrics",
-        "GET",
-        _Routes.metrics_text,
-        "Prometheus metrics",
-        {200: Reply(str, "Text exposition", ("text/plain",))},
-    ),
-    Route(
-        "/openapi.json",
-        "GET",
-        _Routes.openapi,
-        "This document",
-        {200: Reply(dict[str, Any], "OpenAPI 3.1")},
-    ),
+_CHAT = Reply(
+    CreateChatCompletionResponse, "A chat.completion, or chat.completion.chunk events", (JSON, SSE)
 )
+_TEXT = Reply(CreateCompletionResponse, "A text_completion, or text_completion events", (JSON, SSE))
+_HEALTH = {200: Reply(Health, "Ready"), 503: Reply(Health, "Not ready")}
+OPENAI_ROUTES: tuple[Route, ...] = (
+    Route(CHAT_PATH, "POST", _Routes.chat, "Chat completion (stream: Server-Sent Events)",
+          _replies(_CHAT, *_GENERATION_ERRORS), CreateChatCompletionRequest),
+    Route(COMPLETIONS_PATH, "POST", _Routes.completions,
+          "Text completion (stream: Server-Sent Events)",
+          _replies(_TEXT, *_GENERATION_ERRORS), CreateCompletionRequest),
+    Route(EMBEDDINGS_PATH, "POST", _Routes.embeddings,
+          "Embeddings (engines with the EMBEDDINGS capability)",
+          _replies(Reply(CreateEmbeddingResponse, "One vector per input"), *_GENERATION_ERRORS,
+                   501),
+          CreateEmbeddingRequest),
+    Route("/v1/models", "GET", _Routes.models, "Models served now",
+          _replies(Reply(ListModelsResponse, "Model list"))),
+    Route("/v1/models/{model}", "GET", _Routes.model, "One model",
+          _replies(Reply(Model, "The model"), 404)),
+    Route("/health", "GET", _Routes.health, "Readiness", _HEALTH),
+    Route("/live", "GET", _Routes.live, "Liveness", {200: Reply(Health, "Alive")}),
+    Route("/metrics", "GET", _Routes.metrics_text, "Prometheus metrics",
+          {200: Reply(str, "Text exposition", ("text/plain",))}),
+    Route("/openapi.json", "GET", _Routes.openapi, "This document",
+          {200: Reply(dict[str, Any], "OpenAPI 3.1")}),
+)  # fmt: skip
 ROUTES: tuple[Route, ...] = (*OPENAI_ROUTES, *KSERVE_ROUTES)
 """Every route of the gateway, in registration order (see build_app)."""
 

@@ -12,9 +12,10 @@ OpenAI, kvmesh.frontend.kserve_http for KServe v2 REST) and decode them here:
 When msgspec refuses a body, the build function runs again over a `_Lazy` view that converts
 each field when the build first reads it. So the error reported is the first one the build's
 checks meet, in the order they read the fields, and a field a request does not use (OpenAI's
-`functions` next to `tools`) is ignored as it always was. The view converts the body's own
-fields one by one and, for its object-valued fields (`S | None`), theirs too; a non-object
-value there raises when the build first uses it.
+`functions` next to `tools`) is ignored as it always was. The view goes one level down: into
+the body's object-valued fields (`S | None`: their fields are converted one by one too) and
+lists of objects (`list[S]`: item by item); an item or object that does not convert raises its
+error when the build first uses it.
 
 How a refused field is reported: an entry of the door's `Refusals` (by dotted path: a message,
 or a function of the value that raises InvalidRequest), else "'f' must be an integer" (a

@@ -2,23 +2,17 @@
 
 Requests are declared once, as msgspec Structs (`CreateChatCompletionRequest`,
 `CreateCompletionRequest`, `CreateEmbeddingRequest` and their parts): types, ranges and
-descriptions. GET /openapi.json is generated from them (kvmesh.frontend.openapi). A body is
-parsed by orjson (so JSON itself means what it always did: integers past 64 bits are floats,
-infinities and lone surrogates are malformed, also in ignored fields), converted into its Struct
-by msgspec (every type and range checked in C), then turned into the typed request of
-kvmesh.frontend.dataplane by a build function (`_chat_request`, ...), which holds the semantic
-checks: mutual exclusions, n / best_of, tool_choice against tools, structured output. Unknown
-fields are ignored, as OpenAI and vLLM do; `null` means "not set" for every optional field.
-KServe's sampling values take the same path (`generation_options`).
+descriptions; GET /openapi.json is generated from them (kvmesh.frontend.openapi). A body is
+decoded into its Struct by kvmesh.frontend.decoding (orjson, then msgspec: every type and range
+checked in C), then a build function (`_chat_request`, ...) makes the checks across fields
+(mutual exclusions, n / best_of, tool_choice against tools, structured output) and returns the
+typed request of kvmesh.frontend.dataplane. Unknown fields are ignored, as OpenAI and vLLM do;
+`null` means "not set" for every optional field. KServe's sampling values go through the same
+Struct and checks (`generation_options`).
 
-Errors are InvalidRequest (HTTP 400, OpenAI's `param`). When msgspec refuses a body, the same
-build function runs again over a `_Lazy` view that converts a field when the build first reads
-it, so the error reported is the first one the checks meet, in the order they read the fields,
-and a field this request does not use (`functions` next to `tools`, `json_schema` next to
-`{"type": "text"}`) is as ignored as it always was. The view converts the body's own fields one
-by one and, for object-valued fields (`stream_options`, `response_format`,
-`structured_outputs`), theirs too. The message for a refused field comes from `_FIELD_ERRORS`
-(fields with structure) or from its type and range (`_scalar_error`).
+Errors are InvalidRequest (HTTP 400, OpenAI's `param`), with the messages the gateway always
+gave: a refused field is reported by `_REFUSALS` (fields with structure) or by its type and
+range (kvmesh.frontend.decoding), the first one the build's checks meet.
 
 Encoding is on the hot path of streaming: `ChatChunkEncoder` / `TextChunkEncoder` pre-encode
 the bytes shared by every chunk of a response (id, created, model, system_fingerprint) once per
@@ -418,7 +412,7 @@ def _encoding_format_error(value: Any) -> None:
 _OBJECT, _SCHEMA = "must be an object", "must be a JSON Schema object"
 _TEXT, _CHOICES = "must be a non-empty string", "must be a non-empty list of non-empty strings"
 
-REFUSALS: Refusals = {
+_REFUSALS: Refusals = {
     "messages": _messages_error,
     "tools": _tools_error,
     "functions": lambda v: _tools_error(v, "functions"),
@@ -572,7 +566,7 @@ def generation_options(fields: dict[str, Any]) -> GenerationOptions:
     """GenerationOptions from named sampling values (SamplingParameters' fields), checked and
     refused with the same messages as in an OpenAI body. For KServe, whose
     `sampling_parameters`, request parameters and input tensors merge into `fields`."""
-    return decode(SamplingParameters, fields, lambda b: _options(b, None), REFUSALS)
+    return decode(SamplingParameters, fields, lambda b: _options(b, None), _REFUSALS)
 
 
 def _schema_text(value: str | bool | dict[str, Any], key: str) -> str:
@@ -822,17 +816,17 @@ def _embedding_request(b: CreateEmbeddingRequest) -> EmbeddingRequest:
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse and validate a chat completion request body. Raises InvalidRequest."""
     raw = load_object(body)
-    return decode(CreateChatCompletionRequest, raw, lambda b: _chat_request(b, raw), REFUSALS)
+    return decode(CreateChatCompletionRequest, raw, lambda b: _chat_request(b, raw), _REFUSALS)
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Parse and validate a text completion request body. Raises InvalidRequest."""
-    return decode(CreateCompletionRequest, load_object(body), _completion_request, REFUSALS)
+    return decode(CreateCompletionRequest, load_object(body), _completion_request, _REFUSALS)
 
 
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     """Parse and validate an embeddings request body. Raises InvalidRequest."""
-    return decode(CreateEmbeddingRequest, load_object(body), _embedding_request, REFUSALS)
+    return decode(CreateEmbeddingRequest, load_object(body), _embedding_request, _REFUSALS)
 
 
 # --------------------------------------------------------------------------------------------
