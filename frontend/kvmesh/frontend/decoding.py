@@ -80,7 +80,9 @@ class _Lazy:
         self._refusals = refusals
 
     def __getattr__(self, name: str) -> Any:
-        info = self._fields[name]
+        info = self._fields.get(name)
+        if info is None:
+            raise AttributeError(name)
         value = self._raw.get(info.encode_name, _MISSING)
         if value is _MISSING and not info.required:
             if info.default_factory is not msgspec.NODEFAULT:
