@@ -118,7 +118,9 @@ async def pool_of(mesh: Mesh, n: int) -> WorkerPool:
     return pool
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 5}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [{}, {"temperature": 0.8, "seed": 5}], ids=["greedy", "seeded"]
+)
 async def test_killing_a_worker_mid_stream_loses_no_request(
     mesh: Mesh, sampling: dict[str, object]
 ) -> None:

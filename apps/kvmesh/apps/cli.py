@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, Flags, add_args, from_args
 from kvmesh.runtime.errors import KvmeshError
-from kvmesh.runtime.process import Entry, GlobalConfig, run, setup_logging
+from kvmesh.runtime.process import Entry, GlobalConfig, die_with_parent, run, setup_logging
 
 
 def _processes() -> list[Entry]:
@@ -122,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     ns = parser.parse_args(argv)
     setup_logging(from_args(GlobalConfig, ns))
+    die_with_parent()
     try:
         code = ns.fn(ns)
     except (KvmeshError, ConfigError) as exc:

@@ -6,8 +6,19 @@ to call it. While running it keeps each worker pool at its target size (a worker
 replaced) and serves `ScalingService` on a control port, so a planner (or an operator with
 grpcurl) can scale the pools: scale-up starts workers, scale-down drains the newest ones (they
 leave discovery first, finish their requests, then exit). On Ctrl-C / SIGTERM it shuts down in
-order: frontend first (drains), then router and workers (each drains), killing whatever is
-still alive `--drain-timeout-s` + 10 s after it was asked to stop.
+order: frontend first (drains), then router and workers (each drains), saying what it waits
+for, killing whatever is still alive `--drain-timeout-s` + 10 s after it was asked to stop; a
+second Ctrl-C forces it (the frontend ends its streams at once with an error event and `[DONE]`,
+then everything left is killed). Whatever happens (stdout or stderr closed, an exception), every
+child is terminated before `up` returns, and children started by `up` get SIGTERM when `up`
+itself dies (`kill -9` included: kvmesh.runtime.process.die_with_parent). The exit code is 0
+only when every process stopped on its own.
+
+Start-up: ports given on the command line that are already in use fail at once, with one line,
+before anything starts; the banner is printed only once kvmesh's own frontend answers. A worker
+that exits (at start-up or later) is replaced; one that keeps failing soon after it started is
+replaced after an exponential backoff (1 s, 2 s, ... 60 s: crash-loop backoff), and at start-up
+`up` gives up after STARTUP_CRASHES such failures in a row.
 
 Flags: UpConfig's, plus every flag of the processes it starts (their entry points' `Flags`),
 but the ones `up` sets itself (SET_BY_UP: where each process listens and registers, and a
@@ -62,6 +73,23 @@ SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 STOP_MARGIN_S = 10.0
 """How long past its --drain-timeout-s a child may take to exit before it is killed."""
+
+FORCE_GRACE_S = 3.0
+"""After a second Ctrl-C: how long children get to end their streams before they are killed."""
+
+CRASH_WINDOW_S = 30.0
+"""A worker that exits within this long of its start counts as a crash loop (backoff)."""
+BACKOFF_S = 1.0
+BACKOFF_MAX_S = 60.0
+STARTUP_CRASHES = 3
+"""Crashes in a row of one pool's workers during start-up that make `up` give up."""
+
+
+def _say(message: str) -> None:
+    """One line of `up`'s own on stderr. A closed stderr (a pipe whose reader left) is ignored:
+    nothing `up` prints may stop it from stopping its children."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"kvmesh up: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -161,6 +189,10 @@ class _Pool:
     target: int
     children: list[Child] = field(default_factory=list)
     next_index: int = 0
+    crashes: int = 0
+    """Workers in a row that exited within CRASH_WINDOW_S of their start."""
+    restart_at: float = 0.0
+    """Monotonic time before which no replacement starts (crash-loop backoff)."""
 
     def active(self) -> list[Child]:
         """Workers alive and not draining."""
@@ -182,13 +214,8 @@ class Child:
     def terminate(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
 
-    async def wait(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self.proc.wait(), timeout_s)
-        except TimeoutError:
-            print(f"kvmesh up: {self.name} did not exit in time; killing it", file=sys.stderr)
-            self.proc.send_signal(signal.SIGKILL)
-            await self.proc.wait()
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
 
 
 def _kvmesh(command: str, *configs: Any) -> list[str]:
@@ -307,13 +334,11 @@ class Supervisor:
             for w in [w for w in pool.children if not w.alive()]:
                 pool.children.remove(w)
                 if not w.draining:
-                    print(
-                        f"kvmesh up: {w.name} exited with {w.proc.returncode}; replacing it",
-                        file=sys.stderr,
-                    )
+                    _crashed(pool, w)
             active = pool.active()
-            for _ in range(pool.target - len(active)):
-                self.start_worker(pool.role)
+            if time.monotonic() >= pool.restart_at:
+                for _ in range(pool.target - len(active)):
+                    self.start_worker(pool.role)
             for w in sorted(active, key=lambda c: c.started)[pool.target :]:
                 w.draining = True
                 w.terminate()  # the worker deregisters, finishes its requests, exits
@@ -338,18 +363,85 @@ class Supervisor:
             else:
                 self.registered.discard(event.instance.instance_id)
 
-    async def shutdown(self) -> None:
-        # Frontend first so no new work arrives, then everything else; each drains first.
+    async def shutdown(self, forced: asyncio.Event) -> bool:
+        """Stop every process: frontend first so no new work arrives, then everything else, each
+        group asked to drain and killed `drain + STOP_MARGIN_S` later, or FORCE_GRACE_S after
+        `forced` is set (a second Ctrl-C). Returns whether every process stopped on its own."""
+        clean = True
         groups = [
             (self.others[:1], self.frontend.drain_timeout_s),
             (self.others[1:] + self.workers, self.worker.drain_timeout_s),
         ]
-        for group, drain_s in groups:
-            for c in group:
-                c.terminate()
-            await asyncio.gather(*(c.wait(drain_s + STOP_MARGIN_S) for c in group))
-        if self.registry is not None:
-            shutil.rmtree(self.registry, ignore_errors=True)
+        try:
+            for group, drain_s in groups:
+                clean = await _stop_group(group, drain_s, forced) and clean
+        finally:
+            self.kill_all()
+            if self.registry is not None:
+                shutil.rmtree(self.registry, ignore_errors=True)
+        return clean
+
+    def kill_all(self) -> None:
+        """SIGKILL every child still alive (the last resort of every exit path)."""
+        for c in (*self.others, *self.workers):
+            c.kill()
+
+
+def _crashed(pool: _Pool, w: Child) -> None:
+    """Worker `w` of `pool` exited unasked: replace it, after a backoff if it crash-loops."""
+    now = time.monotonic()
+    lived = now - w.started
+    if lived >= CRASH_WINDOW_S:
+        pool.crashes = 0
+        _say(f"{w.name} exited with {w.proc.returncode}; replacing it")
+        return
+    pool.crashes += 1
+    delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (pool.crashes - 1))
+    pool.restart_at = now + delay
+    _say(
+        f"{w.name} exited with {w.proc.returncode} {lived:.1f} s after it started; replacing it "
+        f"in {delay:g} s"
+    )
+
+
+async def _stop_group(group: list[Child], drain_s: float, forced: asyncio.Event) -> bool:
+    """Ask `group` to stop and wait (see Supervisor.shutdown); whether every one exited on its
+    own with code 0."""
+    for c in group:
+        c.terminate()
+    alive = [c for c in group if c.alive()]
+    if not alive:
+        return True
+    waits = asyncio.gather(*(c.proc.wait() for c in alive))
+    if not forced.is_set():
+        _say(
+            f"stopping: waiting up to {drain_s:g} s for {', '.join(c.name for c in alive)} to "
+            "finish their requests (Ctrl-C again to force)"
+        )
+        force = asyncio.ensure_future(forced.wait())
+        try:
+            both: set[asyncio.Future[Any]] = {waits, force}
+            await asyncio.wait(
+                both, timeout=drain_s + STOP_MARGIN_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            force.cancel()
+        if waits.done():  # all exited; a non-zero code: a drain timed out, requests were cut
+            return all(c.proc.returncode == 0 for c in alive)
+        if forced.is_set():
+            _say("forced: ending every request now")
+    alive = [c for c in alive if c.alive()]
+    for c in alive:
+        c.terminate()  # a second SIGTERM: stop draining, end what runs now
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(waits), FORCE_GRACE_S)
+    killed = [c for c in alive if c.alive()]
+    if killed:
+        _say(f"{', '.join(c.name for c in killed)} did not exit in time; killing")
+        for c in killed:
+            c.kill()
+    await waits
+    return False
 
 
 _ROLE_TO_PB: dict[Role, cpb.WorkerRole.ValueType] = {
@@ -384,10 +476,7 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
         role = self._role(request.role)
         previous = self.sup.scale(request.replicas, role)
         if request.reason:
-            print(
-                f"kvmesh up: scaling {role.value} to {request.replicas} ({request.reason})",
-                file=sys.stderr,
-            )
+            _say(f"scaling {role.value} to {request.replicas} ({request.reason})")
         return spb.ScaleResponse(
             previous_replicas=previous, target_replicas=self.sup.pools[role].target
         )
@@ -407,56 +496,121 @@ async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
+def _ports_in_use(args: UpArgs) -> list[str]:
+    """The ports given on the command line that something already listens on."""
+    fe, up = args.frontend, args.up
+    wanted = [
+        ("--http-port", fe.http_host, fe.http_port),
+        ("--kserve-grpc-port", fe.http_host, fe.kserve_grpc_port),
+        ("--control-port", "127.0.0.1", up.control_port),
+    ]
+    taken = []
+    for flag, host, port in wanted:
+        if port <= 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                taken.append(f"{flag} {port} on {host}: {exc.strerror}")
+    return taken
+
+
+class _Signals:
+    """SIGINT/SIGTERM: the first asks to stop (`stop`), the second forces (`forced`)."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.forced = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.forced if self.stop.is_set() else self.stop).set()
+
+
 async def _up(args: UpArgs) -> int:
+    taken = _ports_in_use(args)
+    if taken:
+        _say("port in use: " + "; ".join(taken))
+        return 1
     sup = Supervisor(args)
-    config = args.up
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    control = GrpcServer("127.0.0.1", config.control_port)
+    signals = _Signals()
+    control = GrpcServer("127.0.0.1", args.up.control_port)
     control.add(
         spb_grpc.add_ScalingServiceServicer_to_server, ScalingServicer(sup), SCALING_SERVICE
     )
     watcher = asyncio.create_task(sup.watch_registrations())
     try:
-        frontend = sup.start()
-        await control.start()
-        fe = sup.frontend
-        host = "127.0.0.1" if fe.http_host in ("0.0.0.0", "::") else fe.http_host
-        base = f"http://{host}:{fe.http_port}"
-        deadline = time.monotonic() + config.startup_timeout_s
-        async with aiohttp.ClientSession() as http:
-            while not await _healthy(http, base + "/health"):
-                dead = [c.name for c in (*sup.others, *sup.workers) if not c.alive()]
-                if dead or stop.is_set() or time.monotonic() > deadline:
-                    why = (
-                        f"{', '.join(dead)} exited"
-                        if dead
-                        else ("interrupted" if stop.is_set() else "timed out")
-                    )
-                    print(f"kvmesh up: mesh did not become healthy ({why})", file=sys.stderr)
-                    return 1
-                await asyncio.sleep(0.2)
-        kserve = f"{host}:{fe.kserve_grpc_port}" if fe.kserve_grpc_port > 0 else ""
-        _banner(base, sup, control.address, kserve)
-        while not stop.is_set():
-            if not frontend.alive():
-                print("kvmesh up: the frontend exited; shutting down", file=sys.stderr)
-                return 1
-            sup.reconcile()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
-        return 0
+        code = await _serve(sup, control, signals.stop)
     finally:
-        watcher.cancel()
-        await control.stop(0)
-        await sup.shutdown()
+        try:
+            watcher.cancel()
+            await control.stop(0)
+        finally:
+            clean = await sup.shutdown(signals.forced)
+    _say("stopped" if clean else "stopped (some processes had to be forced)")
+    return code if clean else code or 1
+
+
+async def _serve(sup: Supervisor, control: GrpcServer, stop: asyncio.Event) -> int:
+    """Start the mesh, print the banner once it is healthy, keep the pools at their targets
+    until `stop`; the exit code."""
+    frontend = sup.start()
+    await control.start()
+    fe = sup.frontend
+    host = "127.0.0.1" if fe.http_host in ("0.0.0.0", "::") else fe.http_host
+    base = f"http://{host}:{fe.http_port}"
+    why = await _wait_healthy(sup, base, stop)
+    if why:
+        _say(f"mesh did not become healthy ({why})")
+        return 1
+    kserve = f"{host}:{fe.kserve_grpc_port}" if fe.kserve_grpc_port > 0 else ""
+    _banner(base, sup, control.address, kserve)
+    while not stop.is_set():
+        if not frontend.alive():
+            _say("the frontend exited; shutting down")
+            return 1
+        sup.reconcile()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    return 0
+
+
+async def _wait_healthy(sup: Supervisor, base: str, stop: asyncio.Event) -> str:
+    """Wait until the frontend answers /health; '' or why it did not (a frontend or router that
+    exited, a pool crash-looping, Ctrl-C, --startup-timeout-s). Workers that exit meanwhile are
+    replaced."""
+    deadline = time.monotonic() + sup.config.startup_timeout_s
+    async with aiohttp.ClientSession() as http:
+        while True:
+            dead = [c.name for c in sup.others if not c.alive()]
+            if dead:
+                return f"{', '.join(dead)} exited"
+            if await _healthy(http, base + "/health") and sup.others[0].alive():
+                return ""
+            sup.reconcile()
+            looping = [p.role.value for p in sup.pools.values() if p.crashes >= STARTUP_CRASHES]
+            if looping:
+                return f"{', '.join(looping)} workers keep exiting at start-up; see their log"
+            if stop.is_set():
+                return "interrupted"
+            if time.monotonic() > deadline:
+                return "timed out"
+            await asyncio.sleep(0.2)
 
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh up`: run the mesh until interrupted; returns the process exit code."""
-    return run(_up(UpArgs.from_args(ns)))
+    code = run(_up(UpArgs.from_args(ns)))
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # stdout is a pipe nobody reads any more: exit quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
 
 
 ENTRY = Entry(
@@ -476,16 +630,17 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
     config = sup.config
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
-    print(
-        f"\nkvmesh is up: {sup.worker.engine.value} workers ({pools}), router {router}\n"
-        f"  OpenAI API : {base}/v1   (model {sup.served!r})\n"
-        f"  health     : {base}/health    metrics: {base}/metrics\n"
-        f"  KServe v2  : {base}/v2 (REST)"
-        + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
-        + "\n"
-        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n\n"
-        f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"       -d '{body}'\n\n"
-        "Press Ctrl-C to stop.\n",
-        flush=True,
-    )
+    with contextlib.suppress(OSError, ValueError):  # stdout gone: keep serving
+        print(
+            f"\nkvmesh is up: {sup.worker.engine.value} workers ({pools}), router {router}\n"
+            f"  OpenAI API : {base}/v1   (model {sup.served!r})\n"
+            f"  health     : {base}/health    metrics: {base}/metrics\n"
+            f"  KServe v2  : {base}/v2 (REST)"
+            + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
+            + "\n"
+            f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n\n"
+            f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"       -d '{body}'\n\n"
+            "Press Ctrl-C to stop.\n",
+            flush=True,
+        )

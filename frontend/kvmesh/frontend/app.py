@@ -15,11 +15,18 @@ terminator into one write. aiohttp enables TCP_NODELAY on every accepted connect
 (BaseProtocol.connection_made), so keep-alive streams do not stall on Nagle + delayed ACK.
 Handlers are cancelled when the client disconnects (`handler_cancellation=True`), which closes
 the backend iterators and so cancels the requests on the workers.
+
+Slow readers and shutdown: a stream whose client does not read for `stream_write_timeout_s`
+(the socket's send buffer stays full) is cut; meanwhile the request is paused on its worker
+(kvmesh.router.session flow control), so nothing grows without bound. `abort_streams` (a drain
+that timed out, or a forced stop) ends every open stream at once with an error event and
+`[DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +40,7 @@ from aiohttp.http_writer import StreamWriter
 
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
-from kvmesh.frontend.errors import error_body, error_from_exception
+from kvmesh.frontend.errors import error_body, error_from_exception, error_payload
 from kvmesh.frontend.kserve_http import KSERVE_ROUTES, KServeRoutes
 from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvmesh.frontend.openapi import JSON, SSE, Reply, Route, openapi_document
@@ -63,7 +70,7 @@ from kvmesh.frontend.protocol import (
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.tracing import TraceContext
 
-__all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "build_app", "serve_http"]
+__all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "abort_streams", "build_app", "serve_http"]
 
 SERVICE_KEY = web.AppKey("kvmesh_openai_service", OpenAIService)
 """Where build_app stores the service in the Application."""
@@ -98,12 +105,15 @@ class _EventWriter:
     other writer it falls back to one awaited resp.write() per event.
     """
 
-    __slots__ = ("_buffer", "_error", "_in_burst", "_loop", "_resp", "_writer")
+    __slots__ = ("_buffer", "_error", "_in_burst", "_loop", "_resp", "_timeout_s", "_writer")
 
     _DRAIN_BYTES = 0x10000
 
-    def __init__(self, resp: web.StreamResponse, writer: AbstractStreamWriter | None) -> None:
+    def __init__(
+        self, resp: web.StreamResponse, writer: AbstractStreamWriter | None, timeout_s: float
+    ) -> None:
         self._resp = resp
+        self._timeout_s = timeout_s
         self._writer = writer if isinstance(writer, StreamWriter) else None
         self._loop = asyncio.get_running_loop()
         self._buffer: list[bytes] = []
@@ -126,7 +136,20 @@ class _EventWriter:
         _write_now(writer, data)
         if writer.buffer_size > self._DRAIN_BYTES:
             writer.buffer_size = 0
-            await writer.drain()
+            try:
+                await asyncio.wait_for(writer.drain(), self._timeout_s or None)
+            except TimeoutError:
+                transport = writer.transport
+                if transport is not None:
+                    transport.abort()
+                raise ConnectionResetError("the client stopped reading its stream") from None
+
+    def write_final(self, data: bytes) -> None:
+        """Send what is buffered and `data` now, without waiting (a stream cut short: the
+        connection closes right after)."""
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                _write_now(self._writer, self.take() + data)
 
     def take(self) -> bytes:
         """Buffered bytes not yet sent (the caller sends them with its final write)."""
@@ -167,6 +190,10 @@ class _Routes:
         self.service = service
         self.metrics = service.metrics
         self._openapi: bytes | None = None
+        self.streams: set[asyncio.Task[Any]] = set()
+        """Handlers streaming a response now (abort_streams)."""
+        self.aborting: dict[str, dict[str, str | None]] | None = None
+        """Set by abort_streams: the error event the cut streams end with."""
 
     # -- generation ------------------------------------------------------------------------
 
@@ -231,9 +258,12 @@ class _Routes:
         resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
         status = 200
         events: _EventWriter | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self.streams.add(task)
         try:
             writer = await resp.prepare(request)
-            events = _EventWriter(resp, writer)
+            events = _EventWriter(resp, writer, self.service.config.stream_write_timeout_s)
             write = events.write
             encode = encoder.delta
             remaining = stream.num_choices
@@ -260,9 +290,15 @@ class _Routes:
             except ConnectionResetError:
                 status = _CLIENT_CLOSED
         except asyncio.CancelledError:
+            aborting = self.aborting
+            if aborting is not None and events is not None:  # cut by abort_streams
+                self.metrics.error(str(aborting["error"]["type"]))
+                events.write_final(encode_error_event(aborting))
             self.metrics.request_done(endpoint, _CLIENT_CLOSED)
             raise
         finally:
+            if task is not None:
+                self.streams.discard(task)
             await stream.aclose()
         self.metrics.request_done(endpoint, status)
         return resp
@@ -415,6 +451,21 @@ def _bound(routes: Sequence[Route], owner: object) -> list[tuple[Route, Handler]
     return [(r, functools.partial(r.handler, owner)) for r in routes]
 
 
+ROUTES_KEY = web.AppKey("kvmesh_openai_routes", _Routes)
+
+
+def abort_streams(app: web.Application, message: str) -> int:
+    """End every OpenAI stream `app` is sending now with an error event (503, `message`) and
+    `[DONE]`; returns how many. For a drain that timed out or a forced stop, before the runner's
+    cleanup closes the connections."""
+    routes = app[ROUTES_KEY]
+    routes.aborting = error_payload(message, "service_unavailable")
+    streams = list(routes.streams)
+    for task in streams:
+        task.cancel()
+    return len(streams)
+
+
 def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> web.Application:
     """The aiohttp Application serving `service` (config defaults to `service.config`)."""
     config = config if config is not None else service.config
@@ -422,6 +473,7 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
     app[SERVICE_KEY] = service
     app[CONFIG_KEY] = config
     routes = _Routes(service)
+    app[ROUTES_KEY] = routes
     table = _bound(OPENAI_ROUTES, routes) + _bound(KSERVE_ROUTES, KServeRoutes(service))
     for route, handler in table:
         resource = app.router.add_resource(route.path)

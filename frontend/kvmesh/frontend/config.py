@@ -35,7 +35,14 @@ class FrontendConfig:
     keepalive_timeout_s: float = opt(75.0, "idle keep-alive connections are closed after this")
     backlog: int = opt(4096, "listen backlog (many clients connecting at once)")
     drain_timeout_s: float = opt(
-        30.0, "on shutdown, how long in-flight requests may run before they are cancelled"
+        30.0,
+        "on shutdown, how long in-flight requests may run before they are cancelled (streams "
+        "then end with an error event and [DONE]; a second SIGINT/SIGTERM cancels them at once)",
+    )
+    stream_write_timeout_s: float = opt(
+        60.0,
+        "a streaming client that reads nothing for this long (its socket's buffer stays full) is "
+        "cut off; meanwhile its request is paused on its worker. 0: never cut",
     )
     kserve_grpc_port: int = opt(
         -1,
@@ -61,6 +68,8 @@ class FrontendConfig:
             raise ValueError("http_port must be >= 0 (0: pick a free one)")
         if self.kserve_grpc_port < -1:
             raise ValueError("kserve_grpc_port must be >= -1 (-1: off, 0: pick a free one)")
+        if not self.stream_write_timeout_s >= 0 or not self.drain_timeout_s >= 0:
+            raise ValueError("stream_write_timeout_s and drain_timeout_s must be >= 0")
 
     def model_name(self) -> str:
         """The served model name: `served_model_name`, else the model directory's name."""

@@ -8,7 +8,9 @@ HTTP and KServe gRPC servers), serves until SIGINT/SIGTERM, then drains.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.backend import MeshBackend
@@ -20,14 +22,19 @@ from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
 from kvmesh.runtime.types import ModelInfo
 
+if TYPE_CHECKING:
+    from kvmesh.frontend.service import OpenAIService
+
 log = logging.getLogger(__name__)
 
 
-async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
-    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
+async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> bool:
+    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop (a second signal, or
+    `drain_timeout_s`, ends the streams still open with an error event); whether every request
+    finished."""
     # Imported here, not at the top: every `kvmesh` command reads ENTRY to build its parser,
     # and only the frontend needs the gateway (aiohttp app, tokenizers, chat templates).
-    from kvmesh.frontend.app import build_app, serve_http
+    from kvmesh.frontend.app import abort_streams, build_app, serve_http
     from kvmesh.frontend.service import OpenAIService
     from kvmesh.frontend.tokenizer import Tokenizer
 
@@ -57,7 +64,8 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
     service.metrics.registry.register(DisaggCollector(backend.stats))
-    runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
+    app = build_app(service, config)
+    runner, port = await serve_http(app, config.http_host, config.http_port, shutdown_timeout=1.0)
     log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)
     kserve = None
     if config.kserve_grpc_port >= 0:
@@ -70,19 +78,41 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     service.start_drain()
     if kserve is not None:
         await kserve.set_serving(False)
-    if not await service.wait_idle(config.drain_timeout_s):
-        log.warning("drain timed out with %d requests in flight", service.in_flight)
+    drained = await _drain(service, config.drain_timeout_s)
+    if not drained:
+        cut = abort_streams(app, "the server is shutting down; the request was cut short")
+        log.warning("%d streams ended with an error event", cut)
     if kserve is not None:
-        await kserve.stop(1.0)
+        await kserve.stop(1.0 if drained else 0)
     await runner.cleanup()
     await close_router(router)
     await pool.stop()
+    return drained
+
+
+async def _drain(service: OpenAIService, timeout_s: float) -> bool:
+    """Let in-flight requests finish: whether they all did within `timeout_s`, before a second
+    SIGINT/SIGTERM."""
+    log.info("draining %d requests in flight (up to %g s)", service.in_flight, timeout_s)
+    idle = asyncio.ensure_future(service.wait_idle(timeout_s))
+    forced = asyncio.ensure_future(wait_for_signal())
+    try:
+        await asyncio.wait({idle, forced}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        forced.cancel()
+        idle.cancel()
+    if idle.done() and not idle.cancelled() and idle.result():
+        return True
+    why = "forced" if forced.done() and not forced.cancelled() else "drain timed out"
+    log.warning("%s with %d requests in flight", why, service.in_flight)
+    return False
 
 
 def main(ns: argparse.Namespace) -> int:
-    """`kvmesh frontend`: serve until SIGINT/SIGTERM."""
-    run(serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns)))
-    return 0
+    """`kvmesh frontend`: serve until SIGINT/SIGTERM; exit code 1 when the drain had to cut
+    requests short."""
+    drained = run(serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns)))
+    return 0 if drained else 1
 
 
 ENTRY = Entry(

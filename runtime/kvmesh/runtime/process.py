@@ -1,6 +1,7 @@
 """Process plumbing every entry point shares: what a process entry point declares (`Entry`), the
 flags every command takes (`GlobalConfig`), running a coroutine on uvloop, waiting for a signal,
-and starting child processes without fork (`ChildProcess`)."""
+starting child processes without fork (`ChildProcess`), and ending with the parent that started
+them (`die_with_parent`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -19,6 +21,11 @@ from typing import Any, TypeVar
 from kvmesh.runtime.config import Flags, opt
 
 T = TypeVar("T")
+
+PARENT_PID_ENV = "KVMESH_PARENT_PID"
+"""Set by ChildProcess to the pid of the process that started the child (`die_with_parent`)."""
+
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,43 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def wait_for_signal() -> None:
-    """Return on SIGINT or SIGTERM."""
+    """Return on SIGINT or SIGTERM (call it again to wait for the next one)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+def die_with_parent() -> None:
+    """In a process a ChildProcess started (PARENT_PID_ENV set): get SIGTERM when that parent
+    dies, however it dies (`kill -9` included), so the process drains and exits instead of
+    serving on under PID 1. Children run in their own sessions, so a terminal's signals never
+    reach them; this is what ties them to their parent. Linux: the kernel's parent-death signal
+    (prctl PR_SET_PDEATHSIG); elsewhere a thread watching the parent pid. No-op otherwise."""
+    value = os.environ.pop(PARENT_PID_ENV, "")
+    if not value.isdigit():
+        return
+    parent = int(value)
+    armed = False
+    if sys.platform == "linux":
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        threading.Event().wait(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ChildProcess:
@@ -88,14 +125,15 @@ class ChildProcess:
     as a copy of a process holding gRPC's threads and channels. posix_spawn starts the child
     from exec without copying the parent or running any fork handler (glibc: a vfork-style
     clone), and `exited` is driven by a pidfd on the running event loop (uvloop or asyncio's),
-    with no SIGCHLD handler. Create it on the loop that waits for it.
+    with no SIGCHLD handler. Create it on the loop that waits for it. The child gets SIGTERM when
+    this process dies (PARENT_PID_ENV: a kvmesh child calls `die_with_parent`).
     """
 
     def __init__(self, argv: Sequence[str]) -> None:
         self.pid = os.posix_spawn(
             argv[0],
             list(argv),
-            os.environ,
+            {**os.environ, PARENT_PID_ENV: str(os.getpid())},
             setsid=True,
             setsigmask=(),
             # As subprocess does: Python ignores these, and an ignored signal stays ignored
