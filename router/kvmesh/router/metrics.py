@@ -81,8 +81,8 @@ class DisaggCollector:
             "worker_unavailable: it refused the request before producing anything).",
             labels=["reason"],
         )
-        for reason in MigrationReason:
-            migrations.add_metric([reason.value], s.migrations[reason])
+        for why in MigrationReason:
+            migrations.add_metric([why.value], s.migrations[why])
         yield migrations
         pauses = CounterMetricFamily(
             "kvmesh_stream_pauses",
