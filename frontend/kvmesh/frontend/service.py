@@ -12,6 +12,12 @@ and request id; waits for every choice's first output before returning, so error
 backend (no worker, unknown adapter, overload) still become proper HTTP statuses; then
 detokenizes incrementally, applies stop strings (never emitted) and accounts usage and metrics.
 
+Large prompts never stall the event loop: text longer than OFFLOAD_CHARS is tokenized on a
+worker thread (the chunked encoder, kvmesh.frontend.tokencache, hands the GIL back between
+chunks), and text that cannot fit the context window whatever its tokens (more than `context`
+x the longest token's characters x 2) is refused before tokenizing (one tokenizers call, on a
+text it cannot chunk, holds the GIL throughout).
+
 Chat output parsing: when the model has a reasoning parser (kvmesh.frontend.reasoning) or the
 request offers tools (kvmesh.frontend.tool_parsers), each choice's deltas pass through a
 per-choice `_OutputParser` that splits reasoning, content and tool calls; plain chats never
@@ -267,6 +273,28 @@ class CompletionStream:
                 self._on_close.release()
 
 
+OFFLOAD_CHARS = 32768
+"""Prompt text longer than this is tokenized on a worker thread, not on the event loop."""
+
+
+async def _encode(
+    tok: Tokenizer, info: ModelInfo, text: str, *, add_special_tokens: bool, param: str
+) -> list[int]:
+    """Token ids of `text`, large texts off the event loop (see the module docstring)."""
+    if len(text) <= OFFLOAD_CHARS:
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    context = info.context_length or tok.context_length
+    if context > 0:
+        bound = context * tok.max_token_chars * 2
+        if len(text) > bound:
+            raise RequestTooLarge(
+                f"This model's maximum context length is {context} tokens. However, your "
+                f"prompt has {len(text)} characters, more than {context} tokens can hold.",
+                param=param,
+            )
+    return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+
+
 class _InflightSlot:
     """Releases a request's in-flight count exactly once."""
 
@@ -407,7 +435,7 @@ class OpenAIService:
             add_generation_prompt=request.add_generation_prompt,
             template_kwargs=request.chat_template_kwargs,
         )
-        ids = tok.encode(prompt, add_special_tokens=False)
+        ids = await _encode(tok, info, prompt, add_special_tokens=False, param="messages")
         options, parsers = self._chat_output(request, info, tok, prompt)
         return await self._start(
             "chat",
@@ -434,7 +462,9 @@ class OpenAIService:
         echoes: list[str] | None = [] if request.echo else None
         for prompt in request.prompts:
             if isinstance(prompt, str):
-                prompts.append(tok.encode(prompt, add_special_tokens=True))
+                prompts.append(
+                    await _encode(tok, info, prompt, add_special_tokens=True, param="prompt")
+                )
                 if echoes is not None:
                     echoes.append(prompt)
             else:
@@ -486,7 +516,9 @@ class OpenAIService:
         prompts: list[list[int]] = []
         for item in request.inputs:
             if isinstance(item, str):
-                prompts.append(tok.encode(item, add_special_tokens=True))
+                prompts.append(
+                    await _encode(tok, info, item, add_special_tokens=True, param="input")
+                )
             else:
                 bad = next((t for t in item if t >= tok.vocab_size), None)
                 if bad is not None:

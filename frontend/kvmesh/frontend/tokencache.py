@@ -161,7 +161,7 @@ class ChunkedEncoder:
             if ids is None:
                 ids = encode_one(piece)
                 if len(cache) >= self._max_entries:
-                    del cache[next(iter(cache))]
+                    cache.pop(next(iter(cache)), None)  # (large texts encode on threads)
                 cache[piece] = ids
             out += ids
             start = cut

@@ -18,6 +18,7 @@ each template is compiled once. A template that raises or is unsafe gives Invali
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections.abc import Mapping, Sequence
@@ -329,6 +330,11 @@ class Tokenizer:
     def chunk_cache_enabled(self) -> bool:
         """Whether encode() uses the exact prefix-chunk cache."""
         return self._chunked is not None
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token string in the vocabulary (at least 1)."""
+        return max(1, max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1))
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. `add_special_tokens` applies the post-processor (e.g. BOS)."""
