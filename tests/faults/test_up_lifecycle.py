@@ -254,3 +254,21 @@ def test_a_port_in_use_fails_fast_with_one_line(tmp_path: Path) -> None:
         f"kvmesh up: port in use: --http-port {port} on 127.0.0.1: Address already in use"
     ]
     assert time.monotonic() - started < 30
+
+
+def test_a_hung_worker_process_is_replaced(up_factory: list[Up]) -> None:
+    """A worker that stops answering (SIGSTOP) is killed and a new one serves in its place."""
+    up = Up()
+    up_factory.append(up)
+    up.wait_up()
+    frontend_pid = max(up.children)  # started after the worker
+    (worker,) = up.children - {frontend_pid}
+    os.kill(worker, signal.SIGSTOP)
+    poll(lambda: not _alive({worker}), 30, "the hung worker to be killed")
+    assert "stopped answering health checks" in up.output()
+    poll(lambda: len(_children(up.proc.pid)) == 2, 30, "a replacement worker")
+    poll(lambda: frontend_ready(up.port), 60, "the mesh to serve again")
+    stream = Stream(up.port, 20)
+    stream.join(60)
+    assert stream.error is None and stream.events[-1] == "[DONE]"
+    up.children = _children(up.proc.pid)

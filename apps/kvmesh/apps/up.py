@@ -16,9 +16,10 @@ only when every process stopped on its own.
 
 Start-up: ports given on the command line that are already in use fail at once, with one line,
 before anything starts; the banner is printed only once kvmesh's own frontend answers. A worker
-that exits (at start-up or later) is replaced; one that keeps failing soon after it started is
-replaced after an exponential backoff (1 s, 2 s, ... 60 s: crash-loop backoff), and at start-up
-`up` gives up after STARTUP_CRASHES such failures in a row.
+that exits (at start-up or later), or stops answering health checks (hung: it is killed), is
+replaced; one that keeps failing soon after it started is replaced after an exponential backoff
+(1 s, 2 s, ... 60 s: crash-loop backoff), and at start-up `up` gives up after STARTUP_CRASHES
+such failures in a row.
 
 Flags: UpConfig's, plus every flag of the processes it starts (their entry points' `Flags`),
 but the ones `up` sets itself (SET_BY_UP: where each process listens and registers, and a
@@ -62,7 +63,7 @@ from kvmesh.router.stack import MeshConfig
 from kvmesh.runtime.config import Flags, from_args, opt, to_argv
 from kvmesh.runtime.discovery import EventKind, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, NotFound
-from kvmesh.runtime.grpcutil import GrpcServer
+from kvmesh.runtime.grpcutil import GrpcServer, check_health, insecure_channel
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
 from kvmesh.runtime.types import Role
@@ -83,6 +84,11 @@ BACKOFF_S = 1.0
 BACKOFF_MAX_S = 60.0
 STARTUP_CRASHES = 3
 """Crashes in a row of one pool's workers during start-up that make `up` give up."""
+
+HUNG_CHECK_S = 2.0
+HUNG_TIMEOUT_S = 3.0
+HUNG_FAILURES = 3
+"""A worker that misses this many health checks in a row is killed and replaced."""
 
 
 def _say(message: str) -> None:
@@ -259,6 +265,9 @@ class Supervisor:
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
+        self.addresses: dict[str, str] = {}
+        """Worker instance id (its Child's name) -> the gRPC address it registered, kept while
+        the process lives."""
         self._pid = os.getpid()
 
     def worker_argv(self, role: Role, worker_id: str) -> list[str]:
@@ -360,8 +369,51 @@ class Supervisor:
         async for event in open_discovery(self.discovery).watch("worker"):
             if event.kind is EventKind.ADDED:
                 self.registered.add(event.instance.instance_id)
+                self.addresses[event.instance.instance_id] = event.instance.address
             else:
                 self.registered.discard(event.instance.instance_id)
+                # The address stays known: a hung worker's lease expires too (watch_health).
+
+    async def watch_health(self) -> None:
+        """Kill workers that stop answering health checks (hung: stopped, deadlocked) so that
+        `reconcile` replaces them: HUNG_FAILURES checks in a row, each HUNG_CHECK_S apart, not
+        answered within HUNG_TIMEOUT_S. (Gateways eject such a worker from routing sooner and
+        migrate its requests: kvmesh.router.pool.)"""
+        channels: dict[str, grpc.aio.Channel] = {}
+        failures: dict[str, int] = {}
+
+        async def check(w: Child) -> None:
+            channel = channels.get(w.name)
+            if channel is None:
+                channel = channels[w.name] = insecure_channel(self.addresses[w.name])
+            try:
+                await check_health(channel, HUNG_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                failures[w.name] = failures.get(w.name, 0) + 1
+                if failures[w.name] >= HUNG_FAILURES and w.alive():
+                    _say(f"{w.name} stopped answering health checks; killing it to replace it")
+                    w.kill()
+            else:
+                failures[w.name] = 0
+
+        try:
+            while True:
+                await asyncio.sleep(HUNG_CHECK_S)
+                live = {
+                    w.name: w
+                    for w in self.workers
+                    if w.alive() and not w.draining and w.name in self.addresses
+                }
+                for name in [n for n in channels if n not in live]:
+                    failures.pop(name, None)
+                    await channels.pop(name).close()
+                alive = {w.name for w in self.workers}
+                for name in [n for n in self.addresses if n not in alive]:
+                    del self.addresses[name]
+                await asyncio.gather(*(check(w) for w in live.values()))
+        finally:
+            for channel in channels.values():
+                await channel.close()
 
     async def shutdown(self, forced: asyncio.Event) -> bool:
         """Stop every process: frontend first so no new work arrives, then everything else, each
@@ -542,12 +594,17 @@ async def _up(args: UpArgs) -> int:
     control.add(
         spb_grpc.add_ScalingServiceServicer_to_server, ScalingServicer(sup), SCALING_SERVICE
     )
-    watcher = asyncio.create_task(sup.watch_registrations())
+    watchers = [
+        asyncio.create_task(sup.watch_registrations()),
+        asyncio.create_task(sup.watch_health()),
+    ]
     try:
         code = await _serve(sup, control, signals.stop)
     finally:
         try:
-            watcher.cancel()
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
             await control.stop(0)
         finally:
             clean = await sup.shutdown(signals.forced)

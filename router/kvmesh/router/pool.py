@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
@@ -33,7 +32,7 @@ from kvmesh.router.session import WorkerSession
 from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.discovery import Discovery, EventKind, Instance
-from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.grpcutil import check_health, insecure_channel
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -45,8 +44,6 @@ REMOVED_CHANNEL_GRACE_S = 120.0
 # How long a worker that failed to answer is avoided (about one discovery lease: by then it
 # has either answered again or left discovery).
 DOWN_S = 5.0
-
-HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 @dataclass
@@ -262,11 +259,6 @@ class WorkerPool:
     async def _check(self, handle: WorkerHandle) -> None:
         """Health-check `handle` until it leaves (see the module docstring)."""
         cfg = self.health
-        check = handle.channel.unary_unary(
-            HEALTH_CHECK,
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
@@ -278,16 +270,14 @@ class WorkerPool:
                     self._readmit(handle)
                 continue
             try:
-                resp = await check(
-                    health_pb2.HealthCheckRequest(), timeout=cfg.health_check_timeout_s
-                )
+                serving = await check_health(handle.channel, cfg.health_check_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 failures += 1
                 if failures >= cfg.health_check_failures:
                     self._eject(handle, f"{failures} health checks failed ({exc.code().name})")
                 continue
             failures = 0
-            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            if serving:
                 if handle.down_until == float("inf"):
                     self._readmit(handle)
             elif handle.down_until != float("inf"):

@@ -311,3 +311,16 @@ def _bind_host(host: str) -> str:
 def insecure_channel(address: str) -> grpc.aio.Channel:
     """A client channel with kvmesh's standard options."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def check_health(channel: grpc.aio.Channel, timeout_s: float) -> bool:
+    """The standard grpc.health.v1 Check of the server behind `channel`: True if SERVING, False
+    if it answered otherwise (draining). Raises grpc.aio.AioRpcError when it did not answer within
+    `timeout_s` (hung, dead)."""
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    resp = await check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
