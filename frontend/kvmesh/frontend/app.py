@@ -68,6 +68,7 @@ from kvmesh.frontend.protocol import (
     parse_embedding_request,
 )
 from kvmesh.frontend.service import CompletionStream, OpenAIService
+from kvmesh.runtime.errors import retry_after_header
 from kvmesh.runtime.tracing import TraceContext
 
 __all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "abort_streams", "build_app", "serve_http"]
@@ -322,8 +323,7 @@ class _Routes:
         status, payload = error_from_exception(exc)
         self.metrics.error(str(payload["error"]["type"]))
         self.metrics.request_done(endpoint, status)
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return _json_response(status, orjson.dumps(payload), headers)
+        return _json_response(status, orjson.dumps(payload), retry_after_header(status, exc))
 
     def _http_error(self, endpoint: str, exc: web.HTTPException) -> web.Response:
         status = exc.status

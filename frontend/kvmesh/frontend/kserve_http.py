@@ -36,7 +36,7 @@ from kvmesh.frontend.decoding import Refusals, decode, load_object
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
 from kvmesh.frontend.openapi import JSON, SSE, Reply, Route
 from kvmesh.frontend.service import CompletionStream, OpenAIService
-from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound
+from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound, retry_after_header
 from kvmesh.runtime.tracing import TraceContext
 
 __all__ = ["KSERVE_ROUTES", "KServeRoutes"]
@@ -560,8 +560,7 @@ class KServeRoutes:
         status, payload = _error(exc)
         self.metrics.request_done(endpoint, status)
         self.metrics.error(exc.code if isinstance(exc, KvmeshError) else "internal_error")
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return _json(status, payload, headers)
+        return _json(status, payload, retry_after_header(status, exc))
 
 
 # -- the route table ---------------------------------------------------------------------------

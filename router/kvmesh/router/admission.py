@@ -105,10 +105,12 @@ class Admission:
         cfg = self.config
         if len(self._waiters) >= cfg.max_queued_requests and not urgent:
             self.rejected_full += 1
-            raise QueueFull(
+            full = QueueFull(
                 f"the server is overloaded ({len(self._waiters)} requests queued); retry after "
                 f"{cfg.retry_after_s} s",
             )
+            full.retry_after_s = cfg.retry_after_s
+            raise full
         self.queued_total += 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.queue_timeout_s
@@ -126,10 +128,12 @@ class Admission:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     self.rejected_timeout += 1
-                    raise QueueTimeout(
+                    timeout = QueueTimeout(
                         f"the server is overloaded: no capacity within {cfg.queue_timeout_s:g} s; "
                         f"retry after {cfg.retry_after_s} s"
                     )
+                    timeout.retry_after_s = cfg.retry_after_s
+                    raise timeout
                 me.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(me.wait(), min(remaining, RETRY_S))

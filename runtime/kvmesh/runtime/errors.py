@@ -19,11 +19,22 @@ class KvmeshError(Exception):
     http_status = 500
     code = "internal_error"
     reason = "INTERNAL"
+    retry_after_s = 1
+    """For overload and unavailability (HTTP 429/503): the seconds a client should wait before
+    it retries (the Retry-After header)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+def retry_after_header(status: int, exc: BaseException) -> dict[str, str] | None:
+    """The Retry-After header of an HTTP error `status` caused by `exc` (429 and 503 only)."""
+    if status not in (429, 503):
+        return None
+    seconds = exc.retry_after_s if isinstance(exc, KvmeshError) else 1
+    return {"Retry-After": str(seconds)}
 
 
 class InvalidRequest(KvmeshError):
