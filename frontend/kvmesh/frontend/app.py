@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -169,6 +170,15 @@ class _EventWriter:
                 self._error = exc
 
 
+def _bound_send_buffer(request: web.Request, size: int) -> None:
+    """Fix the kernel send buffer of the request's socket at `size` bytes (no autotuning)."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+
+
 def _write_now(writer: StreamWriter, data: bytes) -> None:
     """Run StreamWriter.write(data, drain=False), which completes without suspending."""
     step = writer.write(data, drain=False)
@@ -263,8 +273,11 @@ class _Routes:
         if task is not None:
             self.streams.add(task)
         try:
+            config = self.service.config
+            if config.stream_send_buffer_bytes:
+                _bound_send_buffer(request, config.stream_send_buffer_bytes)
             writer = await resp.prepare(request)
-            events = _EventWriter(resp, writer, self.service.config.stream_write_timeout_s)
+            events = _EventWriter(resp, writer, config.stream_write_timeout_s)
             write = events.write
             encode = encoder.delta
             remaining = stream.num_choices

@@ -306,7 +306,6 @@ class MeshBackend:
                         await stream.aclose()
                     return
                 except RequestPaused as exc:
-                    self.stats.pauses += 1
                     cause = exc  # resumed where it stopped, on any worker (its own is likely)
                 except Unavailable as exc:
                     if not self._migrate(request, progress, exc, exclude, trace):
@@ -390,6 +389,9 @@ class MeshBackend:
         progress.worker = decision.worker
         return decision
 
+    def _paused(self) -> None:
+        self.stats.pauses += 1
+
     def _booking_ended(self, request_id: str) -> None:
         self.router.finished(request_id)
         self.admission.wake()
@@ -458,6 +460,7 @@ class MeshBackend:
             child,
             max_buffered=limit,
             pausable=bool(limit) and resume_request(request, [0], worker.info) is not None,
+            on_stop=self._paused,
         )
         generated = progress.generated
         try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -76,9 +76,10 @@ _Item = wpb.StreamedGenerateOutput | _Broken | object
 class _Pending:
     """One request's outputs not taken by its consumer yet."""
 
-    __slots__ = ("limit", "pausable", "queue")
+    __slots__ = ("limit", "on_stop", "pausable", "queue")
 
-    def __init__(self, limit: int, pausable: bool) -> None:
+    def __init__(self, limit: int, pausable: bool, on_stop: Callable[[], None] | None) -> None:
+        self.on_stop = on_stop
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.limit = limit
         self.pausable = pausable
@@ -141,6 +142,8 @@ class _Stream:
         """The consumer of `request_id` is `limit` outputs behind: stop it on the worker."""
         del self.requests[request_id]
         self.cancel(request_id)
+        if pending.on_stop is not None:
+            pending.on_stop()
         if pending.pausable:
             pending.queue.put_nowait(_PAUSED)
         else:
@@ -214,18 +217,20 @@ class WorkerSession:
         *,
         max_buffered: int = MAX_BUFFERED_OUTPUTS,
         pausable: bool = False,
+        on_stop: Callable[[], None] | None = None,
     ) -> AsyncIterator[wpb.GenerateResponse]:
         """Stream the request's outputs; stopping early cancels it on the worker.
 
         `max_buffered`: outputs the request may hold for a consumer that does not take them
         (0: no bound); past it the request is stopped on the worker and ends with RequestPaused
-        (`pausable`) or ResourceExhausted. A broken stream raises WorkerLost.
+        (`pausable`) or ResourceExhausted; `on_stop` is called when it is stopped so. A broken
+        stream raises WorkerLost.
         """
         stream = self._open()
         rid = request.request_id
         if not rid or rid in stream.requests:
             raise errors.InvalidRequest("request_id must be set and unique per worker")
-        pending = _Pending(max_buffered, pausable)
+        pending = _Pending(max_buffered, pausable, on_stop)
         stream.requests[rid] = pending
         stream.start(request, trace)
         queue = pending.queue
