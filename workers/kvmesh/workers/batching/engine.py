@@ -28,8 +28,9 @@ The loop: one task runs `_run_step` while the scheduler has work and hands each 
 request's sink, on the event loop thread; with nothing to do it awaits an event (no busy loop).
 
 KV tiers: the moves the scheduler decides (kvmesh.workers.batching.tiers) run on one task per
-lane (host, disk), each lane's jobs strictly in order, beside the step loop: offloads never
-wait in a step, and a request whose prefix is onboarding waits while the others run. Each
+lane (device to host, host to device, disk writes, disk reads), each lane's jobs strictly in
+order, beside the step loop: offloads never wait in a step, and a request whose prefix is
+onboarding waits while the others run. Each
 finished job goes back to the scheduler (`complete_tier_job`) and wakes the loop.
 
 Disaggregated serving
@@ -73,7 +74,7 @@ from kvmesh.runtime.types import (
 )
 from kvmesh.workers.batching.requests import CancelHandle, FirstOutput, SubmittedRequest
 from kvmesh.workers.batching.scheduler import BatchScheduler, SeqOutput
-from kvmesh.workers.batching.tiers import TierJob
+from kvmesh.workers.batching.tiers import Lane, TierJob
 from kvmesh.workers.disagg.pins import PinnedTransfers
 from kvmesh.workers.engine import DisaggSettings, Engine, OutputSink, RequestHandle
 from kvmesh.workers.validation import validate_request
@@ -134,9 +135,9 @@ class BatchingEngine(Engine, Generic[SchedT]):
         self._disagg = DisaggSettings()
         self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
         self._pulls: set[asyncio.Task[None]] = set()
-        self._lanes: dict[KvTier, deque[TierJob]] = {}
+        self._lanes: dict[Lane, deque[TierJob]] = {}
         """Tier moves waiting per lane (the head is running)."""
-        self._lane_tasks: dict[KvTier, asyncio.Task[None]] = {}
+        self._lane_tasks: dict[Lane, asyncio.Task[None]] = {}
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -530,10 +531,10 @@ class BatchingEngine(Engine, Generic[SchedT]):
             task = self._lane_tasks.get(job.lane)
             if task is None or task.done():
                 self._lane_tasks[job.lane] = asyncio.create_task(
-                    self._run_lane(sched, job.lane, lane), name=f"kv-{job.lane.label}-lane"
+                    self._run_lane(sched, lane), name=f"kv-{job.lane.value}-lane"
                 )
 
-    async def _run_lane(self, sched: SchedT, tier: KvTier, lane: deque[TierJob]) -> None:
+    async def _run_lane(self, sched: SchedT, lane: deque[TierJob]) -> None:
         while lane:
             job = lane[0]
             try:

@@ -633,11 +633,11 @@ class BatchScheduler(Generic[S, C]):
             seq.num_cached_blocks = hit_tokens // bs
             seq.decoding = False
             seq.status = SeqStatus.RUNNING
-            if seq.cached_tokens < 0:
+            if seq.cached_tokens < 0:  # first admission: what its usage reports
                 seq.cached_tokens = hit_tokens
+                self._device_hit_tokens += hit_tokens
             self._query_tokens += num_tokens
             self._hit_tokens += hit_tokens
-            self._device_hit_tokens += hit_tokens
             running.append(seq)
             sched.append(seq)
             counts.append(n)
@@ -700,14 +700,14 @@ class BatchScheduler(Generic[S, C]):
         end = hit + arrived
         if arrived:
             self.pool.cache_full_blocks(seq.blocks, seq.hashes, hit, end, seq.tokens, seq.lora)
-        tiers.count_hits(rec, arrived, bs)
         seq.num_computed = end * bs
         seq.num_cached_blocks = end
-        if seq.cached_tokens < 0:
+        if seq.cached_tokens < 0:  # first admission: what its usage reports
             seq.cached_tokens = end * bs
+            tiers.count_hits(rec, arrived, bs)
+            self._device_hit_tokens += hit * bs
         self._query_tokens += len(seq.tokens)
         self._hit_tokens += end * bs
-        self._device_hit_tokens += hit * bs
         self._prefilled.append(seq)
 
     def abandon_tier_jobs(self) -> None:

@@ -22,21 +22,28 @@ Policy
     DROP job). Blocks found on disk at start (the torch engine's block files) are loaded.
   * Onboarding: where a waiting request's cached device prefix ends, `match` finds the blocks
     that follow on the host tier (preferred) or the disk tier, up to the first block on
-    neither. The scheduler allocates device blocks and an ONBOARD job per source tier copies
-    them in; the request waits (others run) and then prefills the rest. A block that cannot be
-    read (a corrupted or missing file) ends the onboarded run there; it is dropped from its
-    tier and the rest of the prompt is recomputed.
+    neither (only blocks whose copy into the tier is done count). The scheduler allocates
+    device blocks and an ONBOARD job per source tier copies them in; the request waits (others
+    run) and then prefills the rest. A block that cannot be read (a corrupted or missing file)
+    ends the onboarded run there; it is dropped from its tier and the rest of the prompt is
+    recomputed. Host blocks being onboarded are pinned: the host tier does not evict them.
   * Events: a block entering the host or disk tier is published (BlocksStored on that tier)
     once its copy is done; leaving it, at once (BlocksRemoved). A move down is therefore a
     stored event on the lower tier and a removed event on the upper one.
 
-Lanes and ordering: jobs run on two lanes, each strictly in order: the host lane (OFFLOAD,
-ONBOARD from the host tier) and the disk lane (DEMOTE, ONBOARD from the disk tier, DROP). That
-order is what makes reuse safe without locks: a host slot is rewritten only by a host-lane job
-queued after every host-lane job that reads it (and after the DEMOTE that reads it has
-finished), a block file is rewritten or deleted only by a disk-lane job queued after every job
-that reads it, and a device block a job reads or writes holds a reference of the job until it
-completes.
+Lanes: jobs run on four lanes, side by side, each strictly in order (`Lane`): device to host
+(OFFLOAD), host to device (ONBOARD from the host tier), disk writes (DEMOTE, DROP) and disk reads
+(ONBOARD from the disk tier), like a GPU's two copy engines and an NVMe queue per direction, so
+an onboarding never waits behind offloads or writes to disk. What makes that safe without locks:
+  * a device block a job reads or writes holds a reference of the job until it completes;
+  * a host slot is reused only when nothing will read it: its block was never onboarded or
+    moved to disk (then only a later OFFLOAD, on the same lane as the one that was writing it,
+    rewrites it), or after the DEMOTE reading it finished, or once the onboardings pinning its
+    block finished; readers only read blocks whose OFFLOAD finished;
+  * block files are named by block hash, so a file always holds that block's KV (written under a
+    temporary name, renamed into place): a read racing a rewrite reads the same bytes, one racing
+    a deletion finds no file and the block is recomputed. Reads only read blocks whose DEMOTE
+    finished.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from kvmesh.runtime.kv_events import (
 from kvmesh.runtime.types import KvTierStats
 from kvmesh.workers.batching.block_pool import BlockPool
 
-__all__ = ["KvTierConfig", "KvTiers", "Onboarding", "TierJob", "TierOp"]
+__all__ = ["KvTierConfig", "KvTiers", "Lane", "Onboarding", "TierJob", "TierOp"]
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +121,28 @@ class TierOp(enum.Enum):
     """delete disk block files"""
 
 
+class Lane(enum.Enum):
+    """Where a TierJob runs: each lane runs its jobs one at a time, in order."""
+
+    D2H = "d2h"
+    """device -> host: OFFLOAD"""
+    H2D = "h2d"
+    """host -> device: ONBOARD from the host tier"""
+    DISK_WRITE = "disk-write"
+    """host -> disk: DEMOTE, and DROP"""
+    DISK_READ = "disk-read"
+    """disk -> device: ONBOARD from the disk tier"""
+
+    @property
+    def tier(self) -> KvTier:
+        """The lower tier the lane moves bytes to or from."""
+        return KvTier.HOST if self in (Lane.D2H, Lane.H2D) else KvTier.DISK
+
+
 class _Entry:
     """A block on the host or disk tier."""
 
-    __slots__ = ("block_hash", "live", "meta", "ready", "slot")
+    __slots__ = ("block_hash", "live", "meta", "pins", "ready", "slot")
 
     def __init__(self, block_hash: int, meta: CachedBlock, slot: int = -1) -> None:
         self.block_hash = block_hash
@@ -128,6 +153,8 @@ class _Entry:
         """Its copy into the tier is done (and was published)."""
         self.live = True
         """Still in its tier's map (False once evicted, dropped or cleared)."""
+        self.pins = 0
+        """Onboardings reading it (host tier): not evicted, its slot not reused meanwhile."""
 
 
 @dataclass(slots=True, eq=False)
@@ -143,8 +170,8 @@ class TierJob:
     """
 
     op: TierOp
-    lane: KvTier
-    """HOST or DISK: the lane that runs it."""
+    lane: Lane
+    """Where it runs."""
     source: KvTier
     """The tier the bytes come from."""
     block_hashes: list[int]
@@ -341,8 +368,11 @@ class KvTiers:
                 self._free_slots.extend(job.host_slots)
                 for e in job.entries:
                     self._forget(self._disk, e)
-            elif job.onboarding is not None and job.onboarding not in onboardings:
-                onboardings.append(job.onboarding)
+            elif job.op is TierOp.ONBOARD:
+                if job.source is KvTier.HOST:
+                    self._unpin(job.entries)
+                if job.onboarding is not None and job.onboarding not in onboardings:
+                    onboardings.append(job.onboarding)
         self._jobs = []
         self._to_demote = []
         self._flush()
@@ -377,7 +407,7 @@ class KvTiers:
             self._jobs.append(
                 TierJob(
                     TierOp.OFFLOAD,
-                    KvTier.HOST,
+                    Lane.D2H,
                     KvTier.DEVICE,
                     [e.block_hash for e in entries],
                     [e.meta for e in entries],
@@ -399,17 +429,21 @@ class KvTiers:
 
     def match(self, block_hashes: Sequence[int], start: int, end: int) -> list[KvTier]:
         """Where blocks `start`, `start + 1`, ... (before `end`) of a request sit below the
-        device: HOST or DISK per block (the host preferred), up to the first on neither."""
+        device: HOST or DISK per block (the host preferred), up to the first on neither (a
+        block counts once its copy into the tier is done)."""
         host, disk = self._host, self._disk
         found: list[KvTier] = []
         for i in range(start, end):
             h = block_hashes[i]
-            if h in host:
+            e = host.get(h)
+            if e is not None and e.ready:
                 found.append(KvTier.HOST)
-            elif h in disk:
+                continue
+            e = disk.get(h)
+            if e is not None and e.ready:
                 found.append(KvTier.DISK)
-            else:
-                break
+                continue
+            break
         return found
 
     def onboard(
@@ -427,9 +461,12 @@ class KvTiers:
             entries = self._host if tier is KvTier.HOST else self._disk
             e = entries[h]
             entries.move_to_end(h)
+            if tier is KvTier.HOST:
+                e.pins += 1
             job = jobs.get(tier)
             if job is None:
-                job = jobs[tier] = TierJob(TierOp.ONBOARD, tier, tier, [], onboarding=rec, nbytes=0)
+                lane = Lane.H2D if tier is KvTier.HOST else Lane.DISK_READ
+                job = jobs[tier] = TierJob(TierOp.ONBOARD, lane, tier, [], onboarding=rec)
             job.block_hashes.append(h)
             job.metas.append(e.meta)
             job.device_blocks.append(device_blocks[i])
@@ -458,10 +495,10 @@ class KvTiers:
                 n += 1
                 if e.ready:
                     self._removed[tier].append(e.block_hash)
-                if tier is KvTier.HOST:
-                    self._free_slots.append(e.slot)
-                else:
+                if tier is KvTier.DISK:
                     self._to_drop.append(e.block_hash)
+                elif not e.pins:  # a pinned slot frees when its onboardings end
+                    self._free_slots.append(e.slot)
             entries.clear()
         self._flush()
         return n
@@ -491,7 +528,10 @@ class KvTiers:
         free = self._free_slots
         host = self._host
         while not free and host:
-            _, e = host.popitem(last=False)
+            e = next((e for e in host.values() if not e.pins), None)
+            if e is None:
+                break  # every block is being onboarded
+            del host[e.block_hash]
             e.live = False
             if not e.ready:  # its offload has not finished: nothing to announce or move
                 free.append(e.slot)
@@ -521,7 +561,7 @@ class KvTiers:
         self._announce_removed()
         if self._to_drop:
             hashes, self._to_drop = self._to_drop, []
-            self._jobs.append(TierJob(TierOp.DROP, KvTier.DISK, KvTier.DISK, hashes))
+            self._jobs.append(TierJob(TierOp.DROP, Lane.DISK_WRITE, KvTier.DISK, hashes))
         if self._to_demote:
             moving, self._to_demote = self._to_demote, []
             disk = self._disk
@@ -533,11 +573,11 @@ class KvTiers:
                 entries.append(d)
             if self._to_drop:  # evictions to make room: delete before writing
                 hashes, self._to_drop = self._to_drop, []
-                self._jobs.append(TierJob(TierOp.DROP, KvTier.DISK, KvTier.DISK, hashes))
+                self._jobs.append(TierJob(TierOp.DROP, Lane.DISK_WRITE, KvTier.DISK, hashes))
             self._jobs.append(
                 TierJob(
                     TierOp.DEMOTE,
-                    KvTier.DISK,
+                    Lane.DISK_WRITE,
                     KvTier.HOST,
                     [e.block_hash for e in entries],
                     [e.meta for e in entries],
@@ -574,6 +614,13 @@ class KvTiers:
                 parent, lora = p, elora
             run.append(StoredBlock(e.block_hash, tokens))
         events.publish(BlocksStored(parent, run, lora, tier))
+
+    def _unpin(self, entries: list[_Entry]) -> None:
+        """Onboardings of these host blocks ended: a block dropped meanwhile frees its slot."""
+        for e in entries:
+            e.pins -= 1
+            if not e.pins and not e.live:
+                self._free_slots.append(e.slot)
 
     def _forget(self, entries: OrderedDict[int, _Entry], e: _Entry) -> None:
         """Drop an entry whose copy will not happen (it was never published)."""
@@ -621,19 +668,19 @@ class KvTiers:
         c = self.counters[job.source]
         c.onboard_blocks += done
         c.onboard_bytes += done * self.block_bytes
+        host = job.source is KvTier.HOST
         if done < len(job):  # that block could not be read: it leaves its tier
             c.errors += 1
             e = job.entries[done]
-            entries = self._host if job.source is KvTier.HOST else self._disk
+            entries = self._host if host else self._disk
             if e.live and entries.get(e.block_hash) is e:
                 del entries[e.block_hash]
                 e.live = False
-                if e.ready:
-                    self._removed[job.source].append(e.block_hash)
-                if job.source is KvTier.HOST:
-                    self._free_slots.append(e.slot)
-                else:
+                self._removed[job.source].append(e.block_hash)
+                if not host:
                     self._to_drop.append(e.block_hash)
+        if host:
+            self._unpin(job.entries)
         rec = job.onboarding
         if rec is None:  # pragma: no cover - ONBOARD jobs always belong to one
             return None

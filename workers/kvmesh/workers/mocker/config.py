@@ -97,10 +97,10 @@ class MockerConfig:
         """Simulated time (before speedup) to move `nbytes` of KV between two workers."""
         return self.kv_transfer_latency_ms / 1000.0 + nbytes / (self.kv_transfer_gbps * 1e9)
 
-    def tier_move_s(self, lane: KvTier, nbytes: int) -> float:
-        """Simulated time (before speedup) of one move of `nbytes` between tiers on `lane`
-        (HOST: device <-> host; DISK: to or from the disk tier); 0 for nothing."""
+    def tier_move_s(self, tier: KvTier, nbytes: int) -> float:
+        """Simulated time (before speedup) of one move of `nbytes` to or from `tier` (HOST:
+        between the device and the host tier; DISK: to or from the disk tier); 0 for nothing."""
         if nbytes <= 0:
             return 0.0
-        gbps = self.kv_host_gbps if lane is KvTier.HOST else self.kv_disk_gbps
+        gbps = self.kv_host_gbps if tier is KvTier.HOST else self.kv_disk_gbps
         return self.kv_tier_latency_ms / 1000.0 + nbytes / (gbps * 1e9)

@@ -119,5 +119,5 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
 
     async def _move_kv(self, job: TierJob) -> int:
         cfg = self.config
-        await self._clock.sleep(cfg.tier_move_s(job.lane, job.nbytes) / cfg.speedup_ratio)
+        await self._clock.sleep(cfg.tier_move_s(job.lane.tier, job.nbytes) / cfg.speedup_ratio)
         return len(job)

@@ -10,7 +10,8 @@ in submission order, so a KV copy never races a forward.
 
 KV tiers (`tiers`, kvmesh.workers.batching.tiers): a host tier in a CPU tensor and a disk tier in
 block files under `--kv-disk-dir` (kvmesh.workers.pytorch.kv_tiers); their copies run on one
-thread per lane (host, disk) beside the forward thread. The disk tier persists: its files are
+thread per lane (device to host, host to device, disk writes, disk reads) beside the forward
+thread. The disk tier persists: its files are
 named by block hash under a fingerprint of the model, so a restarted worker serves them. A disk
 directory that cannot be used (unwritable, locked by another worker) is logged and the worker
 runs without the disk tier.
@@ -42,7 +43,7 @@ from kvmesh.runtime.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvmesh.runtime.kv_events import AllCleared, KvEventLog, KvTier
+from kvmesh.runtime.kv_events import AllCleared, KvEventLog
 from kvmesh.runtime.types import (
     EngineRequest,
     KvBlockDescriptor,
@@ -54,7 +55,7 @@ from kvmesh.runtime.types import (
 )
 from kvmesh.workers.batching.block_files import BlockFiles
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
-from kvmesh.workers.batching.tiers import KvTierConfig, TierJob
+from kvmesh.workers.batching.tiers import KvTierConfig, Lane, TierJob
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
@@ -143,7 +144,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._pump: asyncio.Task[None] | None = None
         self._tiers = tiers if tiers is not None and tiers.enabled else None
         self._tier_store: TorchTierStore | None = None
-        self._lane_executors: dict[KvTier, concurrent.futures.ThreadPoolExecutor] = {}
+        self._lane_executors: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -159,8 +160,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             self._executor = concurrent.futures.ThreadPoolExecutor(1, "torch-engine")
         if self._tiers is not None and not self._lane_executors:
             self._lane_executors = {
-                lane: concurrent.futures.ThreadPoolExecutor(1, f"kv-{lane.label}-lane")
-                for lane in (KvTier.HOST, KvTier.DISK)
+                lane: concurrent.futures.ThreadPoolExecutor(1, f"kv-{lane.value}") for lane in Lane
             }
         if self._runner is None or self._scheduler is None:
             loop = asyncio.get_running_loop()

@@ -25,7 +25,7 @@ import torch
 
 from kvmesh.runtime.kv_events import KvTier
 from kvmesh.workers.batching.block_files import BlockFileError, BlockFiles
-from kvmesh.workers.batching.tiers import TierJob, TierOp
+from kvmesh.workers.batching.tiers import Lane, TierJob, TierOp
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 
 __all__ = ["TorchTierStore", "fingerprint"]
@@ -61,17 +61,17 @@ class TorchTierStore:
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         cuda = cache.device.type == "cuda"
         self.host = torch.zeros((host_blocks, *self.block_shape), dtype=spec.dtype, pin_memory=cuda)
-        self._streams: dict[KvTier, torch.cuda.Stream] = (
+        self._streams: dict[Lane, torch.cuda.Stream] = (
             {
                 lane: torch.cuda.Stream(cache.device)  # type: ignore[no-untyped-call]
-                for lane in (KvTier.HOST, KvTier.DISK)
+                for lane in Lane
             }
             if cuda
             else {}
         )
 
     @contextlib.contextmanager
-    def _on_lane(self, lane: KvTier) -> Iterator[None]:
+    def _on_lane(self, lane: Lane) -> Iterator[None]:
         stream = self._streams.get(lane)
         with torch.inference_mode():
             if stream is None:
