@@ -78,14 +78,22 @@ def _vllm(
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
         context_length=model.context_length,
+        tiers=tiers,
     )
 
 
 def _sglang(
     engine: SglangConfig, config: WorkerConfig, model: ModelDirInfo, tiers: KvTierConfig
 ) -> Engine:
+    from kvmesh.workers.adapters.kv_tiers import refuse_tiers
     from kvmesh.workers.adapters.sglang_adapter import SglangEngine
 
+    refuse_tiers(
+        "sglang",
+        tiers,
+        "configure SGLang's hierarchical cache in --sglang-engine-args (enable_hierarchical_cache, "
+        "hicache_size, hicache_storage_backend)",
+    )
     return SglangEngine(
         engine,
         model_path=str(model.path),
@@ -107,6 +115,7 @@ def _trtllm(
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
         context_length=model.context_length,
+        tiers=tiers,
     )
 
 

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from kvmesh.runtime.errors import DeadlineExceeded, InvalidRequest, NotFound, Unavailable
-from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.kv_events import KvEventLog, KvTier
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -56,7 +56,9 @@ from kvmesh.runtime.types import (
 )
 from kvmesh.workers.adapters.base import OutputDecoder, PrefillSink, StreamingAdapter, top_logprobs
 from kvmesh.workers.adapters.config import TrtllmConfig
+from kvmesh.workers.adapters.kv_tiers import model_kv_block_bytes, trtllm_with_tiers
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import DisaggSettings
 from kvmesh.workers.validation import validate_request
 
@@ -279,6 +281,7 @@ class TrtllmEngine(StreamingAdapter[Any]):
         eos_token_ids: Sequence[int] = (),
         context_length: int = 8192,
         runtime: TrtllmRuntime | None = None,
+        tiers: KvTierConfig | None = None,
     ) -> None:
         super().__init__(
             engine_name="trtllm",
@@ -289,6 +292,8 @@ class TrtllmEngine(StreamingAdapter[Any]):
         )
         self.config = config
         self._runtime = runtime
+        self._tiers = tiers
+        """KV tiers: the host tier as TensorRT-LLM's host cache level (adapters.kv_tiers)."""
         self._llm: LlmLike | None = None
         self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_modules)}
         self._last_event_id: int | None = None
@@ -316,7 +321,16 @@ class TrtllmEngine(StreamingAdapter[Any]):
             kwargs["kv_cache_config"] = kv
         if self._info.role is not Role.AGGREGATED:
             kwargs.setdefault("cache_transceiver_config", {"backend": "DEFAULT"})
-        return kwargs
+        return self._with_tiers(kwargs)
+
+    def _with_tiers(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The host tier flag as TensorRT-LLM's host cache level (adapters.kv_tiers)."""
+        if self._tiers is None or not self._tiers.enabled:
+            return kwargs
+        tokens = _nested(kwargs, "kv_cache_config", "tokens_per_block") or DEFAULT_TOKENS_PER_BLOCK
+        dtype = str(_nested(kwargs, "kv_cache_config", "dtype") or "auto")
+        block_bytes = model_kv_block_bytes(self._info.model_path, int(tokens), dtype)
+        return trtllm_with_tiers(kwargs, self._tiers, block_bytes=block_bytes)
 
     @property
     def kv_events_enabled(self) -> bool:
@@ -543,12 +557,14 @@ class TrtllmEngine(StreamingAdapter[Any]):
             entry = self._primary.pop(h, None)
             if entry is not None:
                 self._secondary[h] = entry
+                tr.stored(StoredChain(entry[0], [h], [entry[1]]), KvTier.HOST)
             tr.removed([h])
         elif old != 0 and new == 0:  # back on the GPU
             entry = self._secondary.pop(h, None)
             if entry is not None:
                 self._primary[h] = entry
                 tr.stored(StoredChain(entry[0], [h], [entry[1]]))
+                tr.removed([h], KvTier.HOST)
 
     # -- disaggregation ------------------------------------------------------------------------
 

@@ -276,6 +276,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         sched = self._scheduler
         if sched is None:
             return 0
+        await self._tier_moves_done()  # blocks being offloaded are referenced until then
         n = sched.clear_cache()
         self._dispatch_tier_jobs()
         return n
@@ -548,6 +549,15 @@ class BatchingEngine(Engine, Generic[SchedT]):
             sched.complete_tier_job(job, done)
             self._dispatch_tier_jobs()
             self._wake.set()
+
+    async def _tier_moves_done(self) -> None:
+        """Wait until no tier move is queued or running."""
+        while True:
+            self._dispatch_tier_jobs()
+            running = [t for t in self._lane_tasks.values() if not t.done()]
+            if not running:
+                return
+            await asyncio.wait(running)
 
     async def _stop_lanes(self) -> None:
         """Stop running tier moves; the scheduler forgets the ones not completed."""

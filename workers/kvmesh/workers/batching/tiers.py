@@ -228,7 +228,7 @@ class KvTiers:
 
     `pool`: the device pool (its BlocksStored hook feeds the offloads; its events log gets the
     tier events); `block_bytes`: bytes of one block (job sizes, metrics); `demote_limit`: DEMOTE
-    moves in flight at most (default: an eighth of the host tier, at least 1).
+    moves in flight at most (default: a quarter of the host tier, at least 64 blocks).
     """
 
     def __init__(
@@ -248,8 +248,8 @@ class KvTiers:
         self.block_bytes = block_bytes
         self.host_capacity = config.kv_host_blocks
         self.disk_capacity = config.kv_disk_blocks
-        self.demote_limit = demote_limit or max(
-            1, min(self.host_capacity // 2, max(16, self.host_capacity // 8))
+        self.demote_limit = demote_limit or min(
+            self.host_capacity, max(64, self.host_capacity // 4)
         )
         self._host: OrderedDict[int, _Entry] = OrderedDict()
         self._free_slots = list(range(self.host_capacity - 1, -1, -1))
