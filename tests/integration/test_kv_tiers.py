@@ -94,7 +94,7 @@ async def _until(cond: Callable[[], bool], what: str) -> None:
 async def test_router_indexes_tiers_and_credits_host_hits(
     workers: list[tuple[Worker, WorkerHandle]],
 ) -> None:
-    (tiered, th), (_, ph) = workers
+    (_, th), (_, ph) = workers
     scheduler = KvScheduler(KvRouterConfig(host_hit_weight=0.75))
     subscriber = KvSubscriber(scheduler, load_interval_ms=20)
     try:
