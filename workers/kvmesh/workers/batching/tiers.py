@@ -14,10 +14,11 @@ Policy
     done, so it is neither evicted nor overwritten meanwhile. A device hit refreshes the block's
     host copy too, so blocks hot on the device keep their host copies.
   * The host tier holds `kv_host_blocks` blocks in LRU order. A block it evicts moves to the
-    disk tier (a DEMOTE job writes it; its host slot is reused once written) unless the disk
-    holds it already or there is no disk tier; at most `demote_limit` such moves are in flight
-    (beyond that, evicted blocks are dropped: the disk cannot keep up). With no free slot for
-    an offload (all of them still being written to disk), the offload is skipped.
+    disk tier (a DEMOTE job writes it from its host slot, which is reused once written) unless
+    the disk holds it already or there is no disk tier; at most `demote_limit` such moves are
+    in flight (beyond that, evicted blocks are dropped: the disk cannot keep up). The host
+    memory has `host_slots` = kv_host_blocks + demote_limit slots (with a disk tier), so blocks
+    being written to disk never hold back an offload.
   * The disk tier holds `kv_disk_blocks` blocks in LRU order; evicting one deletes its file (a
     DROP job). Blocks found on disk at start (the torch engine's block files) are loaded.
   * Onboarding: where a waiting request's cached device prefix ends, `match` finds the blocks
@@ -228,7 +229,8 @@ class KvTiers:
 
     `pool`: the device pool (its BlocksStored hook feeds the offloads; its events log gets the
     tier events); `block_bytes`: bytes of one block (job sizes, metrics); `demote_limit`: DEMOTE
-    moves in flight at most (default: a quarter of the host tier, at least 64 blocks).
+    moves in flight at most (default: a sixteenth of the host tier, at least 64 blocks, at most
+    the host tier's size); `host_slots`: the blocks of host memory an engine allocates.
     """
 
     def __init__(
@@ -249,10 +251,12 @@ class KvTiers:
         self.host_capacity = config.kv_host_blocks
         self.disk_capacity = config.kv_disk_blocks
         self.demote_limit = demote_limit or min(
-            self.host_capacity, max(64, self.host_capacity // 4)
+            self.host_capacity, max(64, self.host_capacity // 16)
         )
+        self.host_slots = self.host_capacity + (self.demote_limit if self.has_disk else 0)
+        """Host memory slots: the tier's blocks plus those being written to disk."""
         self._host: OrderedDict[int, _Entry] = OrderedDict()
-        self._free_slots = list(range(self.host_capacity - 1, -1, -1))
+        self._free_slots = list(range(self.host_slots - 1, -1, -1))
         self._disk: OrderedDict[int, _Entry] = OrderedDict()
         self._demoting = 0
         """DEMOTE moves in flight (their host slots are busy until they finish)."""
@@ -268,7 +272,8 @@ class KvTiers:
         """Published blocks per tier."""
         self.counters = {KvTier.HOST: _Counters(), KvTier.DISK: _Counters()}
         self.skipped_offloads = 0
-        """Blocks not written through to the host tier (no free slot)."""
+        """Blocks not written through to the host tier (every host block was being
+        onboarded)."""
         self.dropped_demotes = 0
         """Blocks the host tier evicted without moving them to disk (too many moves queued)."""
         pool.on_cached = self.device_stored
@@ -417,6 +422,7 @@ class KvTiers:
                     entries=entries,
                 )
             )
+        self._flush()
 
     def touch(self, block_hashes: Iterable[int]) -> None:
         """Device hits: their host copies become most recently used."""
@@ -523,27 +529,29 @@ class KvTiers:
     # -- internals -----------------------------------------------------------------------------
 
     def _take_slot(self) -> int | None:
-        """A free host slot, evicting the host tier's LRU blocks as needed (see the module
-        docstring); None when every slot is busy with a move to disk."""
+        """A free host slot for one more block, evicting the host tier's LRU block when it is
+        full (see the module docstring); None when every block is being onboarded."""
         free = self._free_slots
         host = self._host
-        while not free and host:
+        if len(host) >= self.host_capacity:
             e = next((e for e in host.values() if not e.pins), None)
             if e is None:
-                break  # every block is being onboarded
+                return None
             del host[e.block_hash]
             e.live = False
             if not e.ready:  # its offload has not finished: nothing to announce or move
                 free.append(e.slot)
-                break
-            self._removed[KvTier.HOST].append(e.block_hash)
-            if self.has_disk and e.block_hash not in self._disk:
-                if self._demoting < self.demote_limit:
-                    self._demoting += 1
-                    self._to_demote.append(e)  # its slot frees when the move is done
-                    continue
-                self.dropped_demotes += 1
-            free.append(e.slot)
+            else:
+                self._removed[KvTier.HOST].append(e.block_hash)
+                if self.has_disk and e.block_hash not in self._disk:
+                    if self._demoting < self.demote_limit:
+                        self._demoting += 1
+                        self._to_demote.append(e)  # its slot frees when the move is done
+                    else:
+                        self.dropped_demotes += 1
+                        free.append(e.slot)
+                else:
+                    free.append(e.slot)
         return free.pop() if free else None
 
     def _evict_disk(self) -> None:

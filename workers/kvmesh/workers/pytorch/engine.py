@@ -209,8 +209,8 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             tiers=tiers,
             kv_block_bytes=spec.block_bytes,
         )
-        if tiers is not None:
-            self._tier_store = TorchTierStore(cache, tiers.kv_host_blocks, files)
+        if sched.tiers is not None:
+            self._tier_store = TorchTierStore(cache, sched.tiers.host_slots, files)
             if files is not None and sched.tiers is not None:
                 kept = sched.tiers.load_disk(on_disk)
                 log.info(

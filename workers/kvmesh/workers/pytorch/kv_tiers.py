@@ -1,6 +1,6 @@
 """The torch engine's bytes of the KV tiers (kvmesh.workers.batching.tiers decides what moves).
 
-`TorchTierStore` holds the host tier (one CPU tensor of `host_blocks` blocks, each block
+`TorchTierStore` holds the host tier (one CPU tensor of `host_slots` blocks, each block
 contiguous: `[layers, 2, block_size, kv_heads, head_dim]`; pinned when the device is CUDA) and
 the disk tier's block files (kvmesh.workers.batching.block_files), and runs TierJobs: `run(job)`
 is called on the job's lane thread (the engine keeps one thread per lane), so copies run beside
@@ -54,13 +54,13 @@ def fingerprint(model_dir: Path, spec: KvCacheSpec) -> str:
 class TorchTierStore:
     """Host-tier tensor + disk block files of one torch engine (see the module docstring)."""
 
-    def __init__(self, cache: PagedKvCache, host_blocks: int, files: BlockFiles | None) -> None:
+    def __init__(self, cache: PagedKvCache, host_slots: int, files: BlockFiles | None) -> None:
         spec = cache.spec
         self.cache = cache
         self.files = files
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         cuda = cache.device.type == "cuda"
-        self.host = torch.zeros((host_blocks, *self.block_shape), dtype=spec.dtype, pin_memory=cuda)
+        self.host = torch.zeros((host_slots, *self.block_shape), dtype=spec.dtype, pin_memory=cuda)
         self._streams: dict[Lane, torch.cuda.Stream] = (
             {
                 lane: torch.cuda.Stream(cache.device)  # type: ignore[no-untyped-call]
