@@ -108,6 +108,10 @@ async def _evict_prompt(engine: TorchEngine) -> None:
     await engine._tier_moves_done()
 
 
+def _count_block_files(root: Path) -> int:
+    return len(list(root.rglob("*.kvb")))
+
+
 def _check_consistent(engine: TorchEngine) -> None:
     engine.scheduler.check_invariants()
     log = engine.kv_events
@@ -172,8 +176,7 @@ async def test_disk_tier_serves_and_persists_across_restart(
         _check_consistent(engine)
     finally:
         await engine.stop()
-    files = list(tmp_path.rglob("*.kvb"))
-    assert len(files) >= len(hashes)
+    assert _count_block_files(tmp_path) >= len(hashes)
 
     restarted = _engine(model_dir, loaded, tiers)
     await restarted.start()
