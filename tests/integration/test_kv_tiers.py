@@ -107,8 +107,10 @@ async def test_router_indexes_tiers_and_credits_host_hits(
         hashes = block_hashes(PROMPT, BS)
         indexer = scheduler.indexer
         await _until(
-            lambda: not indexer.find_matches(hashes)
-            and indexer.find_credits(hashes).get("tiered", 0) >= 0.75 * len(hashes),
+            lambda: (
+                not indexer.find_matches(hashes)
+                and indexer.find_credits(hashes).get("tiered", 0) >= 0.75 * len(hashes)
+            ),
             "the prompt to leave the device tier and show on the host tier",
         )
         stats = indexer.stats("tiered")

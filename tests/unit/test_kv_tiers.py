@@ -187,7 +187,7 @@ def test_mocker_onboards_only_what_saves_time() -> None:
         )
         prompt = list(range(10, 30))
         sched.add(EngineRequest("a", prompt, SamplingParams(temperature=0.0), StopParams(2)))
-        while sched.has_work or sched.tiers is not None and sched.tiers.num_jobs:
+        while sched.has_work or (sched.tiers is not None and sched.tiers.num_jobs):
             sched.step(0.0)
             for job in sched.take_tier_jobs():
                 sched.complete_tier_job(job, len(job))
