@@ -7,8 +7,8 @@ worker server can offer "snapshot, then deltas, resumable by event id" without t
 
 Tiers: a stored or removed event names the tier it happened on (`KvTier`: the device pool, the
 host-memory tier, the disk tier; DEVICE by default), and the implied state is one map per tier,
-so a block can be cached on several tiers at once. A move between tiers is a stored event on the
-destination and a removed event on the source. AllCleared empties every tier.
+so a block can be cached on several tiers at once. A move between tiers is a removed event on one
+tier and a stored event on the other. AllCleared empties every tier.
 
 Concurrency: the log is meant for one asyncio event loop thread. `publish` is synchronous and never
 blocks, so engines (or a virtual-time simulator with no event loop at all) can call it from

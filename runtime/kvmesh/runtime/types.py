@@ -292,7 +292,7 @@ class KvTierStats:
     """Blocks the tier can hold (0: unknown)."""
     hit_tokens: int = 0
     """Prompt tokens served from the tier instead of computed (device: prefix-cache hits; host,
-    disk: onboarded to the device)."""
+    disk: onboarded to the device), at each request's first admission (as usage counts them)."""
     offload_blocks: int = 0
     """Blocks copied into the tier (host: from the device; disk: from the host)."""
     offload_bytes: int = 0

@@ -96,9 +96,10 @@ class KvTier(_KvTier, metaclass=_KvTierEnumTypeWrapper):
     """Where a KV block lives in the tiered cache. A worker with a host (and disk) tier copies every
     block it caches on the device to host memory (write-through), moves blocks the host tier evicts
     to disk, and onboards a prefix found in a lower tier back to the device instead of recomputing
-    it. Each tier's changes are KV events on that tier: a move between tiers is a stored event on
-    the destination followed by a removed event on the source. Routers keep per-tier presence and
-    credit a host or disk hit by its onboarding cost.
+    it. Each tier's changes are KV events on that tier, so a move between tiers is a removed event
+    on one tier and a stored event on the other (a tier announces a block once its copy is there,
+    and its removal at once). Routers keep per-tier presence and credit a host or disk hit by its
+    onboarding cost.
     """
 
 KV_TIER_UNSPECIFIED: KvTier.ValueType  # 0
@@ -768,7 +769,8 @@ class KvTierMetrics(_message.Message):
     """Blocks the tier can hold. 0: unknown."""
     hit_tokens_total: _builtins.int
     """Lifetime prompt tokens served from this tier instead of being computed (device: prefix-cache
-    hits; host and disk: tokens onboarded from the tier to the device).
+    hits; host and disk: tokens onboarded from the tier to the device), counted at each
+    request's first admission, as its usage's cached tokens count them.
     """
     offload_blocks_total: _builtins.int
     """Lifetime blocks copied into this tier (host: offloaded from the device; disk: moved from the
