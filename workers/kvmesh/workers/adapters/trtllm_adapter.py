@@ -13,10 +13,10 @@ A thin layer over TensorRT-LLM's own async API:
     Event dicts (tensorrt_llm._utils.KVCacheEventSerializer): `{"event_id", "window_size",
     "attention_dp_rank"?, "data": {"type": "created" | "stored" | "removed" | "updated", ...}}`;
     "stored" carries `parent_hash` and blocks `{"block_hash", "tokens": [{"token_id",
-    "token_extra_id"}], "cache_level", "priority"}`. Only the primary (GPU) level of the largest
-    attention window is published; blocks moved to the host level ("updated" cache_level 0 -> 1)
-    are removed and come back when moved back; blocks with extra token ids (multimodal, prompt
-    tables) are withheld. A jump in event ids (the engine's buffer overflowed) resyncs the log;
+    "token_extra_id"}], "cache_level", "priority"}`. The largest attention window's blocks are
+    published: level 0 (GPU) on the DEVICE tier, the host level on the HOST tier; a block moved
+    between them ("updated" cache_level 0 -> 1 and back) moves between those tiers; blocks with
+    extra token ids (multimodal, prompt tables) are withheld. A jump in event ids (the engine's buffer overflowed) resyncs the log;
   * load: `LLM.get_stats_async(timeout)` iteration stats (numActiveRequests,
     numQueuedRequests, kvCacheStats.usedNumBlocks / maxNumBlocks / cacheHitRate);
   * disaggregation: TensorRT-LLM's cache transceiver moves the KV. The prefill side runs the
@@ -540,11 +540,11 @@ class TrtllmEngine(StreamingAdapter[Any]):
         if all(level == 0 for level in levels):
             tr.stored(StoredChain(parent, hashes, list(tokens), opaque=opaque))
             return
-        # Mixed levels: publish the primary ones one by one with their parents.
+        # Mixed levels: publish each on its tier (the host level: HOST) with its parent.
         prev = parent
         for i, h in enumerate(hashes):
-            if levels[i] == 0:
-                tr.stored(StoredChain(prev, [h], [tokens[i]], opaque=[opaque[i]]))
+            tier = KvTier.DEVICE if levels[i] == 0 else KvTier.HOST
+            tr.stored(StoredChain(prev, [h], [tokens[i]], opaque=[opaque[i]]), tier)
             prev = h
 
     def _updated(self, tr: KvEventTranslator, data: dict[str, Any]) -> None:
