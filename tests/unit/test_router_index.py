@@ -503,3 +503,25 @@ def test_kv_indexer_keeps_presence_per_tier_and_credits_by_tier() -> None:
     assert (idx.stats("w").host_blocks, idx.stats("w").disk_blocks) == (0, 0)
     idx.remove_worker("h")
     assert idx.find_credits(query) == {}
+
+
+def test_kv_indexer_lower_tier_block_hashed_late() -> None:
+    """A block stored on the host tier while its parent is unknown (no router hash), then on the
+    disk tier once the parent is known: removing it from the host tier later must not touch the
+    disk tier's count (replay hit a KeyError here), and the disk copy stays credited."""
+    tokens = list(range(8))
+    b0, b1 = tuple(tokens[:BS]), tuple(tokens[BS:])
+    e0 = engine_hash(None, b0)
+    e1 = engine_hash(e0, b1)
+    idx = KvIndexer(host_hit_weight=0.5, disk_hit_weight=0.25)
+    idx.add_worker("w", BS)
+    idx.apply_event("w", BlocksStored(e0, [StoredBlock(e1, b1)], "", KvTier.HOST))
+    idx.apply_event("w", BlocksStored(None, [StoredBlock(e0, b0)], "", KvTier.DISK))
+    idx.apply_event("w", BlocksStored(e0, [StoredBlock(e1, b1)], "", KvTier.DISK))
+    query = block_hashes(tokens, BS)
+    assert idx.find_credits(query) == {"w": 0.5}
+    idx.apply_event("w", BlocksRemoved([e1], KvTier.HOST))
+    assert idx.find_credits(query) == {"w": 0.5}
+    idx.apply_event("w", BlocksRemoved([e1], KvTier.DISK))
+    assert idx.find_credits(query) == {"w": 0.25}
+    assert (idx.stats("w").host_blocks, idx.stats("w").disk_blocks) == (0, 1)

@@ -200,13 +200,16 @@ def _router_chain(
 
 class _LowBlock:
     """A block a worker holds on its host and/or disk tier: its router hash (None: not
-    computable) and the tiers holding it (bitmask of 1 << tier)."""
+    computable), the tiers holding it (bitmask of 1 << tier) and the tiers whose reference
+    counts include it (a block stored on one tier before its router hash was known, then on
+    another after, counts on the second only)."""
 
-    __slots__ = ("router", "tiers")
+    __slots__ = ("counted", "router", "tiers")
 
     def __init__(self, router: int | None) -> None:
         self.router = router
         self.tiers = 0
+        self.counted = 0
 
 
 class _Lower:
@@ -242,6 +245,7 @@ class _Lower:
             blk.tiers |= bit
             r = blk.router
             if r is not None:
+                blk.counted |= bit
                 c = refs.get(r, 0)
                 refs[r] = c + 1
                 if not c:
@@ -262,7 +266,8 @@ class _Lower:
                 continue
             blk.tiers &= ~bit
             r = blk.router
-            if r is not None:
+            if r is not None and blk.counted & bit:
+                blk.counted &= ~bit
                 c = refs[r] - 1
                 if c:
                     refs[r] = c
