@@ -16,7 +16,8 @@ A thin layer over TensorRT-LLM's own async API:
     "token_extra_id"}], "cache_level", "priority"}`. The largest attention window's blocks are
     published: level 0 (GPU) on the DEVICE tier, the host level on the HOST tier; a block moved
     between them ("updated" cache_level 0 -> 1 and back) moves between those tiers; blocks with
-    extra token ids (multimodal, prompt tables) are withheld. A jump in event ids (the engine's buffer overflowed) resyncs the log;
+    extra token ids (multimodal, prompt tables) are withheld. A jump in event ids (the engine's
+    buffer overflowed) resyncs the log;
   * load: `LLM.get_stats_async(timeout)` iteration stats (numActiveRequests,
     numQueuedRequests, kvCacheStats.usedNumBlocks / maxNumBlocks / cacheHitRate);
   * disaggregation: TensorRT-LLM's cache transceiver moves the KV. The prefill side runs the
