@@ -8,7 +8,6 @@ transformers' generate() every time."""
 from __future__ import annotations
 
 import re
-import shutil
 import time
 import urllib.request
 from pathlib import Path
@@ -18,13 +17,12 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (pip install kvmesh[torch])")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-import torch
 from tokenizers import Tokenizer
 
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
-from kvmesh.workers.pytorch.weights import create_tiny_weights
+from tests.conftest import generate_reference
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -36,38 +34,22 @@ N_OUT = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("torch-tiers-mesh") / "tiny-llama"
-    shutil.copytree(tiny_model, path)
-    create_tiny_weights(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def expected(model_dir: Path) -> str:
+def expected(torch_model_dir: Path) -> str:
     """transformers generate() of PROMPT, greedy, decoded."""
-    loaded: LoadedModel = load_model(model_dir, "cpu", TorchDType.FLOAT32)
-    eos = ModelDirInfo.load(model_dir).eos_token_ids
-    ids = torch.tensor([PROMPT])
-    out = loaded.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=N_OUT,
-        eos_token_id=list(eos),
-        pad_token_id=eos[0],
-    )
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return tok.decode(out[0, len(PROMPT) :].tolist(), skip_special_tokens=True)
+    loaded: LoadedModel = load_model(torch_model_dir, "cpu", TorchDType.FLOAT32)
+    eos = ModelDirInfo.load(torch_model_dir).eos_token_ids
+    out = generate_reference(loaded, eos, PROMPT, N_OUT)
+    tok = Tokenizer.from_file(str(torch_model_dir / "tokenizer.json"))
+    return tok.decode(out, skip_special_tokens=True)
 
 
-def _start(tmp: Path, model_dir: Path, *tiers: str) -> Mesh:
+def _start(tmp: Path, torch_model_dir: Path, *tiers: str) -> Mesh:
     return start_mesh(
         tmp,
         "--engine",
         "torch",
         "--model",
-        str(model_dir),
+        str(torch_model_dir),
         "--workers",
         "1",
         "--device",
@@ -113,9 +95,9 @@ def _serve_evicted(mesh: Mesh, expected: str, tier: str) -> None:
 
 
 def test_host_tier_through_the_mesh(
-    model_dir: Path, expected: str, tmp_path_factory: pytest.TempPathFactory
+    torch_model_dir: Path, expected: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    mesh = _start(tmp_path_factory.mktemp("host"), model_dir, "--kv-host-blocks", "64")
+    mesh = _start(tmp_path_factory.mktemp("host"), torch_model_dir, "--kv-host-blocks", "64")
     try:
         _serve_evicted(mesh, expected, "host")
     finally:
@@ -123,17 +105,17 @@ def test_host_tier_through_the_mesh(
 
 
 def test_disk_tier_through_the_mesh_and_a_restart(
-    model_dir: Path, expected: str, tmp_path_factory: pytest.TempPathFactory
+    torch_model_dir: Path, expected: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     disk = tmp_path_factory.mktemp("disk")
     flags = ("--kv-host-blocks", "8", "--kv-disk-blocks", "64", "--kv-disk-dir", str(disk))
-    mesh = _start(tmp_path_factory.mktemp("disk-1"), model_dir, *flags)
+    mesh = _start(tmp_path_factory.mktemp("disk-1"), torch_model_dir, *flags)
     try:
         _serve_evicted(mesh, expected, "disk")
     finally:
         assert stop_mesh(mesh) == 0, mesh.log.read_text()
     assert list((disk / "worker-0").rglob("*.kvb"))  # each worker has its own directory
-    mesh = _start(tmp_path_factory.mktemp("disk-2"), model_dir, *flags)
+    mesh = _start(tmp_path_factory.mktemp("disk-2"), torch_model_dir, *flags)
     try:  # the first request after the restart is served from the block files
         text, cached = _complete(mesh, PROMPT)
         assert text == expected and cached == CACHED

@@ -37,6 +37,7 @@ from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
+from tests.conftest import generate_reference
 
 pytestmark = pytest.mark.unit
 
@@ -77,16 +78,7 @@ class Env:
         return e
 
     def reference(self, ids: list[int], n: int) -> list[int]:
-        x = torch.tensor([ids])
-        out = self.loaded.model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=list(self.eos),
-            pad_token_id=self.eos[0],
-        )
-        return list(out[0, len(ids) :].tolist())
+        return generate_reference(self.loaded, self.eos, ids, n)
 
 
 class Pair:

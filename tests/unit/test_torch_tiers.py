@@ -20,7 +20,6 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (pip install kvmesh[torch])")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-import torch
 
 from kvmesh.runtime.kv_events import KvTier
 from kvmesh.runtime.modeldir import ModelDirInfo
@@ -31,7 +30,7 @@ from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.kv_tiers import fingerprint
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
-from kvmesh.workers.pytorch.weights import create_tiny_weights
+from tests.conftest import generate_reference
 
 pytestmark = pytest.mark.unit
 
@@ -44,40 +43,23 @@ N_OUT = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("torch-tiers") / "tiny-llama"
-    shutil.copytree(tiny_model, path)
-    create_tiny_weights(path)
-    return path
+def loaded(torch_model_dir: Path) -> LoadedModel:
+    return load_model(torch_model_dir, "cpu", TorchDType.FLOAT32)
 
 
 @pytest.fixture(scope="module")
-def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, "cpu", TorchDType.FLOAT32)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path, loaded: LoadedModel) -> list[int]:
+def reference(torch_model_dir: Path, loaded: LoadedModel) -> list[int]:
     """transformers generate() of PROMPT, greedy."""
-    eos = ModelDirInfo.load(model_dir).eos_token_ids
-    ids = torch.tensor([PROMPT])
-    out = loaded.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=N_OUT,
-        eos_token_id=list(eos),
-        pad_token_id=eos[0],
-    )
-    return list(out[0, len(PROMPT) :].tolist())
+    eos = ModelDirInfo.load(torch_model_dir).eos_token_ids
+    return generate_reference(loaded, eos, PROMPT, N_OUT)
 
 
-def _engine(model_dir: Path, loaded: LoadedModel, tiers: KvTierConfig | None) -> TorchEngine:
+def _engine(torch_model_dir: Path, loaded: LoadedModel, tiers: KvTierConfig | None) -> TorchEngine:
     return TorchEngine(
         TorchConfig(device="cpu", num_gpu_blocks=DEVICE_BLOCKS, max_model_len=512),
-        model_dir=model_dir,
+        model_dir=torch_model_dir,
         served_model_name="tiny",
-        eos_token_ids=ModelDirInfo.load(model_dir).eos_token_ids,
+        eos_token_ids=ModelDirInfo.load(torch_model_dir).eos_token_ids,
         loaded=loaded,
         tiers=tiers,
     )
@@ -121,9 +103,9 @@ def _check_consistent(engine: TorchEngine) -> None:
 
 
 async def test_host_tier_serves_evicted_prefix(
-    model_dir: Path, loaded: LoadedModel, reference: list[int]
+    torch_model_dir: Path, loaded: LoadedModel, reference: list[int]
 ) -> None:
-    plain = _engine(model_dir, loaded, None)
+    plain = _engine(torch_model_dir, loaded, None)
     await plain.start()
     try:
         tokens, _ = await _generate(plain, PROMPT)
@@ -134,7 +116,7 @@ async def test_host_tier_serves_evicted_prefix(
     finally:
         await plain.stop()
 
-    engine = _engine(model_dir, loaded, KvTierConfig(kv_host_blocks=64))
+    engine = _engine(torch_model_dir, loaded, KvTierConfig(kv_host_blocks=64))
     await engine.start()
     try:
         tokens, usage = await _generate(engine, PROMPT)
@@ -158,10 +140,10 @@ async def test_host_tier_serves_evicted_prefix(
 
 
 async def test_disk_tier_serves_and_persists_across_restart(
-    model_dir: Path, loaded: LoadedModel, reference: list[int], tmp_path: Path
+    torch_model_dir: Path, loaded: LoadedModel, reference: list[int], tmp_path: Path
 ) -> None:
     tiers = KvTierConfig(kv_host_blocks=8, kv_disk_blocks=64, kv_disk_dir=str(tmp_path))
-    engine = _engine(model_dir, loaded, tiers)
+    engine = _engine(torch_model_dir, loaded, tiers)
     await engine.start()
     try:
         await _generate(engine, PROMPT)
@@ -178,7 +160,7 @@ async def test_disk_tier_serves_and_persists_across_restart(
         await engine.stop()
     assert _count_block_files(tmp_path) >= len(hashes)
 
-    restarted = _engine(model_dir, loaded, tiers)
+    restarted = _engine(torch_model_dir, loaded, tiers)
     await restarted.start()
     try:
         assert set(hashes) <= set(restarted.cached_blocks(KvTier.DISK))
@@ -193,20 +175,20 @@ async def test_disk_tier_serves_and_persists_across_restart(
 
 
 async def test_corrupted_block_file_is_recomputed(
-    model_dir: Path,
+    torch_model_dir: Path,
     loaded: LoadedModel,
     reference: list[int],
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     tiers = KvTierConfig(kv_host_blocks=8, kv_disk_blocks=64, kv_disk_dir=str(tmp_path))
-    engine = _engine(model_dir, loaded, tiers)
+    engine = _engine(torch_model_dir, loaded, tiers)
     await engine.start()
     try:
         await _generate(engine, PROMPT)
         await _evict_prompt(engine)
         hashes = engine.scheduler.prefix_hashes(PROMPT)
-        files = BlockFiles(tmp_path, fingerprint(model_dir, engine.kv_spec), 1)
+        files = BlockFiles(tmp_path, fingerprint(torch_model_dir, engine.kv_spec), 1)
         bad = files.path(hashes[2])
         data = bytearray(bad.read_bytes())
         data[len(data) // 2] ^= 0xFF  # one flipped byte in the KV payload
@@ -245,7 +227,7 @@ def _tmpfs(path: Path, options: str) -> Iterator[None]:
 
 
 async def test_full_disk_keeps_what_fits_and_recomputes_the_rest(
-    model_dir: Path,
+    torch_model_dir: Path,
     loaded: LoadedModel,
     reference: list[int],
     tmp_path: Path,
@@ -254,7 +236,7 @@ async def test_full_disk_keeps_what_fits_and_recomputes_the_rest(
     disk_dir = tmp_path / "small"
     with _tmpfs(disk_dir, "size=24k"):  # two 8 KiB blocks (plus headers) fit
         tiers = KvTierConfig(kv_host_blocks=8, kv_disk_blocks=64, kv_disk_dir=str(disk_dir))
-        engine = _engine(model_dir, loaded, tiers)
+        engine = _engine(torch_model_dir, loaded, tiers)
         await engine.start()
         caplog.set_level(logging.WARNING, logger="kvmesh.workers.pytorch.kv_tiers")
         try:
@@ -274,7 +256,7 @@ async def test_full_disk_keeps_what_fits_and_recomputes_the_rest(
 @pytest.mark.parametrize("kind", ["under-a-file", "read-only"])
 async def test_unusable_disk_dir_runs_without_the_disk_tier(
     kind: str,
-    model_dir: Path,
+    torch_model_dir: Path,
     loaded: LoadedModel,
     reference: list[int],
     tmp_path: Path,
@@ -289,7 +271,7 @@ async def test_unusable_disk_dir_runs_without_the_disk_tier(
             stack.enter_context(_tmpfs(disk_dir, "ro,size=64k"))
         tiers = KvTierConfig(kv_host_blocks=64, kv_disk_blocks=64, kv_disk_dir=str(disk_dir))
         caplog.set_level(logging.ERROR, logger="kvmesh.workers.pytorch.engine")
-        engine = _engine(model_dir, loaded, tiers)
+        engine = _engine(torch_model_dir, loaded, tiers)
         await engine.start()
         try:
             assert any("disk KV tier disabled" in r.getMessage() for r in caplog.records)
