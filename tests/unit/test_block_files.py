@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -96,3 +97,48 @@ def test_unwritable_directory_raises(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError):
         BlockFiles(tmp_path / "file" / "kv", "fp", PAYLOAD).open()
+
+
+def test_a_full_disk_mid_write_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC after part of a file is written (injected: the file's writes stop after 100
+    bytes): the write raises, neither the block's file nor its temporary file stays, and the
+    blocks written before are intact. Works without root, unlike the tmpfs test of the torch
+    engine's full disk."""
+    import builtins
+    import errno
+
+    from kvmesh.workers.batching import block_files
+
+    files = BlockFiles(tmp_path, "fp", PAYLOAD)
+    files.open()
+    files.write(1, META, _payload(1))
+
+    class Full:
+        def __init__(self, f: IO[bytes]) -> None:
+            self.f, self.left = f, 100
+
+        def __enter__(self) -> Full:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def write(self, data: bytes) -> int:
+            if len(data) > self.left:
+                self.f.write(data[: self.left])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.left -= len(data)
+            return self.f.write(data)
+
+    real_open = builtins.open
+    monkeypatch.setattr(
+        block_files, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False
+    )
+    with pytest.raises(OSError, match="No space left"):
+        files.write(2, META, _payload(2))
+    monkeypatch.undo()
+    assert sorted(p.name for p in files.dir.iterdir() if p.name != ".lock") == [files.path(1).name]
+    assert files.read(1) == _payload(1)
+    files.close()
