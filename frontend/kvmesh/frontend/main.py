@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.backend import MeshBackend
+from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.metrics import DisaggCollector, RoutingCollector
 from kvmesh.router.routing import RoutingStats
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args
+from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
 from kvmesh.runtime.types import ModelInfo
@@ -63,6 +65,9 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> bool:
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
+    if isinstance(router, KvRouter):  # the workers' KV tier counters, from their load streams
+        loads = router.subscriber.loads
+        service.metrics.registry.register(KvTierCollector(lambda: list(loads.items())))
     service.metrics.registry.register(DisaggCollector(backend.stats))
     app = build_app(service, config)
     runner, port = await serve_http(app, config.http_host, config.http_port, shutdown_timeout=1.0)
