@@ -43,6 +43,7 @@ from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.server import Worker
 
 from ..integration.test_worker_contract import make_engine
+from .mesh import start_pool
 
 pytestmark = pytest.mark.integration
 
@@ -254,11 +255,7 @@ async def test_a_migrated_torch_request_gives_the_unmigrated_greedy_text(
         )
         for i in range(2)
     ]
-    for w in workers:
-        await w.start()
-    pool = WorkerPool(FileDiscovery(tmp_path / "registry", ttl_s=60.0, poll_s=0.05))
-    await pool.start()
-    await pool.wait_for(2, timeout_s=20)
+    pool = await start_pool(workers, tmp_path / "registry")
     backend = MeshBackend(pool, KvRouter(pool))
     prompt = [(11 + i * 53) % 3900 + 20 for i in range(40)]
     n = 120

@@ -24,12 +24,8 @@ from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.tokenizer import Tokenizer
 from kvmesh.router.backend import BackendConfig, MeshBackend
 from kvmesh.router.kv_router import KvRouter
-from kvmesh.router.pool import WorkerPool
-from kvmesh.runtime.discovery import FileDiscovery
-from kvmesh.workers.config import WorkerConfig
-from kvmesh.workers.server import Worker
 
-from ..integration.test_worker_contract import make_engine
+from .mesh import mocker_workers, start_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,18 +42,9 @@ class Gateway:
 
 @pytest.fixture
 async def gateway(tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gateway]:
-    workers = [
-        Worker(
-            WorkerConfig(discovery=f"file://{tmp_path / 'registry'}", worker_id=f"w{i}"),
-            make_engine(tiny_model, speedup_ratio=1.0, max_num_seqs=SEQS),
-        )
-        for i in range(2)
-    ]
-    for w in workers:
-        await w.start()
-    pool = WorkerPool(FileDiscovery(tmp_path / "registry", ttl_s=60.0, poll_s=0.05))
-    await pool.start()
-    await pool.wait_for(2, timeout_s=20)
+    registry = tmp_path / "registry"
+    workers = mocker_workers(tiny_model, registry, 2, speedup_ratio=1.0, max_num_seqs=SEQS)
+    pool = await start_pool(workers, registry)
     config = BackendConfig(max_queued_requests=2 * SEQS, queue_timeout_s=QUEUE_TIMEOUT_S)
     backend = MeshBackend(pool, KvRouter(pool), disagg=config)
     service = OpenAIService(backend, {"tiny": Tokenizer.from_pretrained(tiny_model)})

@@ -25,12 +25,9 @@ from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.tokenizer import Tokenizer
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.kv_router import KvRouter
-from kvmesh.router.pool import WorkerPool
-from kvmesh.runtime.discovery import FileDiscovery
-from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.server import Worker
 
-from ..integration.test_worker_contract import make_engine
+from .mesh import mocker_workers, start_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -51,18 +48,8 @@ class Mesh:
 
 @pytest.fixture
 async def mesh(tiny_model: Path, tmp_path: Path) -> AsyncIterator[Mesh]:
-    workers = [
-        Worker(
-            WorkerConfig(discovery=f"file://{tmp_path / 'registry'}", worker_id=f"w{i}"),
-            make_engine(tiny_model, speedup_ratio=4.0),
-        )
-        for i in range(2)
-    ]
-    for w in workers:
-        await w.start()
-    pool = WorkerPool(FileDiscovery(tmp_path / "registry", ttl_s=60.0, poll_s=0.05))
-    await pool.start()
-    await pool.wait_for(2, timeout_s=20)
+    workers = mocker_workers(tiny_model, tmp_path / "registry", 2, speedup_ratio=4.0)
+    pool = await start_pool(workers, tmp_path / "registry")
     backend = MeshBackend(pool, KvRouter(pool))
     config = FrontendConfig(stream_write_timeout_s=CUT_S, stream_send_buffer_bytes=32768)
     service = OpenAIService(backend, {"tiny": Tokenizer.from_pretrained(tiny_model)}, config)
