@@ -51,7 +51,7 @@ async def mesh(tiny_model: Path, tmp_path: Path) -> AsyncIterator[Mesh]:
     workers = mocker_workers(tiny_model, tmp_path / "registry", 2, speedup_ratio=4.0)
     pool = await start_pool(workers, tmp_path / "registry")
     backend = MeshBackend(pool, KvRouter(pool))
-    config = FrontendConfig(stream_write_timeout_s=CUT_S, stream_send_buffer_bytes=32768)
+    config = FrontendConfig(stream_write_timeout_s=CUT_S, send_buffer_bytes=32768)
     service = OpenAIService(backend, {"tiny": Tokenizer.from_pretrained(tiny_model)}, config)
     runner, port = await serve_http(build_app(service, config), "127.0.0.1", 0)
     try:

@@ -170,15 +170,6 @@ class _EventWriter:
                 self._error = exc
 
 
-def _bound_send_buffer(request: web.Request, size: int) -> None:
-    """Fix the kernel send buffer of the request's socket at `size` bytes (no autotuning)."""
-    transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-
-
 def _write_now(writer: StreamWriter, data: bytes) -> None:
     """Run StreamWriter.write(data, drain=False), which completes without suspending."""
     step = writer.write(data, drain=False)
@@ -273,11 +264,8 @@ class _Routes:
         if task is not None:
             self.streams.add(task)
         try:
-            config = self.service.config
-            if config.stream_send_buffer_bytes:
-                _bound_send_buffer(request, config.stream_send_buffer_bytes)
             writer = await resp.prepare(request)
-            events = _EventWriter(resp, writer, config.stream_write_timeout_s)
+            events = _EventWriter(resp, writer, self.service.config.stream_write_timeout_s)
             write = events.write
             encode = encoder.delta
             remaining = stream.num_choices
@@ -522,5 +510,12 @@ async def serve_http(
     except BaseException:
         await runner.cleanup()
         raise
+    if config.send_buffer_bytes:
+        # Accepted connections inherit the listening socket's fixed send buffer (Linux), at no
+        # cost per request. aiohttp keeps the asyncio Server in the site's `_server`.
+        server = getattr(site, "_server", None)
+        for sock in getattr(server, "sockets", None) or ():
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.send_buffer_bytes)
     bound = runner.addresses[0][1] if runner.addresses else port
     return runner, int(bound)

@@ -44,9 +44,9 @@ class FrontendConfig:
         "a streaming client that reads nothing for this long (its socket's buffer stays full) is "
         "cut off; meanwhile its request is paused on its worker. 0: never cut",
     )
-    stream_send_buffer_bytes: int = opt(
+    send_buffer_bytes: int = opt(
         262144,
-        "kernel send buffer of a streaming response's socket (SO_SNDBUF; it bounds what a client "
+        "kernel send buffer of each HTTP connection (SO_SNDBUF; it bounds what a streaming client "
         "that does not read holds in the kernel, which otherwise grows it to megabytes). 0: the "
         "kernel's default",
     )
@@ -76,8 +76,8 @@ class FrontendConfig:
             raise ValueError("kserve_grpc_port must be >= -1 (-1: off, 0: pick a free one)")
         if not self.stream_write_timeout_s >= 0 or not self.drain_timeout_s >= 0:
             raise ValueError("stream_write_timeout_s and drain_timeout_s must be >= 0")
-        if self.stream_send_buffer_bytes < 0:
-            raise ValueError("stream_send_buffer_bytes must be >= 0")
+        if self.send_buffer_bytes < 0:
+            raise ValueError("send_buffer_bytes must be >= 0")
 
     def model_name(self) -> str:
         """The served model name: `served_model_name`, else the model directory's name."""
