@@ -122,7 +122,7 @@ def messages(desc: d.Descriptor, depth: int = 0) -> st.SearchStrategy[Message]:
                         target[k].CopyFrom(v)
                     else:
                         target[k] = v
-            elif f.label == d.FieldDescriptor.LABEL_REPEATED:
+            elif f.is_repeated:
                 values = draw(st.lists(_scalar(f, depth), max_size=3))
                 if f.type == d.FieldDescriptor.TYPE_MESSAGE:
                     getattr(msg, f.name).extend(values)
