@@ -14,6 +14,13 @@ but the ones `up` sets itself (SET_BY_UP: where each process listens and registe
 worker's id and role). A flag several processes take (`--model`, `--drain-timeout-s`) goes to
 each. Children are started with posix_spawn, never fork (see ChildProcess).
 
+Security: `--tls` generates a throwaway CA and one certificate per identity (kvmesh-up,
+kvmesh-frontend, kvmesh-router, kvmesh-worker, kvmesh-planner) in a temp dir, deleted on exit:
+every mesh link is mTLS and mesh servers accept only those identities; the gateway serves HTTPS
+and TLS KServe gRPC with the frontend's certificate. Without it, the TLS flags (--tls-cert,
+--tls-key, --tls-ca, --mesh-identities, --mesh-token-file) go to every process unchanged, and
+`up` uses them for its own ScalingService.
+
 Pools: `--workers N` aggregated workers, or a disaggregated mesh with `--prefill-workers N
 --decode-workers M` (workers started with `--role prefill` / `--role decode`; the gateway
 prefills on the prefill pool and decodes on the decode pool, see kvmesh.router.backend). Only the
@@ -48,12 +55,13 @@ from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import main as router_main
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
-from kvmesh.runtime.config import Flags, from_args, opt, to_argv
+from kvmesh.runtime.config import ConfigError, Flags, from_args, opt, to_argv
 from kvmesh.runtime.discovery import EventKind, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, NotFound
-from kvmesh.runtime.grpcutil import GrpcServer
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
+from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
 from kvmesh.workers import main as worker_main
 from kvmesh.workers.config import WorkerConfig
@@ -62,6 +70,9 @@ SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 STOP_MARGIN_S = 10.0
 """How long past its --drain-timeout-s a child may take to exit before it is killed."""
+
+IDENTITIES = ("kvmesh-up", "kvmesh-frontend", "kvmesh-router", "kvmesh-worker", "kvmesh-planner")
+"""The mesh identities `kvmesh up --tls` issues certificates for (subject CN = the name)."""
 
 
 @dataclass
@@ -86,6 +97,11 @@ class UpConfig:
     )
     discovery: str = opt("", "discovery URL; empty: an embedded file registry in a temp dir")
     startup_timeout_s: float = opt(60.0, "how long to wait for the mesh to become healthy")
+    tls: bool = opt(
+        False,
+        "generate a throwaway CA and certificates for this machine (deleted on exit): mTLS on "
+        "every mesh link, HTTPS and TLS KServe gRPC at the gateway",
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
@@ -137,6 +153,7 @@ class UpArgs:
     frontend: FrontendConfig
     mesh: MeshConfig
     router: RouterServerConfig
+    tls: TlsConfig
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> UpArgs:
@@ -150,6 +167,7 @@ class UpArgs:
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
             router=from_args(RouterServerConfig, ns),
+            tls=from_args(TlsConfig, ns),
         )
 
 
@@ -229,25 +247,43 @@ class Supervisor:
             kserve_grpc_port=fe.kserve_grpc_port or _free_port(fe.http_host),
         )
         self.mesh = replace(args.mesh, discovery=self.discovery)
+        self.pki: DevPki | None = None
+        if self.config.tls:
+            if args.tls.enabled:
+                raise ConfigError(
+                    "--tls generates the certificates; with your own (--tls-cert, --tls-key, "
+                    "--tls-ca) leave --tls out"
+                )
+            self.pki = write_dev_pki(Path(tempfile.mkdtemp(prefix="kvmesh-tls-")), IDENTITIES)
+        self.security = MeshSecurity.load(self.tls("kvmesh-up"))
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
         self._pid = os.getpid()
 
+    def tls(self, identity: str) -> TlsConfig:
+        """The mesh TLS settings of the process with `identity` (--tls: its own certificate;
+        else what `up` was given)."""
+        if self.pki is None:
+            return self.args.tls
+        return self.pki.config(identity, IDENTITIES)
+
     def worker_argv(self, role: Role, worker_id: str) -> list[str]:
         """The command line of one worker."""
         worker = replace(self.worker, role=role, worker_id=worker_id)
-        return _kvmesh("worker", self.args.log, worker, self.args.engine)
+        tls = self.tls("kvmesh-worker")
+        return _kvmesh("worker", self.args.log, worker, self.args.engine, tls)
 
     def router_argv(self, port: int) -> list[str]:
         """The command line of the standalone router (--router-process)."""
         router = replace(self.args.router, host="127.0.0.1", port=port)
-        return _kvmesh("router", self.args.log, router, self.mesh)
+        return _kvmesh("router", self.args.log, router, self.mesh, self.tls("kvmesh-router"))
 
     def frontend_argv(self, router_address: str = "") -> list[str]:
         """The command line of the frontend."""
         mesh = replace(self.mesh, router_address=router_address)
-        return _kvmesh("frontend", self.args.log, self.frontend, mesh)
+        tls = self.tls("kvmesh-frontend")
+        return _kvmesh("frontend", self.args.log, self.frontend, mesh, tls)
 
     @property
     def workers(self) -> list[Child]:
@@ -350,6 +386,8 @@ class Supervisor:
             await asyncio.gather(*(c.wait(drain_s + STOP_MARGIN_S) for c in group))
         if self.registry is not None:
             shutil.rmtree(self.registry, ignore_errors=True)
+        if self.pki is not None:
+            shutil.rmtree(self.pki.directory, ignore_errors=True)
 
 
 _ROLE_TO_PB: dict[Role, cpb.WorkerRole.ValueType] = {
@@ -414,7 +452,7 @@ async def _up(args: UpArgs) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    control = GrpcServer("127.0.0.1", config.control_port)
+    control = mesh_server("127.0.0.1", config.control_port, sup.security)
     control.add(
         spb_grpc.add_ScalingServiceServicer_to_server, ScalingServicer(sup), SCALING_SERVICE
     )

@@ -391,9 +391,10 @@ class MeshSecurity:
     def load(cls, config: TlsConfig) -> MeshSecurity:
         """The security `config` describes, with its files read and checked now: raises
         TlsError (missing, expired or mismatched certificate, bad token) at start-up."""
+        token = config.token()  # also refuses a token next to TLS
         if config.enabled:
             return cls(ReloadingTls(config.files()), identities=config.mesh_identities)
-        return cls(token=config.token())
+        return cls(token=token)
 
     @property
     def mode(self) -> str:
@@ -454,6 +455,12 @@ class MeshSecurity:
                     return
                 raise errors.Unauthenticated("wrong mesh token")
         raise errors.Unauthenticated(f"this mesh server needs the mesh token ({MESH_TOKEN_HEADER})")
+
+
+def mesh_server(host: str, port: int, security: MeshSecurity | None = None) -> GrpcServer:
+    """A GrpcServer for a mesh service (worker, router, scaling) at host:port with the process's
+    mesh security (plaintext when `security` is None)."""
+    return GrpcServer(host, port, security=security.server() if security is not None else None)
 
 
 def mesh_channel(address: str, security: MeshSecurity | None = None) -> grpc.aio.Channel:

@@ -15,8 +15,10 @@ from typing import Any
 
 from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.errors import Unimplemented
+from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.tls import TlsConfig
 from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
 from kvmesh.workers.config import EngineKind, WorkerConfig
 from kvmesh.workers.engine import Engine
@@ -127,10 +129,13 @@ def build_engine(config: WorkerConfig, ns: argparse.Namespace) -> Engine:
 
 
 async def serve_worker(
-    config: WorkerConfig, ns: argparse.Namespace, ready: Callable[[Worker], None] | None = None
+    config: WorkerConfig,
+    ns: argparse.Namespace,
+    ready: Callable[[Worker], None] | None = None,
+    security: MeshSecurity | None = None,
 ) -> None:
     """Run a worker until SIGINT/SIGTERM."""
-    worker = Worker(config, build_engine(config, ns))
+    worker = Worker(config, build_engine(config, ns), security)
     await worker.start()
     if ready is not None:
         ready(worker)
@@ -140,13 +145,14 @@ async def serve_worker(
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh worker`: serve until SIGINT/SIGTERM."""
-    run(serve_worker(from_args(WorkerConfig, ns), ns))
+    security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
+    run(serve_worker(from_args(WorkerConfig, ns), ns, security=security))
     return 0
 
 
 ENTRY = Entry(
     "worker",
     "a worker process serving one engine (WorkerService)",
-    Flags.of(WorkerConfig, *(spec.config for spec in ENGINES.values())),
+    Flags.of(WorkerConfig, TlsConfig, *(spec.config for spec in ENGINES.values())),
     main,
 )
