@@ -150,12 +150,15 @@ class TlsMaterial:
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """Where a certificate chain, its key and a CA bundle live; `flags` name them in errors."""
+    """Where a certificate chain, its key and a CA bundle live; `flags` name them in errors.
+    `chain_to_ca`: the certificate must be signed by the CA (mesh certificates are; a client
+    certificate for etcd may come from another CA than etcd's server certificate)."""
 
     cert: Path
     key: Path
     ca: Path | None = None
     flags: tuple[str, str, str] = ("certificate", "key", "CA")
+    chain_to_ca: bool = True
 
     def stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
         """What changes when any of the files is replaced (inode, size, mtime)."""
@@ -195,21 +198,21 @@ class TlsFiles:
             )
         for cert in chain:
             _check_validity(cert, now, f"{cert_flag} {self.cert}")
+        for lower, upper in itertools.pairwise(chain):
+            try:
+                lower.verify_directly_issued_by(upper)
+            except (ValueError, TypeError, InvalidSignature) as exc:
+                raise TlsError(
+                    f"{cert_flag} {self.cert}: {_describe(lower)} is not signed by the next "
+                    f"certificate of the chain, {_describe(upper)}"
+                ) from exc
         if ca_pem is not None:
             assert self.ca is not None
             cas = _certificates(ca_pem, ca_flag, self.ca)
             for ca in cas:
                 _check_validity(ca, now, f"{ca_flag} {self.ca}")
             top = chain[-1]
-            for lower, upper in itertools.pairwise(chain):
-                try:
-                    lower.verify_directly_issued_by(upper)
-                except (ValueError, TypeError, InvalidSignature) as exc:
-                    raise TlsError(
-                        f"{cert_flag} {self.cert}: {_describe(lower)} is not signed by the next "
-                        f"certificate of the chain, {_describe(upper)}"
-                    ) from exc
-            if not any(_issued_by(top, ca) for ca in cas):
+            if self.chain_to_ca and not any(_issued_by(top, ca) for ca in cas):
                 raise TlsError(
                     f"{cert_flag} {self.cert}: {_describe(top)} is not signed by a CA of "
                     f"{ca_flag} {self.ca} (" + "; ".join(_describe(ca) for ca in cas) + ")"
