@@ -288,10 +288,10 @@ def _etcd_tls(files: Mapping[str, str]) -> EtcdTls | None:
         # etcd may trust another CA for clients than the one that signed its own certificate.
         return EtcdTls(ReloadingTls(TlsFiles(cert, key, ca, flags, chain_to_ca=False)))
     try:
-        ca = Path(files["cacert"]).read_bytes()
+        ca_pem = Path(files["cacert"]).read_bytes()
     except OSError as exc:
         raise TlsError(f"cannot read etcd cacert= {files['cacert']}: {exc.strerror}") from exc
-    return EtcdTls(None, ca)
+    return EtcdTls(None, ca_pem)
 
 
 class EtcdTls:
