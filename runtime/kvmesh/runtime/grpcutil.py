@@ -405,7 +405,7 @@ class MeshSecurity:
         """What a mesh server (GrpcServer) takes."""
         if self.tls is not None:
             auth = self._authorize_identity if self.identities else None
-            return ServerSecurity(_reloading_server_credentials(self.tls), auth)
+            return ServerSecurity(reloading_server_credentials(self.tls), auth)
         if self._token is not None:
             return ServerSecurity(None, self._authorize_token, (HEALTH_METHODS,))
         return ServerSecurity()
@@ -474,8 +474,11 @@ def mesh_channel(address: str, security: MeshSecurity | None = None) -> grpc.aio
     return security.channel(address) if security is not None else insecure_channel(address)
 
 
-def _reloading_server_credentials(tls: ReloadingTls) -> grpc.ServerCredentials:
-    """mTLS server credentials that pick up reloaded files at the next handshake."""
+def reloading_server_credentials(
+    tls: ReloadingTls, *, require_client_certificate: bool = True
+) -> grpc.ServerCredentials:
+    """TLS server credentials that pick up reloaded files at the next handshake;
+    `require_client_certificate`: mTLS, against the material's CA."""
     served, material = tls.current()
     last = [served]
 
@@ -499,7 +502,7 @@ def _reloading_server_credentials(tls: ReloadingTls) -> grpc.ServerCredentials:
     # grpc documents None as "no change"; its stubs say the fetcher always returns one.
     fetcher = cast("Callable[[], grpc.ServerCertificateConfiguration]", fetch)
     return grpc.dynamic_ssl_server_credentials(
-        config(material), fetcher, require_client_authentication=True
+        config(material), fetcher, require_client_authentication=require_client_certificate
     )
 
 

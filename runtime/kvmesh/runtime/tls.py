@@ -21,6 +21,7 @@ import ipaddress
 import itertools
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # imported where used: `cryptography.x509` alone costs ~60 ms
 __all__ = [
     "DevPki",
     "ReloadingTls",
+    "ServerSslContext",
     "TlsConfig",
     "TlsError",
     "TlsFiles",
@@ -350,6 +352,54 @@ class ReloadingTls:
             ", ".join(material.identities) or "no identities",
             _utc(material.not_after),
         )
+
+
+class ServerSslContext:
+    """An ssl.SSLContext for a TLS server (the gateway's HTTPS) that follows a ReloadingTls.
+
+    Give `context` to the server. Each handshake asks for the current material (its SNI
+    callback runs for every ClientHello, with or without a server name) and, when the files
+    were reloaded, switches the connection to a context built from them, so new connections
+    get the new certificate and open ones are left alone. `require_client_certificate`: the
+    client must present a certificate the material's CA signed (mTLS).
+    """
+
+    def __init__(self, tls: ReloadingTls, *, require_client_certificate: bool = False) -> None:
+        self._tls = tls
+        self._require = require_client_certificate
+        generation, material = tls.current()
+        self.context = self._build(material)
+        self.context.sni_callback = self._on_hello
+        self._current = (generation, self.context)
+
+    def _build(self, material: TlsMaterial) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        # The checked bytes, not the paths: the files may have changed since they were read.
+        fd = os.memfd_create("kvmesh-tls", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, material.cert_chain + b"\n" + material.key)
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        if self._require:
+            if material.ca is None:
+                raise TlsError("client certificates need a CA to check them against")
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(cadata=material.ca.decode())
+        return ctx
+
+    def _on_hello(self, conn: ssl.SSLObject | ssl.SSLSocket, name: str | None, _: object) -> None:
+        generation, ctx = self._current
+        latest, material = self._tls.current()
+        if latest != generation:
+            try:
+                ctx = self._build(material)
+            except (ssl.SSLError, OSError, TlsError) as exc:  # keep the previous one
+                log.warning("cannot use the reloaded TLS certificate: %s", exc)
+            self._current = (latest, ctx)
+        if ctx is not self.context:
+            conn.context = ctx
 
 
 # --- a throwaway CA for one machine -----------------------------------------------------------
