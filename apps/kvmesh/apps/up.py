@@ -37,6 +37,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -51,6 +52,7 @@ from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
 from kvmesh.frontend import main as frontend_main
+from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import main as router_main
 from kvmesh.router.main import RouterServerConfig
@@ -255,6 +257,16 @@ class Supervisor:
                     "--tls-ca) leave --tls out"
                 )
             self.pki = write_dev_pki(Path(tempfile.mkdtemp(prefix="kvmesh-tls-")), IDENTITIES)
+            self.frontend = replace(
+                self.frontend,
+                http_tls_cert=str(self.pki.cert("kvmesh-frontend")),
+                http_tls_key=str(self.pki.key("kvmesh-frontend")),
+            )
+        if self.frontend.api_key:
+            # Keys reach the frontend in its environment, never on a command line (ps shows it).
+            given = os.environ.get(API_KEY_ENV, "")
+            os.environ[API_KEY_ENV] = ",".join([*self.frontend.api_key, *given.split(",")])
+            self.frontend = replace(self.frontend, api_key=[])
         self.security = MeshSecurity.load(self.tls("kvmesh-up"))
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
         self.others: list[Child] = []  # frontend (first), router
@@ -462,9 +474,16 @@ async def _up(args: UpArgs) -> int:
         await control.start()
         fe = sup.frontend
         host = "127.0.0.1" if fe.http_host in ("0.0.0.0", "::") else fe.http_host
-        base = f"http://{host}:{fe.http_port}"
+        scheme = "https" if fe.http_tls_cert else "http"
+        base = f"{scheme}://{host}:{fe.http_port}"
         deadline = time.monotonic() + config.startup_timeout_s
-        async with aiohttp.ClientSession() as http:
+        ssl_context: ssl.SSLContext | bool = True
+        if sup.pki is not None:
+            ssl_context = ssl.create_default_context(cafile=str(sup.pki.ca))
+        elif fe.http_tls_cert:
+            ssl_context = False  # the operator's certificate: up only asks for /health
+        connector = aiohttp.TCPConnector(ssl=ssl_context)
+        async with aiohttp.ClientSession(connector=connector) as http:
             while not await _healthy(http, base + "/health"):
                 dead = [c.name for c in (*sup.others, *sup.workers) if not c.alive()]
                 if dead or stop.is_set() or time.monotonic() > deadline:
@@ -512,6 +531,8 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
         }
     )
     config = sup.config
+    cacert = f"--cacert {sup.pki.ca} " if sup.pki is not None else ""
+    auth = '-H "Authorization: Bearer $KVMESH_API_KEY" ' if os.environ.get(API_KEY_ENV) else ""
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
     print(
@@ -521,8 +542,10 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
         f"  KServe v2  : {base}/v2 (REST)"
         + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
         + "\n"
-        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n\n"
-        f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n"
+        + (f"  CA         : {sup.pki.ca} (throwaway, deleted on exit)\n" if sup.pki else "")
+        + f"\n  curl -N {cacert}{base}/v1/chat/completions {auth}\\\n"
+        "       -H 'Content-Type: application/json' \\\n"
         f"       -d '{body}'\n\n"
         "Press Ctrl-C to stop.\n",
         flush=True,
