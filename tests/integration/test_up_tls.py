@@ -88,9 +88,7 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def _openai(mesh: TlsMesh, key: str) -> openai.OpenAI:
     http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(mesh.pki.ca)))
-    return openai.OpenAI(
-        base_url=mesh.base + "/v1", api_key=key, max_retries=0, http_client=http
-    )
+    return openai.OpenAI(base_url=mesh.base + "/v1", api_key=key, max_retries=0, http_client=http)
 
 
 def test_openai_client_over_https_with_api_keys(mesh: TlsMesh) -> None:
@@ -147,11 +145,9 @@ def _triton_inputs(prompt: str, max_tokens: int) -> list[grpcclient.InferInput]:
 
 
 def test_tritonclient_over_tls_with_api_key(mesh: TlsMesh) -> None:
-    ca = mesh.pki.ca.read_bytes()
     client = grpcclient.InferenceServerClient(
         mesh.grpc_address, ssl=True, root_certificates=str(mesh.pki.ca)
     )
-    assert ca
     try:
         assert client.is_server_ready()  # a probe: no key needed
         headers = {"authorization": f"Bearer {KEYS[0]}"}
@@ -193,7 +189,8 @@ def test_scale_only_from_the_mesh_identities(mesh: TlsMesh, tmp_path: Path) -> N
     assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
     # Another CA, or plaintext: no connection at all.
     other = write_dev_pki(tmp_path / "other", ["kvmesh-planner"])
-    with _mtls(other, "kvmesh-planner", mesh.control) as channel, pytest.raises(grpc.RpcError) as info:
+    foreign = _mtls(other, "kvmesh-planner", mesh.control)
+    with foreign as channel, pytest.raises(grpc.RpcError) as info:
         _scale(channel, 0)
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
     with grpc.insecure_channel(mesh.control) as channel, pytest.raises(grpc.RpcError) as info:
