@@ -19,6 +19,7 @@ import pytest
 
 from kvmesh.apps.cli import build_parser
 from kvmesh.apps.up import SET_BY_UP, Supervisor, UpArgs, UpConfig
+from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
@@ -121,6 +122,15 @@ def _check_child(
     return checked
 
 
+def _frontend_argv(sup: Supervisor) -> list[str]:
+    """The frontend's argv, plus the API keys `up` hands it in its environment instead (a
+    command line would show them to every user of the machine)."""
+    argv = sup.frontend_argv()
+    keys = [k for k in sup.frontend_env.get(API_KEY_ENV, "").split(",") if k]
+    assert not any(k in a for k in keys for a in argv), argv
+    return argv + (["--api-key", *keys] if keys else [])
+
+
 def test_up_passes_every_child_flag_to_the_child(
     parser: argparse.ArgumentParser, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -135,7 +145,7 @@ def test_up_passes_every_child_flag_to_the_child(
         "frontend",
         [FrontendConfig, MeshConfig],
         fe_base,
-        lambda sup: sup.frontend_argv(),
+        _frontend_argv,
         other_model,
         up_base,
     )

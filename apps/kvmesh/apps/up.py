@@ -190,9 +190,9 @@ class _Pool:
 class Child:
     """A process `kvmesh up` started (in its own session, so Ctrl-C reaches only `up`)."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.proc = ChildProcess(argv)
+        self.proc = ChildProcess(argv, env)
         self.started = time.monotonic()
         self.draining = False
 
@@ -262,10 +262,12 @@ class Supervisor:
                 http_tls_cert=str(self.pki.cert("kvmesh-frontend")),
                 http_tls_key=str(self.pki.key("kvmesh-frontend")),
             )
+        self.frontend_env: dict[str, str] = {}
         if self.frontend.api_key:
             # Keys reach the frontend in its environment, never on a command line (ps shows it).
             given = os.environ.get(API_KEY_ENV, "")
-            os.environ[API_KEY_ENV] = ",".join([*self.frontend.api_key, *given.split(",")])
+            keys = ",".join([*self.frontend.api_key, *given.split(",")])
+            self.frontend_env[API_KEY_ENV] = keys
             self.frontend = replace(self.frontend, api_key=[])
         self.security = MeshSecurity.load(self.tls("kvmesh-up"))
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
@@ -319,7 +321,7 @@ class Supervisor:
             port = _free_port("127.0.0.1")
             self.others.append(Child("router", self.router_argv(port)))
             router_address = f"127.0.0.1:{port}"
-        frontend = Child("frontend", self.frontend_argv(router_address))
+        frontend = Child("frontend", self.frontend_argv(router_address), self.frontend_env)
         self.others.insert(0, frontend)
         return frontend
 
@@ -532,7 +534,8 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
     )
     config = sup.config
     cacert = f"--cacert {sup.pki.ca} " if sup.pki is not None else ""
-    auth = '-H "Authorization: Bearer $KVMESH_API_KEY" ' if os.environ.get(API_KEY_ENV) else ""
+    keyed = sup.frontend_env or os.environ.get(API_KEY_ENV)
+    auth = '-H "Authorization: Bearer $KVMESH_API_KEY" ' if keyed else ""
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
     print(

@@ -80,8 +80,6 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if self.http_port < 0:
             raise ValueError("http_port must be >= 0 (0: pick a free one)")
-        if bool(self.http_tls_cert) != bool(self.http_tls_key):
-            raise ValueError("gateway TLS needs both --http-tls-cert and --http-tls-key")
         if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:
             raise ValueError("rate limits must be >= 0 (0: no limit)")
         if self.kserve_grpc_port < -1:

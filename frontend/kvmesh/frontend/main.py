@@ -21,7 +21,7 @@ from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
-from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, TlsConfig, TlsFiles
+from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, TlsConfig, TlsError, TlsFiles
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 def gateway_tls(config: FrontendConfig) -> ReloadingTls | None:
     """The gateway's certificate (--http-tls-cert/--http-tls-key), read and checked now, or
     None for plaintext."""
-    if not config.http_tls_cert:
+    if not config.http_tls_cert and not config.http_tls_key:
         return None
+    if not (config.http_tls_cert and config.http_tls_key):
+        raise TlsError("gateway TLS needs both --http-tls-cert and --http-tls-key")
     files = TlsFiles(
         Path(config.http_tls_cert),
         Path(config.http_tls_key),
