@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import socket
 import ssl
 import subprocess
@@ -290,3 +291,47 @@ def test_bad_certificates_stop_a_process_at_start_up(pki: DevPki, tmp_path: Path
     assert "kvmesh worker: error: --tls-key" in proc.stderr
     assert "outsider-key.pem does not match the certificate in --tls-cert" in proc.stderr
     assert time.monotonic() - start < 30
+
+
+async def test_servers_dialed_by_ip_with_a_shared_server_name(tmp_path: Path) -> None:
+    """--tls-server-name: servers whose certificates name only `kvmesh-mesh` (not the address
+    clients dial, e.g. a pod IP) are verified against that name; the image's healthcheck
+    reaches them over mTLS (grpcs://)."""
+    pki = write_dev_pki(tmp_path, [], hosts=["kvmesh-mesh"])
+    for identity in ("kvmesh-up", "kvmesh-planner"):
+        pki.issue(identity, hosts=["kvmesh-mesh"])
+    server = mesh_server("127.0.0.1", 0, MeshSecurity.load(pki.config("kvmesh-up", ["kvmesh-planner"])))
+    await server.start()
+    named = TlsConfig(**{**vars(pki.config("kvmesh-planner")), "tls_server_name": "kvmesh-mesh"})
+    good = mesh_channel(server.address, MeshSecurity.load(named))
+    unnamed = mesh_channel(server.address, MeshSecurity.load(pki.config("kvmesh-planner")))
+    try:
+        request = health_pb2.HealthCheckRequest()
+        assert await _code(health_pb2_grpc.HealthStub(good).Check(request, timeout=5)) is (
+            grpc.StatusCode.OK
+        )
+        # Without the name, 127.0.0.1 is not in the certificate: the client refuses it.
+        assert await _code(health_pb2_grpc.HealthStub(unnamed).Check(request, timeout=5)) is (
+            grpc.StatusCode.UNAVAILABLE
+        )
+        check = Path(__file__).parents[2] / "deploy" / "container" / "healthcheck.py"
+        env = {
+            "KVMESH_TLS_CERT": str(pki.cert("kvmesh-planner")),
+            "KVMESH_TLS_KEY": str(pki.key("kvmesh-planner")),
+            "KVMESH_TLS_CA": str(pki.ca),
+        }
+        target = f"grpcs://{server.address}"
+        for extra, code in (({}, 1), ({"KVMESH_TLS_SERVER_NAME": "kvmesh-mesh"}, 0)):
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, str(check), target],
+                env={**os.environ, **env, **extra},
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert done.returncode == code, done.stdout
+    finally:
+        await good.close()
+        await unnamed.close()
+        await server.stop(0)

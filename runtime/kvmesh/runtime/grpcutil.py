@@ -376,11 +376,19 @@ class MeshSecurity:
         *,
         identities: Collection[str] = (),
         token: bytes | None = None,
+        server_name: str = "",
     ) -> None:
         if tls is not None and token is not None:
             raise ValueError("a mesh uses TLS identities or a shared token, not both")
         self.tls = tls
         self.identities = frozenset(identities)
+        self.channel_options: Sequence[tuple[str, Any]] = (
+            (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name))
+            if server_name
+            else CHANNEL_OPTIONS
+        )
+        """Options of client channels (with --tls-server-name: the name servers' certificates
+        are checked against)."""
         self._token = token
         self._metadata: tuple[tuple[str, str], ...] = (
             ((MESH_TOKEN_HEADER, token.decode()),) if token is not None else ()
@@ -393,7 +401,11 @@ class MeshSecurity:
         TlsError (missing, expired or mismatched certificate, bad token) at start-up."""
         token = config.token()  # also refuses a token next to TLS
         if config.enabled:
-            return cls(ReloadingTls(config.files()), identities=config.mesh_identities)
+            return cls(
+                ReloadingTls(config.files()),
+                identities=config.mesh_identities,
+                server_name=config.tls_server_name,
+            )
         return cls(token=token)
 
     @property
@@ -531,7 +543,8 @@ class _MeshChannel(grpc.aio.Channel):
             if creds is None:
                 channel = grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS)
             else:
-                channel = grpc.aio.secure_channel(self._address, creds, options=CHANNEL_OPTIONS)
+                options = self._security.channel_options
+                channel = grpc.aio.secure_channel(self._address, creds, options=options)
             self._channel, self._generation = channel, generation
         return channel
 

@@ -83,6 +83,12 @@ class TlsConfig:
         "or one of its subject alternative names (DNS, URI such as spiffe://..., IP); empty: "
         "any certificate --tls-ca signed",
     )
+    tls_server_name: str = opt(
+        "",
+        "name mesh clients check in servers' certificates instead of the host they dial (for "
+        "servers dialed by IP, e.g. Kubernetes pod IPs: give every certificate this DNS SAN); "
+        "empty: the dialed host",
+    )
     mesh_token_file: str = opt(
         "",
         "without TLS: a file holding a shared secret that every mesh call must carry (opt-in; "
@@ -97,6 +103,8 @@ class TlsConfig:
                 "mesh TLS needs all of --tls-cert, --tls-key and --tls-ca (mTLS); missing: "
                 + ", ".join(missing)
             )
+        if self.tls_server_name and not self.tls_cert:
+            raise ValueError("--tls-server-name needs mesh TLS (--tls-cert, --tls-key, --tls-ca)")
         if self.mesh_identities and not self.tls_cert:
             raise ValueError("--mesh-identities needs mesh TLS (--tls-cert, --tls-key, --tls-ca)")
 
