@@ -329,3 +329,16 @@ def test_children_start_without_fork_while_grpc_is_live() -> None:
     assert child_out == ["True"], "the child runs in its own session"
     assert json.loads(summary) == {"exit": 3, "killed": -15, "forks": 0}
     assert "fork_posix" not in result.stderr and "fork()" not in result.stderr, result.stderr
+
+
+def test_every_listener_binds_loopback_by_default(parser: argparse.ArgumentParser) -> None:
+    """No command listens beyond this machine unless told to: every `--*host` flag of a
+    listener defaults to 127.0.0.1 (advertise hosts and remote addresses are not listeners)."""
+    checked = 0
+    for name, command in _commands(parser).items():
+        for action in _flag_actions(command):
+            if action.dest.endswith("host") and "advertise" not in action.dest:
+                help_text = action.help or ""
+                assert help_text.endswith("(default: '127.0.0.1')"), f"kvmesh {name} {action.dest}"
+                checked += 1
+    assert checked >= 3  # worker, router, frontend (and up, which passes them on)
