@@ -300,7 +300,8 @@ async def test_servers_dialed_by_ip_with_a_shared_server_name(tmp_path: Path) ->
     pki = write_dev_pki(tmp_path, [], hosts=["kvmesh-mesh"])
     for identity in ("kvmesh-up", "kvmesh-planner"):
         pki.issue(identity, hosts=["kvmesh-mesh"])
-    server = mesh_server("127.0.0.1", 0, MeshSecurity.load(pki.config("kvmesh-up", ["kvmesh-planner"])))
+    up = MeshSecurity.load(pki.config("kvmesh-up", ["kvmesh-planner"]))
+    server = mesh_server("127.0.0.1", 0, up)
     await server.start()
     named = TlsConfig(**{**vars(pki.config("kvmesh-planner")), "tls_server_name": "kvmesh-mesh"})
     good = mesh_channel(server.address, MeshSecurity.load(named))

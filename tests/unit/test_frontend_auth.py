@@ -138,3 +138,53 @@ async def test_gateway_doors(gateway: tuple[str, aiohttp.ClientSession]) -> None
         assert body["error"]["code"] == "rate_limit_exceeded"
         assert body["error"]["type"] == "rate_limit_error"
         assert resp.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_https_certificate_rotation_under_load(tmp_path: Path) -> None:
+    """The gateway's HTTPS certificate is replaced on disk while clients keep opening new
+    connections: every request succeeds, and new connections get the new certificate."""
+    import asyncio
+    import hashlib
+    import ssl
+
+    from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, write_dev_pki
+
+    pki = write_dev_pki(tmp_path / "pki", ["gateway"])
+    tok = Tokenizer.from_pretrained(create_tiny_model(tmp_path / "tiny-llama"))
+    backend = FakeBackend([model_info(MODEL)], tokens=tok.encode(DEFAULT_TEXT))
+    service = OpenAIService(backend, {MODEL: tok}, FrontendConfig())
+    tls = ServerSslContext(ReloadingTls(pki.files("gateway"), check_s=0.05))
+    runner, port = await serve_http(build_app(service), "127.0.0.1", 0, tls=tls)
+    client_ssl = ssl.create_default_context(cafile=str(pki.ca))
+    seen: set[str] = set()
+    failures: list[str] = []
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        # A new connection per request: each one is a handshake.
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_ssl)
+                der = writer.get_extra_info("ssl_object").getpeercert(True)
+                seen.add(hashlib.sha256(der).hexdigest())
+                writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                status = (await reader.readline()).decode()
+                await reader.read()
+                writer.close()
+                if " 200 " not in status:
+                    failures.append(status)
+            except (OSError, ssl.SSLError) as exc:
+                failures.append(repr(exc))
+
+    tasks = [asyncio.create_task(client()) for _ in range(4)]
+    try:
+        await asyncio.sleep(0.3)
+        before = set(seen)
+        pki.issue("gateway")  # key first, then the certificate (atomic renames)
+        await asyncio.sleep(1.0)  # ReloadingTls looks every 0.05 s
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        await runner.cleanup()
+    assert len(before) == 1 and len(seen) == 2, "new connections did not get the new certificate"
+    assert not failures, failures[:5]
