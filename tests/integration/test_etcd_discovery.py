@@ -21,6 +21,7 @@ import pytest
 
 from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.runtime.discovery import (
+    Discovery,
     DiscoveryEvent,
     EtcdDiscovery,
     EventKind,
@@ -348,6 +349,11 @@ async def _gone(raw: Any, key: bytes) -> bool:
 @pytest.mark.integration
 async def test_second_endpoint_is_used_when_the_first_is_down(etcd: EtcdServer) -> None:
     disc = etcd_discovery(f"etcd://127.0.0.1:{free_port()},{etcd.endpoint}")
+    await _register_and_leave(disc)
+
+
+async def _register_and_leave(disc: Discovery) -> None:
+    """A worker registers and deregisters; a watcher of `disc` sees both."""
     watcher = Watcher(disc)
     reg = await disc.register(Instance("w1", "127.0.0.1:1"))
     await watcher.until(lambda: "w1" in watcher.live)
@@ -440,12 +446,7 @@ async def test_etcd_over_tls_with_client_certificates(tmp_path: Path) -> None:
     try:
         disc = open_discovery(f"{server.url}&ttl={TTL}")
         assert isinstance(disc, EtcdDiscovery) and disc.tls is not None
-        watcher = Watcher(disc)
-        reg = await disc.register(Instance("w1", "127.0.0.1:1"))
-        await watcher.until(lambda: "w1" in watcher.live)
-        await reg.close()
-        await watcher.until(lambda: not watcher.live)
-        await watcher.close()
+        await _register_and_leave(disc)
 
         plain = open_discovery(f"etcd://{server.endpoint}?ttl={TTL}")
         with pytest.raises(Unavailable):
