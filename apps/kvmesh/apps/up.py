@@ -546,7 +546,12 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
         + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
         + "\n"
         f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n"
-        + (f"  CA         : {sup.pki.ca} (throwaway, deleted on exit)\n" if sup.pki else "")
+        + (
+            f"  CA         : {sup.pki.ca} (throwaway, deleted on exit; the planner's "
+            f"certificate: {sup.pki.cert('kvmesh-planner')}, key {sup.pki.key('kvmesh-planner')})\n"
+            if sup.pki
+            else ""
+        )
         + f"\n  curl -N {cacert}{base}/v1/chat/completions {auth}\\\n"
         "       -H 'Content-Type: application/json' \\\n"
         f"       -d '{body}'\n\n"
