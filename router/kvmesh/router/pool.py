@@ -32,7 +32,7 @@ from kvmesh.router.session import WorkerSession
 from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.discovery import Discovery, EventKind, Instance
-from kvmesh.runtime.grpcutil import check_health, insecure_channel
+from kvmesh.runtime.grpcutil import MeshSecurity, check_health, mesh_channel
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,11 @@ Listener = Callable[[WorkerHandle, bool], None]
 
 
 class WorkerPool:
-    """Tracks workers announced by discovery; a worker joins once its model card is read."""
+    """Tracks workers announced by discovery; a worker joins once its model card is read.
+
+    `security`: how this process's mesh clients authenticate (mTLS, the mesh token or none):
+    the channels to workers, and those of routers built on this pool (a standalone router,
+    router peers)."""
 
     def __init__(
         self,
@@ -123,8 +127,10 @@ class WorkerPool:
         *,
         card_timeout_s: float = 5.0,
         health: HealthConfig | None = None,
+        security: MeshSecurity | None = None,
     ) -> None:
         self._discovery = discovery
+        self.security = security
         self._card_timeout_s = card_timeout_s
         self.health = health if health is not None else HealthConfig()
         self._checks: dict[str, asyncio.Task[None]] = {}
@@ -203,7 +209,7 @@ class WorkerPool:
                 self._drop(iid)
 
     async def _join(self, inst: Instance) -> None:
-        channel = insecure_channel(inst.address)
+        channel = mesh_channel(inst.address, self.security)
         stub = wpb_grpc.WorkerServiceStub(channel)
         delay = 0.05
         try:

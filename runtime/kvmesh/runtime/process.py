@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -129,11 +129,13 @@ class ChildProcess:
     this process dies (PARENT_PID_ENV: a kvmesh child calls `die_with_parent`).
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        """Start `argv` with this process's environment plus `env` (e.g. secrets, which a
+        command line would show to every user of the machine)."""
         self.pid = os.posix_spawn(
             argv[0],
             list(argv),
-            {**os.environ, PARENT_PID_ENV: str(os.getpid())},
+            {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())},
             setsid=True,
             setsigmask=(),
             # As subprocess does: Python ignores these, and an ignored signal stays ignored
