@@ -112,6 +112,7 @@ ALL_ERRORS = [
     errors.Unimplemented("later"),
     errors.Cancelled("bye"),
     errors.DeadlineExceeded("slow"),
+    errors.Aborted("busy"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The `kvmesh` command: up, frontend, router, worker, model, bench, replay.
+"""The `kvmesh` command: up, frontend, router, worker, planner, model, bench, replay, reshape,
+profile.
 
 Parsing happens in main() only. Each process (up, frontend, router, worker) has one entry point
 in its component (`ENTRY`: its name, the config dataclasses its flags come from, and the function
@@ -58,6 +59,7 @@ def _cmd_bench(ns: argparse.Namespace) -> None:
 
 
 def _cmd_replay(ns: argparse.Namespace) -> int:
+    from kvmesh.planner.config import PlannerConfig
     from kvmesh.router.backend import DisaggConfig
     from kvmesh.sim.config import ReplayConfig
     from kvmesh.sim.main import run_replay
@@ -65,13 +67,21 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
     mocker = from_args(MockerConfig, ns)
     disagg = from_args(DisaggConfig, ns)
-    return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg))
+    planning = from_args(PlannerConfig, ns)
+    return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, planning=planning))
+
+
+def _cmd_reshape(ns: argparse.Namespace) -> int:
+    from kvmesh.sim.reshape import ReshapeConfig, run_reshape
+
+    return run_reshape(from_args(ReshapeConfig, ns))
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (built on demand, never at import time)."""
     from kvmesh.apps.bench import BenchConfig
     from kvmesh.sim.config import add_replay_args
+    from kvmesh.sim.reshape import ReshapeConfig
 
     parser = argparse.ArgumentParser(prog="kvmesh", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
@@ -114,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_replay,
     )
     add_replay_args(replay)
+
+    reshape = command(
+        "reshape", "re-time a trace's requests into a day (low -> peak -> low)", _cmd_reshape
+    )
+    add_args(reshape, ReshapeConfig)
     return parser
 
 

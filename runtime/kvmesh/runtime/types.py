@@ -273,3 +273,5 @@ class LoadInfo:
     preemptions_total: int = 0
     kv_pinned_blocks: int = 0
     """Blocks pinned for remote prefill transfers (included in kv_active_blocks)."""
+    kv_cached_blocks: int = 0
+    """Blocks holding reusable prefix-cache content, referenced or not (0: unknown)."""

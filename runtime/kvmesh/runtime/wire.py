@@ -46,6 +46,16 @@ _ROLE_TO_PB = {
 _ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
 
 
+def role_to_pb(role: Role) -> cpb.WorkerRole.ValueType:
+    """Role -> WorkerRole."""
+    return _ROLE_TO_PB[role]
+
+
+def role_from_pb(role: int) -> Role | None:
+    """WorkerRole -> Role; None for UNSPECIFIED and unknown values."""
+    return _ROLE_FROM_PB.get(cpb.WorkerRole.ValueType(role))
+
+
 # --- requests -------------------------------------------------------------------------------
 
 
@@ -461,6 +471,7 @@ def load_to_pb(load: LoadInfo, *, timestamp_ms: int, draining: bool) -> cpb.Load
         preemptions_total=load.preemptions_total,
         draining=draining,
         kv_pinned_blocks=load.kv_pinned_blocks,
+        kv_cached_blocks=load.kv_cached_blocks,
     )
 
 

@@ -17,11 +17,14 @@ in the order they were scheduled):
     (`Replay.output`: first token -> TTFT, gaps -> ITL, finish -> E2E, booking freed), the
     worker steps again if it has work, and its load metrics go to a KV-aware policy every
     `load_interval_ms` (and whenever it goes idle);
-  * TRANSFER: a KV transfer the replay `schedule`d ended (`Replay.transfer`).
+  * TRANSFER: a KV transfer the replay `schedule`d ended (`Replay.transfer`);
+  * TIMER: a call the replay asked for (`call_later`), e.g. a planner's tick or a new worker
+    becoming ready.
 
 The replay decides what happens to requests (kvmesh.sim.replay: aggregated; kvmesh.sim.disagg:
-prefill and decode pools); the cluster owns virtual time, the workers and the policy. A planner
-changing pool sizes over virtual time adds its events here.
+prefill and decode pools; kvmesh.sim.planned: a pool a planner resizes); the cluster owns virtual
+time, the workers and the policy. Workers can be added while it runs (`add_worker`); they join
+routing when the replay tells the policy.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import gc
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -40,7 +43,7 @@ from kvmesh.runtime.kv_events import KvEventKind, KvEventLog
 from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.policies import Policy
-from kvmesh.sim.results import ModeResult, Timeline, summarize
+from kvmesh.sim.results import ModeResult, ReplicaSample, Timeline, summarize
 from kvmesh.sim.trace import VOCAB_SIZE, PromptBuilder, Trace
 from kvmesh.workers.batching.scheduler import SeqOutput
 from kvmesh.workers.mocker.scheduler import MockerScheduler, StepResult
@@ -76,6 +79,7 @@ class EventKind(enum.IntEnum):
     STEP = 0
     TRANSFER = 1
     ARRIVAL = 2
+    TIMER = 3
 
 
 class EventBuffer(KvEventLog):
@@ -103,6 +107,8 @@ class SimWorker:
         "requests",
         "result",
         "sched",
+        "started_at",
+        "stopped_at",
         "worker_id",
     )
 
@@ -120,6 +126,10 @@ class SimWorker:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.last_load = -math.inf
+        self.started_at = -math.inf
+        """When the worker was asked for (-inf: there from the start)."""
+        self.stopped_at = math.inf
+        """When it exited (inf: it runs to the end)."""
 
     @property
     def preemptions(self) -> int:
@@ -175,14 +185,10 @@ class Cluster:
         max_model_len = mcfg.max_model_len or (
             max(r.input_length + r.max_tokens for r in trace.requests) + 1
         )
-        kv_events = policy.kv_aware and mcfg.enable_prefix_caching
+        self.max_model_len = max_model_len
         self.workers: list[SimWorker] = []
-        for i, wid in enumerate(worker_ids):
-            events = EventBuffer() if kv_events else None
-            sched = MockerScheduler(
-                mcfg, vocab_size=VOCAB_SIZE, max_model_len=max_model_len, events=events
-            )
-            self.workers.append(SimWorker(i, wid, sched, events))
+        for wid in worker_ids:
+            self.add_worker(wid)
         self.load_interval_s = config.load_interval_ms / 1e3 if policy.kv_aware else 0.0
         self.builder = PromptBuilder(config.trace_block_size)
         arrival = [r.timestamp_ms / 1e3 / config.speedup for r in trace.requests]
@@ -191,8 +197,29 @@ class Cluster:
         self._heap = [(t, EventKind.ARRIVAL, i, i) for i, t in enumerate(arrival)]
         heapq.heapify(self._heap)
         self._seq = len(arrival)
+        self._timers: dict[int, Callable[[], None]] = {}
 
     # -- what replays call -----------------------------------------------------------------
+
+    def add_worker(self, worker_id: str) -> SimWorker:
+        """A new simulated worker (the next index), idle, not yet in routing."""
+        kv_events = self.policy.kv_aware and self.config.mocker.enable_prefix_caching
+        events = EventBuffer() if kv_events else None
+        sched = MockerScheduler(
+            self.config.mocker,
+            vocab_size=VOCAB_SIZE,
+            max_model_len=self.max_model_len,
+            events=events,
+        )
+        worker = SimWorker(len(self.workers), worker_id, sched, events)
+        self.workers.append(worker)
+        return worker
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Call `fn()` `delay_s` virtual seconds from now (after the steps, transfers and
+        arrivals of that instant)."""
+        self._timers[self._seq] = fn
+        self.schedule(delay_s, EventKind.TIMER, self._seq)
 
     def schedule(self, delay_s: float, kind: EventKind, arg: int) -> None:
         """An event of `kind` with argument `arg`, `delay_s` virtual seconds from now."""
@@ -289,8 +316,10 @@ class Cluster:
                     self._step_done(self.workers[arg], replay)
                 elif kind == EventKind.TRANSFER:
                     replay.transfer(arg, self.now)
-                else:
+                elif kind == EventKind.ARRIVAL:
                     replay.arrival(arg, self.now)
+                else:
+                    self._timers.pop(arg)()
                 if progress is not None:
                     wall = time.perf_counter()
                     if wall >= next_report:
@@ -322,8 +351,11 @@ class Cluster:
             self.policy.load(worker.index, worker.sched.load(), now)
             worker.last_load = now
 
-    def summarize(self, mode: str, predicted_overlap_rate: float) -> ModeResult:
-        """The run's metrics (kvmesh.sim.results), labelled `mode`."""
+    def summarize(
+        self, mode: str, predicted_overlap_rate: float, replicas: Sequence[ReplicaSample] = ()
+    ) -> ModeResult:
+        """The run's metrics (kvmesh.sim.results), labelled `mode`; `replicas`: how a planned
+        pool's size changed over time."""
         return summarize(
             mode,
             self.trace,
@@ -332,4 +364,5 @@ class Cluster:
             self.timeline,
             predicted_overlap_rate,
             self.t_wall,
+            replicas,
         )

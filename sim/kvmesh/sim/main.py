@@ -13,8 +13,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvmesh.planner.config import PlannerPolicy
+from kvmesh.planner.profile import PerfProfile
 from kvmesh.sim.config import ReplayConfig, ReplayError
 from kvmesh.sim.disagg import DisaggStats, simulate_disaggregated
+from kvmesh.sim.planned import simulate_planned
+from kvmesh.sim.profiler import profile_mocker
 from kvmesh.sim.replay import simulate
 from kvmesh.sim.results import ModeResult
 from kvmesh.sim.trace import load_trace, prefix_hit_bound
@@ -180,9 +184,19 @@ def run_replay(
             out.write(json.dumps({**result.to_json(), **extra}) + "\n")
             out.flush()
 
+    profile = None
+    if config.planner is PlannerPolicy.SLA:
+        profile = (
+            PerfProfile.load(config.profile)
+            if config.profile
+            else profile_mocker(config.mocker, max_model_len=config.mocker.max_model_len)
+        )
     for mode in config.router:
         with _progress_bar(err, mode.value, show) as bar:
-            report(simulate(trace, config, mode, progress=bar), {})
+            if config.planner is not None:
+                report(simulate_planned(trace, config, mode, profile, progress=bar), {})
+            else:
+                report(simulate(trace, config, mode, progress=bar), {})
     if config.prefill_workers:
         with _progress_bar(err, f"kv-disagg-{config.prefill_workers}p", show) as bar:
             result, stats = simulate_disaggregated(trace, config, progress=bar)

@@ -431,6 +431,7 @@ class BatchScheduler(Generic[S, C]):
             requests_finished_total=self.num_finished,
             preemptions_total=self.num_preemptions,
             kv_pinned_blocks=self._num_pinned_blocks,
+            kv_cached_blocks=self.pool.num_cached,
         )
 
     # -- scheduling ----------------------------------------------------------------------------

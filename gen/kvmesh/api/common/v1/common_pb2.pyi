@@ -202,6 +202,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The request was cancelled (CANCELLED)."""
     ERROR_REASON_DEADLINE_EXCEEDED: _ErrorReason.ValueType  # 9
     """A deadline passed (DEADLINE_EXCEEDED)."""
+    ERROR_REASON_ABORTED: _ErrorReason.ValueType  # 10
+    """The operation conflicts with another one still in progress, e.g. a Scale while the
+    previous Scale of the pool is still being applied; retry once it is done (ABORTED).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The kind of an error, for callers that need more than its gRPC status code. Every error a
@@ -237,6 +241,10 @@ ERROR_REASON_CANCELLED: ErrorReason.ValueType  # 8
 """The request was cancelled (CANCELLED)."""
 ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 9
 """A deadline passed (DEADLINE_EXCEEDED)."""
+ERROR_REASON_ABORTED: ErrorReason.ValueType  # 10
+"""The operation conflicts with another one still in progress, e.g. a Scale while the
+previous Scale of the pool is still being applied; retry once it is done (ABORTED).
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
@@ -687,6 +695,7 @@ class LoadMetrics(_message.Message):
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     KV_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    KV_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     num_running_requests: _builtins.int
     """Sequences scheduled in the running batch."""
     num_waiting_requests: _builtins.int
@@ -711,6 +720,11 @@ class LoadMetrics(_message.Message):
     """KV blocks pinned for remote prefill transfers (PrefillRemote), waiting for a decode worker
     to pull and release them; included in kv_active_blocks. 0 on workers that pin nothing.
     """
+    kv_cached_blocks: _builtins.int
+    """KV blocks holding reusable prefix-cache content (referenced or not) in the device tier:
+    what routing to this worker would reuse, and what draining it loses. 0: none, or the
+    engine does not report it.
+    """
     def __init__(
         self,
         *,
@@ -725,10 +739,11 @@ class LoadMetrics(_message.Message):
         preemptions_total: _builtins.int = ...,
         draining: _builtins.bool = ...,
         kv_pinned_blocks: _builtins.int = ...,
+        kv_cached_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_cached_blocks", b"kv_cached_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
