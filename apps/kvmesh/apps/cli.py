@@ -23,11 +23,11 @@ def _processes() -> list[Entry]:
     """The processes `kvmesh` runs, one entry point each, in its component."""
     from kvmesh.apps import up
     from kvmesh.frontend import main as frontend
+    from kvmesh.planner import main as planner
     from kvmesh.router import main as router
     from kvmesh.workers import main as worker
 
-    # The SLA planner (kvmesh.planner.main.ENTRY, `kvmesh planner`) joins this list.
-    return [up.ENTRY, frontend.ENTRY, router.ENTRY, worker.ENTRY]
+    return [up.ENTRY, frontend.ENTRY, router.ENTRY, worker.ENTRY, planner.ENTRY]
 
 
 def _cmd_model_create(ns: argparse.Namespace) -> None:
@@ -69,6 +69,12 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
     disagg = from_args(DisaggConfig, ns)
     planning = from_args(PlannerConfig, ns)
     return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, planning=planning))
+
+
+def _cmd_profile(ns: argparse.Namespace) -> int:
+    from kvmesh.apps.profile import run_profile
+
+    return run_profile(ns)
 
 
 def _cmd_reshape(ns: argparse.Namespace) -> int:
@@ -124,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_replay,
     )
     add_replay_args(replay)
+
+    from kvmesh.apps.profile import flags as profile_flags
+
+    profile_flags().add_to(
+        command(
+            "profile",
+            "measure an engine's performance profile (for the SLA planner)",
+            _cmd_profile,
+        )
+    )
 
     reshape = command(
         "reshape", "re-time a trace's requests into a day (low -> peak -> low)", _cmd_reshape

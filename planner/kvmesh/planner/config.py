@@ -31,6 +31,11 @@ class PlannerConfig:
     ttft_slo_ms: float = opt(500.0, "time-to-first-token target, ms")
     itl_slo_ms: float = opt(50.0, "inter-token latency target (a request's mean ITL), ms")
     adjustment_interval_s: float = opt(10.0, "how often the planner observes and decides, s")
+    profile: str = opt(
+        "",
+        "sla: the workers' performance profile (kvmesh profile); empty: mocker workers are "
+        "measured in virtual time from their flags (other engines need one)",
+    )
     predictor: PredictorKind = opt(
         PredictorKind.KALMAN,
         "load predictor: constant, moving-average, kalman (always available), arima, prophet "

@@ -7,7 +7,8 @@
   * `VirtualConnector` (kvmesh.planner.virtual): publishes each decision for an external system
     (through etcd when the mesh uses etcd, else a directory) and waits for it to acknowledge.
 
-Every connector reports the pools it manages (`pools`) and sets one pool's size (`scale`);
+Every connector reports the pools it manages (`pools`) and sets pool sizes (`scale`, one or more
+pools in one decision);
 errors are kvmesh.runtime.errors exceptions (InvalidRequest for a pool it does not manage or a
 bad count, Aborted while a previous change is still being applied, Unavailable when it cannot
 reach what it drives).
@@ -15,6 +16,7 @@ reach what it drives).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import grpc
@@ -37,8 +39,9 @@ class Connector(Protocol):
         """Every pool this connector manages, as it is now."""
         ...
 
-    async def scale(self, role: Role, replicas: int, reason: str = "") -> None:
-        """Set the target size of the pool of `role` (returns once the change is under way)."""
+    async def scale(self, targets: Mapping[Role, int], reason: str = "") -> None:
+        """Set the target size of each pool in `targets` (returns once the change is under
+        way)."""
         ...
 
     async def close(self) -> None:
@@ -86,17 +89,19 @@ class GrpcConnector:
                 )
         return out
 
-    async def scale(self, role: Role, replicas: int, reason: str = "") -> None:
-        check_replicas(replicas, 2**32 - 1)
-        try:
-            await self._stub.Scale(
-                spb.ScaleRequest(
-                    model=self.model, role=role_to_pb(role), replicas=replicas, reason=reason
-                ),
-                timeout=self.timeout_s,
-            )
-        except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err) from None
+    async def scale(self, targets: Mapping[Role, int], reason: str = "") -> None:
+        for replicas in targets.values():
+            check_replicas(replicas, 2**32 - 1)
+        for role, replicas in targets.items():
+            try:
+                await self._stub.Scale(
+                    spb.ScaleRequest(
+                        model=self.model, role=role_to_pb(role), replicas=replicas, reason=reason
+                    ),
+                    timeout=self.timeout_s,
+                )
+            except grpc.aio.AioRpcError as err:
+                raise error_from_rpc(err) from None
 
     async def close(self) -> None:
         await self._channel.close()

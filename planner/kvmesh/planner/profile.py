@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.runtime.errors import InvalidRequest
+from kvmesh.runtime.plotting import pyplot
 from kvmesh.runtime.types import Role
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "ProfileError",
     "RoleProfile",
     "interpolate",
+    "plot_profile",
 ]
 
 FORMAT = "kvmesh-perf-profile"
@@ -366,3 +368,44 @@ class PerfProfile:
         except json.JSONDecodeError as exc:
             raise ProfileError(f"profile {str(path)!r} is not JSON ({exc.msg})") from None
         return cls.from_json(data)
+
+
+def plot_profile(profile: PerfProfile, prefix: str) -> list[str]:
+    """PNG plots of every curve of `profile` (matplotlib, kvmesh[plot]): `PREFIX-ROLE-prefill.png`
+    (TTFT alone and saturated throughput vs prompt length) and `PREFIX-ROLE-decode.png` (ITL and
+    output throughput vs concurrency, one line per context length). Returns the paths."""
+    plt = pyplot()
+    written: list[str] = []
+    title = f"{profile.engine} {profile.model} ({profile.source})".strip()
+    for role, rp in profile.roles.items():
+        if rp.prefill is not None:
+            c = rp.prefill
+            fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+            a.plot(c.isl, c.ttft_ms, marker="o")
+            a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT alone (ms)")
+            b.plot(c.isl, c.throughput_tokens_per_s, marker="o")
+            b.set(xscale="log", xlabel="prompt tokens", ylabel="prefill tokens/s (saturated)")
+            written.append(_save(plt, fig, f"{prefix}-{role.value}-prefill.png", title))
+        if rp.decode is not None:
+            g = rp.decode
+            fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+            for ctx, itl, thpt in zip(g.context, g.itl_ms, g.throughput_tokens_per_s, strict=True):
+                xs = [x for x, y in zip(g.concurrency, itl, strict=True) if y is not None]
+                a.plot(xs, [y for y in itl if y is not None], marker="o", label=f"{ctx:.0f} tok")
+                ts = [y for y in thpt if y is not None]
+                b.plot(xs[: len(ts)], ts, marker="o", label=f"{ctx:.0f} tok")
+            a.set(xscale="log", xlabel="sequences decoding", ylabel="ITL (ms)")
+            b.set(xscale="log", yscale="log", xlabel="sequences decoding", ylabel="output tokens/s")
+            a.legend(title="context", fontsize=8)
+            written.append(_save(plt, fig, f"{prefix}-{role.value}-decode.png", title))
+    return written
+
+
+def _save(plt: Any, fig: Any, path: str, title: str) -> str:
+    for ax in fig.axes:
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -72,11 +72,6 @@ class ReplayConfig:
         "baseline) between --min-workers and --max-workers, workers taking "
         "--worker-startup-s to start, instead of a static pool of --workers",
     )
-    profile: str = opt(
-        "",
-        "--planner sla: the performance profile (kvmesh profile); empty: measured now from "
-        "the replay's mocker settings, in virtual time",
-    )
     timeline_interval_s: float = opt(
         0.0,
         "interval of the JSON timeline (arrival rate, replicas, TTFT/ITL p90); 0: the "

@@ -3,8 +3,6 @@ tables or JSON lines, plot TTFT CDFs."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import sys
 import time
@@ -15,6 +13,7 @@ from typing import Any, TextIO
 
 from kvmesh.planner.config import PlannerPolicy
 from kvmesh.planner.profile import PerfProfile
+from kvmesh.runtime.plotting import pyplot, require_matplotlib
 from kvmesh.sim.config import ReplayConfig, ReplayError
 from kvmesh.sim.disagg import DisaggStats, simulate_disaggregated
 from kvmesh.sim.planned import simulate_planned
@@ -100,14 +99,7 @@ def format_table(results: list[ModeResult]) -> str:
 
 def write_plot(results: list[ModeResult], path: str) -> None:
     """TTFT CDF per mode as a PNG (matplotlib, an optional dependency: kvmesh[plot])."""
-    try:  # imported by name: an optional dependency, absent from the type-checked environment
-        matplotlib = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")
-        plt: Any = importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise ReplayError(
-            "--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)"
-        ) from None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         xs = sorted(1e3 * t for t in r.ttft_s)
@@ -124,6 +116,42 @@ def write_plot(results: list[ModeResult], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_timeline_plot(results: list[ModeResult], path: str, title: str = "") -> None:
+    """Load, replicas and latency over time (each result's timeline) as a PNG: arrival rate;
+    replicas (serving, and serving + starting + draining dashed); TTFT p90 and ITL p90 of the
+    requests arriving in each interval, with the SLO targets."""
+    plt = pyplot()
+    fig, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 10))
+    first = results[0]
+    t0 = first.timeline[0]["t_s"] if first.timeline else 0.0
+    xs = [(row["t_s"] - t0) / 60 for row in first.timeline]
+    axes[0].plot(xs, [row["arrival_rps"] for row in first.timeline], color="black")
+    axes[0].set_ylabel("arrivals (req/s)")
+    for r in results:
+        rows = r.timeline
+        x = [(row["t_s"] - t0) / 60 for row in rows]
+        label = f"{r.mode}: {r.worker_hours:.2f} worker-h, SLO {100 * r.slo_attainment:.1f} %"
+        (line,) = axes[1].step(x, [row["serving"] for row in rows], where="post", label=label)
+        total = [row["serving"] + row["starting"] + row["draining"] for row in rows]
+        axes[1].step(x, total, where="post", linestyle=":", color=line.get_color())
+        axes[2].plot(x, [row["ttft_p90_ms"] for row in rows], color=line.get_color())
+        axes[3].plot(x, [row["itl_p90_ms"] for row in rows], color=line.get_color())
+    axes[1].set_ylabel("workers (dotted: +starting, draining)")
+    axes[1].legend(fontsize=8, loc="upper left")
+    axes[2].axhline(first.ttft_slo_ms, color="red", linestyle="--", linewidth=1)
+    axes[2].set_ylabel("TTFT p90 (ms)")
+    axes[2].set_yscale("log")
+    axes[3].axhline(first.itl_slo_ms, color="red", linestyle="--", linewidth=1)
+    axes[3].set_ylabel("ITL p90 (ms, per request)")
+    axes[3].set_xlabel("time (min, simulated)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title or Path(first.trace.split(" (")[0]).name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -168,8 +196,8 @@ def run_replay(
     --prefill-workers), print the results."""
     out = out if out is not None else _std(sys.stdout)
     err = err if err is not None else _std(sys.stderr)
-    if config.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ReplayError("--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)")
+    if config.plot:
+        require_matplotlib()
     trace = load_trace(config.trace, config.limit)
     bound_blocks, bound_tokens = prefix_hit_bound(trace, config.trace_block_size)
     show = config.progress and not config.json and err.isatty()
@@ -186,9 +214,10 @@ def run_replay(
 
     profile = None
     if config.planner is PlannerPolicy.SLA:
+        path = config.planning.profile
         profile = (
-            PerfProfile.load(config.profile)
-            if config.profile
+            PerfProfile.load(path)
+            if path
             else profile_mocker(config.mocker, max_model_len=config.mocker.max_model_len)
         )
     for mode in config.router:
@@ -208,7 +237,12 @@ def run_replay(
         for note in notes:
             out.write(f"\n{note}\n")
     if config.plot:
-        write_plot(results, config.plot)
+        if config.planner is not None:
+            write_timeline_plot(results, config.plot)
+            what = "load, replicas and latency over time"
+        else:
+            write_plot(results, config.plot)
+            what = "TTFT CDF"
         if not config.json:
-            out.write(f"\nTTFT CDF written to {config.plot}\n")
+            out.write(f"\n{what} written to {config.plot}\n")
     return 0

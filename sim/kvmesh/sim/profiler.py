@@ -11,7 +11,8 @@ no processes.
     pool's tokens, with its watermark) is left null.
 
 Prompts are unique random token runs (no prefix sharing); every sequence asks for exactly its
-tokens (EOS ignored). Deterministic for a given MockerConfig.
+tokens (EOS ignored). Times are what a live mocker of the config shows: simulated step times
+divided by its `--speedup-ratio` (1 in a replay). Deterministic for a given MockerConfig.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class _Driver:
 
     def __init__(self, config: MockerConfig, max_model_len: int, seed: int) -> None:
         self.config = config
+        self.speedup = config.speedup_ratio
         self.max_model_len = max_model_len
         self.rng = random.Random(seed)
         self.n = 0
@@ -71,7 +73,7 @@ class _Driver:
         now = 0.0
         while sched.has_work:
             now += sched.step(now).duration_s
-        ttft_ms = 1e3 * now
+        ttft_ms = 1e3 * now / self.speedup
         budget_tokens = SATURATE_STEPS * self.config.max_num_batched_tokens
         room = (self.config.num_gpu_blocks - self.config.watermark_blocks) * self.config.block_size
         count = max(1, min(budget_tokens // isl, room // max(isl, 1), self.config.max_num_seqs))
@@ -81,7 +83,7 @@ class _Driver:
         now = 0.0
         while sched.has_work:
             now += sched.step(now).duration_s
-        return ttft_ms, count * isl / now if now > 0 else 0.0
+        return ttft_ms, count * isl * self.speedup / now if now > 0 else 0.0
 
     def decode(self, context: int, concurrency: int) -> tuple[float, float] | None:
         """(ITL ms, output tokens/s) with `concurrency` sequences of about `context` tokens
@@ -116,7 +118,7 @@ class _Driver:
             now += step.duration_s
             total += step.duration_s
             steps += 1
-        itl_s = total / steps
+        itl_s = total / steps / self.speedup
         return 1e3 * itl_s, concurrency / itl_s
 
 
@@ -169,6 +171,7 @@ def profile_mocker(
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_chunked_prefill": config.enable_chunked_prefill,
             "timing_profile": config.timing_profile,
+            "speedup_ratio": config.speedup_ratio,
             "measure_wall_s": round(time.perf_counter() - t0, 3),
         },
     )

@@ -1,0 +1,194 @@
+"""`kvmesh planner`: the SLA planner as a process.
+
+Every `--adjustment-interval-s` it reads the gateways' metrics (kvmesh.planner.metrics), asks
+its connector how the pools are (kvmesh.planner.connectors), lets the planner decide
+(kvmesh.planner.policy.Planner: the same code `kvmesh replay --planner` runs in virtual time)
+and calls `scale` for each pool whose target changes. A failed scrape or scale is logged and
+the next interval tries again (a Scale refused with ABORTED, because the previous one is still
+being applied, is simply retried). `kvmesh up --planner` runs the same loop (`PlannerLoop`)
+against its own supervisor.
+
+Connectors (`--connector`): `grpc` (a ScalingService: `--scaling-address`, e.g. `kvmesh up`'s
+control port), `kubernetes` (kvmesh.planner.kubernetes: the worker Deployments' scale
+subresource), `virtual` (kvmesh.planner.virtual: decisions published for an external system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
+from kvmesh.planner.connectors import Connector, GrpcConnector
+from kvmesh.planner.kubernetes import KubernetesConfig, KubernetesConnector
+from kvmesh.planner.metrics import MetricsScraper, Snapshot, observation
+from kvmesh.planner.policy import Decision, Planner
+from kvmesh.planner.profile import PerfProfile
+from kvmesh.planner.virtual import VirtualConfig, VirtualConnector
+from kvmesh.runtime.config import Flags, from_args, opt
+from kvmesh.runtime.errors import InvalidRequest, KvmeshError
+from kvmesh.runtime.process import Entry, run, wait_for_signal
+
+__all__ = ["ENTRY", "ConnectorKind", "PlannerLoop", "PlannerProcessConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class ConnectorKind(enum.Enum):
+    """What the planner scales through."""
+
+    GRPC = "grpc"
+    KUBERNETES = "kubernetes"
+    VIRTUAL = "virtual"
+
+
+@dataclass
+class PlannerProcessConfig:
+    """Where `kvmesh planner` reads metrics and sends its decisions."""
+
+    policy: PlannerPolicy = opt(
+        PlannerPolicy.SLA, "sla (profile + predicted load) or queue (reactive baseline)"
+    )
+    frontend_metrics: list[str] = opt([], "the gateways' /metrics URLs (summed)")
+    prometheus_url: str = opt(
+        "", "a Prometheus server that scrapes the gateways (read through its /federate)"
+    )
+    model: str = opt("", "only this served model's metrics count; empty: every model")
+    connector: ConnectorKind = opt(ConnectorKind.GRPC, "grpc, kubernetes or virtual")
+    scaling_address: str = opt(
+        "", "grpc: host:port of a ScalingService (kvmesh up prints its control port)"
+    )
+
+
+class PlannerLoop:
+    """Observe, decide, scale, once per interval, until stopped."""
+
+    def __init__(
+        self,
+        config: PlannerConfig,
+        policy: PlannerPolicy,
+        scraper: MetricsScraper,
+        connector: Connector,
+        profile: PerfProfile | None,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.scraper = scraper
+        self.connector = connector
+        self.profile = profile
+        self.planner: Planner | None = None
+        self.decisions: list[Decision] = []
+        """Every decision so far (newest last)."""
+
+    async def step(self, previous: Snapshot | None) -> Snapshot:
+        """One interval: scrape, decide, scale. Returns the snapshot to compare with next."""
+        snap = await self.scraper.scrape()
+        pools = await self.connector.pools()
+        if self.planner is None:
+            self.planner = Planner(self.config, self.policy, sorted(pools, key=str), self.profile)
+        if previous is None:
+            return snap
+        obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
+        decision = self.planner.decide(time.monotonic(), obs, pools)
+        self.decisions.append(decision)
+        changes = decision.changes(pools)
+        if changes:
+            for role, replicas in changes.items():
+                log.info(
+                    "planner: %s pool %d -> %d (%s)",
+                    role.value,
+                    pools[role].target,
+                    replicas,
+                    decision.reasons.get(role, ""),
+                )
+            reason = "; ".join(decision.reasons.get(r, "") for r in changes)
+            await self.connector.scale(changes, f"planner: {reason}"[:500])
+        return snap
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set."""
+        previous: Snapshot | None = None
+        while not stop.is_set():
+            try:
+                previous = await self.step(previous)
+            except KvmeshError as exc:
+                log.warning(
+                    "planner: %s (%s); trying again next interval",
+                    exc.message,
+                    type(exc).__name__,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.adjustment_interval_s)
+
+    async def close(self) -> None:
+        await self.scraper.close()
+        await self.connector.close()
+
+
+def build_connector(
+    process: PlannerProcessConfig, k8s: KubernetesConfig, virtual: VirtualConfig
+) -> Connector:
+    """The connector `--connector` names."""
+    if process.connector is ConnectorKind.GRPC:
+        if not process.scaling_address:
+            raise InvalidRequest("--connector grpc needs --scaling-address HOST:PORT")
+        return GrpcConnector(process.scaling_address, process.model)
+    if process.connector is ConnectorKind.KUBERNETES:
+        return KubernetesConnector(k8s)
+    return VirtualConnector(virtual)
+
+
+async def serve_planner(
+    process: PlannerProcessConfig,
+    config: PlannerConfig,
+    k8s: KubernetesConfig,
+    virtual: VirtualConfig,
+) -> None:
+    """Run `kvmesh planner` until SIGINT/SIGTERM."""
+    profile = None
+    if process.policy is PlannerPolicy.SLA:
+        if not config.profile:
+            raise InvalidRequest("--policy sla needs --profile FILE (made by kvmesh profile)")
+        profile = PerfProfile.load(config.profile)
+    scraper = MetricsScraper(
+        frontend_urls=process.frontend_metrics,
+        prometheus_url=process.prometheus_url,
+        model=process.model,
+    )
+    connector = build_connector(process, k8s, virtual)
+    loop = PlannerLoop(config, process.policy, scraper, connector, profile)
+    stop = asyncio.Event()
+    task = asyncio.create_task(loop.run(stop))
+    log.info("planner: %s policy, every %g s", process.policy.value, config.adjustment_interval_s)
+    try:
+        await wait_for_signal()
+    finally:
+        stop.set()
+        await task
+        await loop.close()
+
+
+def main(ns: argparse.Namespace) -> int:
+    """`kvmesh planner`: plan until SIGINT/SIGTERM."""
+    run(
+        serve_planner(
+            from_args(PlannerProcessConfig, ns),
+            from_args(PlannerConfig, ns),
+            from_args(KubernetesConfig, ns),
+            from_args(VirtualConfig, ns),
+        )
+    )
+    return 0
+
+
+ENTRY = Entry(
+    "planner",
+    "the SLA planner: scales worker pools to meet TTFT/ITL targets",
+    Flags.of(PlannerProcessConfig, PlannerConfig, KubernetesConfig, VirtualConfig),
+    main,
+)
