@@ -12,11 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, Flags, add_args, from_args
 from kvmesh.runtime.errors import KvmeshError
 from kvmesh.runtime.process import Entry, GlobalConfig, run, setup_logging
+
+if TYPE_CHECKING:
+    from kvmesh.sim.config import ReplayConfig
 
 
 def _processes() -> list[Entry]:
@@ -58,17 +62,23 @@ def _cmd_bench(ns: argparse.Namespace) -> None:
     run(run_bench(from_args(BenchConfig, ns)))
 
 
-def _cmd_replay(ns: argparse.Namespace) -> int:
+def replay_config(ns: argparse.Namespace) -> ReplayConfig:
+    """`kvmesh replay`'s settings from its parsed flags."""
     from kvmesh.planner.config import PlannerConfig
     from kvmesh.router.backend import DisaggConfig
     from kvmesh.sim.config import ReplayConfig
-    from kvmesh.sim.main import run_replay
     from kvmesh.workers.mocker.config import MockerConfig
 
     mocker = from_args(MockerConfig, ns)
     disagg = from_args(DisaggConfig, ns)
     planning = from_args(PlannerConfig, ns)
-    return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, planning=planning))
+    return from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, planning=planning)
+
+
+def _cmd_replay(ns: argparse.Namespace) -> int:
+    from kvmesh.sim.main import run_replay
+
+    return run_replay(replay_config(ns))
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:

@@ -46,10 +46,11 @@ class PlannerConfig:
     )
     max_workers: int = opt(64, "most workers per pool")
     max_total_workers: int = opt(0, "budget: most workers over all pools (0: no budget)")
-    scale_down_delay_s: float = opt(
-        60.0,
+    scale_down_delay_s: float | None = opt(
+        None,
         "a pool shrinks only to the largest size wanted over this window (stabilization, as "
-        "HPA's); growing is immediate",
+        "HPA's; growing is immediate); unset: --worker-startup-s + --adjustment-interval-s, "
+        "so a worker let go is not one that would have to start again before it could serve",
     )
     worker_startup_s: float = opt(
         30.0,
@@ -66,6 +67,13 @@ class PlannerConfig:
         8.0, "queue: in-flight requests per worker the reactive policy holds (HPA target value)"
     )
 
+    @property
+    def stabilization_s(self) -> float:
+        """The scale-down window in force."""
+        if self.scale_down_delay_s is not None:
+            return self.scale_down_delay_s
+        return self.worker_startup_s + self.adjustment_interval_s
+
     def __post_init__(self) -> None:
         for name in ("ttft_slo_ms", "itl_slo_ms", "adjustment_interval_s"):
             value = getattr(self, name)
@@ -77,7 +85,8 @@ class PlannerConfig:
             raise ValueError("--min-workers must not exceed --max-workers")
         if self.max_total_workers < 0:
             raise ValueError("--max-total-workers must be >= 0")
-        if not self.scale_down_delay_s >= 0 or not self.worker_startup_s >= 0:
+        delay = self.scale_down_delay_s
+        if (delay is not None and not delay >= 0) or not self.worker_startup_s >= 0:
             raise ValueError("--scale-down-delay-s and --worker-startup-s must be >= 0")
         if not 0 < self.ttft_quantile < 1:
             raise ValueError("--ttft-quantile must be in (0, 1)")

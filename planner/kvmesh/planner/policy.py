@@ -284,7 +284,7 @@ class Planner:
         desired = self.policy.desired(obs, pools, decision)
         if self._since is None:
             self._since = now
-        window = cfg.scale_down_delay_s
+        window = cfg.stabilization_s
         history_covers_window = now - self._since >= window
         for role in self.roles:
             state = pools.get(role)

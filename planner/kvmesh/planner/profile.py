@@ -187,14 +187,17 @@ class DecodeGrid:
         if concurrency > conc[-1]:
             return math.inf
         context = min(max(context, ctx[0]), ctx[-1])
-        i = min(max(bisect.bisect_right(ctx, context), 1), len(ctx) - 1) if len(ctx) > 1 else 0
-        rows = [i - 1, i] if len(ctx) > 1 else [0, 0]
-        values = [self._along_concurrency(r, concurrency) for r in rows]
         if len(ctx) == 1:
-            return values[0]
-        c0, c1 = ctx[rows[0]], ctx[rows[1]]
-        w = (context - c0) / (c1 - c0)
-        return values[0] + (values[1] - values[0]) * w
+            return self._along_concurrency(0, concurrency)
+        i = min(max(bisect.bisect_right(ctx, context), 1), len(ctx) - 1)
+        w = (context - ctx[i - 1]) / (ctx[i] - ctx[i - 1])
+        lo = self._along_concurrency(i - 1, concurrency)
+        if w <= 0:
+            return lo
+        hi = self._along_concurrency(i, concurrency)
+        if w >= 1:
+            return hi
+        return lo + (hi - lo) * w if math.isfinite(hi) and math.isfinite(lo) else math.inf
 
     def _along_concurrency(self, row: int, concurrency: float) -> float:
         xs: list[float] = []

@@ -24,10 +24,11 @@ import enum
 import functools
 import math
 from collections import deque
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from kvmesh.planner.drain import DrainCandidate, drain_order
-from kvmesh.planner.policy import Observation, Planner, PoolState
+from kvmesh.planner.policy import Decision, Observation, Planner, PoolState
 from kvmesh.planner.profile import PerfProfile
 from kvmesh.router.routing import RouterMode
 from kvmesh.runtime.types import Role
@@ -99,6 +100,14 @@ class IntervalMeter:
         return obs
 
 
+class Decider(Protocol):
+    """What decides the pool's size each interval (kvmesh.planner.policy.Planner)."""
+
+    def decide(
+        self, now: float, obs: Observation, pools: Mapping[Role, PoolState]
+    ) -> Decision: ...
+
+
 class _State(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
@@ -109,7 +118,7 @@ class _State(enum.Enum):
 class PlannedReplay(AggregatedReplay):
     """Aggregated replay on a pool the planner resizes (see the module doc)."""
 
-    def __init__(self, cluster: Cluster, planner: Planner, config: ReplayConfig) -> None:
+    def __init__(self, cluster: Cluster, planner: Decider, config: ReplayConfig) -> None:
         super().__init__(cluster)
         self.planner = planner
         self.settings = config.planning
