@@ -25,8 +25,8 @@ from kvmesh.sim.planned import PlannedReplay, simulate_planned
 from kvmesh.sim.policies import make_policy
 from kvmesh.sim.profiler import profile_mocker
 from kvmesh.sim.replay import simulate
-from kvmesh.sim.results import ModeResult
 from kvmesh.sim.reshape import day_rate, reshape_day
+from kvmesh.sim.results import ModeResult
 from kvmesh.sim.trace import Trace, TraceRequest, load_trace, write_trace
 from kvmesh.workers.mocker.config import MockerConfig
 from kvmesh.workers.mocker.timing import PolynomialTiming

@@ -321,7 +321,8 @@ class Supervisor:
         pool = self.pools.get(role)
         return pool.active() if pool is not None else []
 
-    def _pool(self, role: Role) -> _Pool:
+    def pool(self, role: Role) -> _Pool:
+        """The pool of `role`; InvalidRequest naming the pools when the mesh runs none."""
         pool = self.pools.get(role)
         if pool is None:
             raise InvalidRequest(
@@ -334,7 +335,7 @@ class Supervisor:
 
     def check_scale(self, replicas: int, role: Role) -> _Pool:
         """The pool of `role`, if `replicas` is within every limit (else InvalidRequest)."""
-        pool = self._pool(role)
+        pool = self.pool(role)
         if not 0 <= replicas <= self.config.max_workers:
             raise InvalidRequest(
                 f"replicas {replicas} is outside 0..{self.config.max_workers} (--max-workers)",
@@ -491,11 +492,10 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
 
     def _role(self, role: int) -> Role:
         found = role_from_pb(role)
-        if found is None or found not in self.sup.pools:
+        if found is None:
             pools = ", ".join(cpb.WorkerRole.Name(role_to_pb(r)) for r in self.sup.pools)
-            raise InvalidRequest(
-                f"this mesh runs the pools {pools}; role must be one of them", param="role"
-            )
+            raise InvalidRequest(f"role must be one of this mesh's pools: {pools}", param="role")
+        self.sup.pool(found)  # an unknown pool: InvalidRequest naming the pools
         return found
 
     async def Scale(

@@ -50,7 +50,7 @@ __all__ = [
 
 FACTOR_LIMITS = (0.2, 20.0)
 """Bounds of the observed/expected corrections (a wild measurement cannot run away)."""
-FACTOR_SMOOTHING = 0.5
+FACTOR_SMOOTHING = 0.3
 """Weight of the newest observed/expected ratio in the smoothed correction."""
 MIN_SAMPLES = 5
 """Fewest first tokens in an interval for its latencies to move the corrections."""
@@ -197,9 +197,13 @@ class SlaPolicy:
             cap = model.capacity(isl, osl, ttft_target, itl_target)
             decision.capacity_rps[role] = cap
             state = pools.get(role)
+            if rate <= 0 and obs.inflight == 0:
+                out[role] = 0  # no traffic at all: the minimum
+                decision.reasons[role] = "sla: no traffic"
+                continue
             if cap <= 0:
                 out[role] = cfg.max_workers
-                decision.reasons[role] = "targets unreachable per the profile: pool at maximum"
+                decision.reasons[role] = "sla: targets unreachable per the profile: pool at maximum"
                 continue
             # Queued work: requests in flight beyond what ready + starting workers hold at
             # this capacity, to be served within one interval.
@@ -209,9 +213,8 @@ class SlaPolicy:
                 hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
                 backlog = max(0.0, obs.inflight - (state.ready + state.starting) * hold)
             demand = rate + backlog / cfg.adjustment_interval_s
-            if demand <= 0 and obs.inflight > 0:
-                demand = 1e-9  # a request waits on an empty pool: bring up one worker
-            out[role] = math.ceil(demand / cap - 1e-9)
+            # at least one worker while anything waits (a pool at 0 with a request queued)
+            out[role] = max(1, math.ceil(demand / cap - 1e-9))
             decision.reasons[role] = (
                 f"sla: {rate:.2f} req/s predicted (isl {isl:.0f}, osl {osl:.0f}), "
                 f"backlog {backlog:.0f}, {cap:.2f} req/s per worker "

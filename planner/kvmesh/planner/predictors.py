@@ -88,13 +88,15 @@ class KalmanPredictor:
     """Local linear trend: the series is a level that moves by a slope, both drifting, seen
     through noise. State x = (level, slope), x' = F x with F = [[1, 1], [0, 1]]; observation
     y = level + noise. The filter is scale-free: the measurement noise variance R follows the
-    squared innovations (exponentially weighted), and the process noises are fractions of it
+    squared innovations (exponentially weighted), and the process noises are multiples of it
     (`level_noise`, `slope_noise`: how fast level and slope may change, relative to the
-    noise). Prediction `steps` ahead: level + steps * slope.
+    noise; their ratio to it, not its size, sets how fast the filter follows: the defaults
+    pick up a ramp within two or three intervals and keep Poisson-like noise of a request rate
+    counted over the interval mostly out). Prediction `steps` ahead: level + steps * slope.
     """
 
     def __init__(
-        self, level_noise: float = 0.1, slope_noise: float = 0.01, noise_memory: float = 0.1
+        self, level_noise: float = 2.0, slope_noise: float = 0.5, noise_memory: float = 0.1
     ) -> None:
         self.q_level = level_noise
         self.q_slope = slope_noise

@@ -119,37 +119,41 @@ def write_plot(results: list[ModeResult], path: str) -> None:
     plt.close(fig)
 
 
-def write_timeline_plot(results: list[ModeResult], path: str, title: str = "") -> None:
-    """Load, replicas and latency over time (each result's timeline) as a PNG: arrival rate;
-    replicas (serving, and serving + starting + draining dashed); TTFT p90 and ITL p90 of the
-    requests arriving in each interval, with the SLO targets."""
+def write_timeline_plot(runs: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Load, replicas and latency over time as a PNG, one line per run (`kvmesh replay --json`
+    objects): arrival rate; replicas (serving; dotted: serving + starting + draining); TTFT p90
+    and ITL p90 of the requests arriving in each interval, with the SLO targets."""
     plt = pyplot()
     fig, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 10))
-    first = results[0]
-    t0 = first.timeline[0]["t_s"] if first.timeline else 0.0
-    xs = [(row["t_s"] - t0) / 60 for row in first.timeline]
-    axes[0].plot(xs, [row["arrival_rps"] for row in first.timeline], color="black")
+    first = runs[0]
+    rows0 = first["timeline"]
+    t0 = rows0[0]["t_s"] if rows0 else 0.0
+    axes[0].plot([(r["t_s"] - t0) / 60 for r in rows0], [r["arrival_rps"] for r in rows0],
+                 color="black")  # fmt: skip
     axes[0].set_ylabel("arrivals (req/s)")
-    for r in results:
-        rows = r.timeline
-        x = [(row["t_s"] - t0) / 60 for row in rows]
-        label = f"{r.mode}: {r.worker_hours:.2f} worker-h, SLO {100 * r.slo_attainment:.1f} %"
-        (line,) = axes[1].step(x, [row["serving"] for row in rows], where="post", label=label)
-        total = [row["serving"] + row["starting"] + row["draining"] for row in rows]
+    for run in runs:
+        rows = run["timeline"]
+        x = [(r["t_s"] - t0) / 60 for r in rows]
+        label = (
+            f"{run['mode']}: {run['worker_hours']:.2f} worker-h, "
+            f"SLO met by {100 * run['slo_attainment']:.1f} %"
+        )
+        (line,) = axes[1].step(x, [r["serving"] for r in rows], where="post", label=label)
+        total = [r["serving"] + r["starting"] + r["draining"] for r in rows]
         axes[1].step(x, total, where="post", linestyle=":", color=line.get_color())
-        axes[2].plot(x, [row["ttft_p90_ms"] for row in rows], color=line.get_color())
-        axes[3].plot(x, [row["itl_p90_ms"] for row in rows], color=line.get_color())
+        axes[2].plot(x, [r["ttft_p90_ms"] for r in rows], color=line.get_color())
+        axes[3].plot(x, [r["itl_p90_ms"] for r in rows], color=line.get_color())
     axes[1].set_ylabel("workers (dotted: +starting, draining)")
     axes[1].legend(fontsize=8, loc="upper left")
-    axes[2].axhline(first.ttft_slo_ms, color="red", linestyle="--", linewidth=1)
+    axes[2].axhline(first["ttft_slo_ms"], color="red", linestyle="--", linewidth=1)
     axes[2].set_ylabel("TTFT p90 (ms)")
     axes[2].set_yscale("log")
-    axes[3].axhline(first.itl_slo_ms, color="red", linestyle="--", linewidth=1)
+    axes[3].axhline(first["itl_slo_ms"], color="red", linestyle="--", linewidth=1)
     axes[3].set_ylabel("ITL p90 (ms, per request)")
     axes[3].set_xlabel("time (min, simulated)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
-    fig.suptitle(title or Path(first.trace.split(" (")[0]).name)
+    fig.suptitle(title or Path(str(first["trace"]).split(" (")[0]).name)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -238,7 +242,7 @@ def run_replay(
             out.write(f"\n{note}\n")
     if config.plot:
         if config.planner is not None:
-            write_timeline_plot(results, config.plot)
+            write_timeline_plot([r.to_json() for r in results], config.plot)
             what = "load, replicas and latency over time"
         else:
             write_plot(results, config.plot)

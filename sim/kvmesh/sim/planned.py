@@ -103,9 +103,7 @@ class IntervalMeter:
 class Decider(Protocol):
     """What decides the pool's size each interval (kvmesh.planner.policy.Planner)."""
 
-    def decide(
-        self, now: float, obs: Observation, pools: Mapping[Role, PoolState]
-    ) -> Decision: ...
+    def decide(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision: ...
 
 
 class _State(enum.Enum):
