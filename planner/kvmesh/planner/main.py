@@ -11,6 +11,11 @@ against its own supervisor.
 Connectors (`--connector`): `grpc` (a ScalingService: `--scaling-address`, e.g. `kvmesh up`'s
 control port), `kubernetes` (kvmesh.planner.kubernetes: the worker Deployments' scale
 subresource), `virtual` (kvmesh.planner.virtual: decisions published for an external system).
+
+`--http-port` serves `/health` (200 while the last interval's step succeeded within three
+intervals, else 503) and `/metrics` (Prometheus): `kvmesh_planner_target_replicas{pool}`,
+`kvmesh_planner_predicted_requests_per_second`, `kvmesh_planner_worker_capacity_requests_per_second
+{pool}`, `kvmesh_planner_steps_total{result}`.
 """
 
 from __future__ import annotations
@@ -20,8 +25,14 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.connectors import Connector, GrpcConnector
@@ -63,6 +74,8 @@ class PlannerProcessConfig:
     scaling_address: str = opt(
         "", "grpc: host:port of a ScalingService (kvmesh up prints its control port)"
     )
+    http_host: str = opt("0.0.0.0", "address of the /health and /metrics server")
+    http_port: int = opt(8002, "port of /health and /metrics; 0 picks a free one, -1: none")
 
 
 class PlannerLoop:
@@ -84,6 +97,9 @@ class PlannerLoop:
         self.planner: Planner | None = None
         self.decisions: list[Decision] = []
         """Every decision so far (newest last)."""
+        self.last_ok = -math.inf
+        """Monotonic time of the last step that succeeded."""
+        self.steps = {"ok": 0, "error": 0}
 
     async def step(self, previous: Snapshot | None) -> Snapshot:
         """One interval: scrape, decide, scale. Returns the snapshot to compare with next."""
@@ -116,7 +132,10 @@ class PlannerLoop:
         while not stop.is_set():
             try:
                 previous = await self.step(previous)
+                self.steps["ok"] += 1
+                self.last_ok = time.monotonic()
             except KvmeshError as exc:
+                self.steps["error"] += 1
                 log.warning(
                     "planner: %s (%s); trying again next interval",
                     exc.message,
@@ -128,6 +147,58 @@ class PlannerLoop:
     async def close(self) -> None:
         await self.scraper.close()
         await self.connector.close()
+
+    def healthy(self) -> bool:
+        """Whether a step succeeded within the last three intervals."""
+        return time.monotonic() - self.last_ok <= 3 * self.config.adjustment_interval_s
+
+    def collect(self) -> Iterator[Metric]:
+        """The planner's Prometheus metrics (see the module doc)."""
+        target = GaugeMetricFamily(
+            "kvmesh_planner_target_replicas", "Pool sizes last decided.", labels=["pool"]
+        )
+        capacity = GaugeMetricFamily(
+            "kvmesh_planner_worker_capacity_requests_per_second",
+            "Requests/s one worker serves within the targets (sla policy).",
+            labels=["pool"],
+        )
+        predicted = GaugeMetricFamily(
+            "kvmesh_planner_predicted_requests_per_second", "Request rate planned for."
+        )
+        if self.decisions:
+            last = self.decisions[-1]
+            for role, n in sorted(last.targets.items(), key=lambda kv: kv[0].value):
+                target.add_metric([role.value], n)
+            for role, cap in sorted(last.capacity_rps.items(), key=lambda kv: kv[0].value):
+                capacity.add_metric([role.value], cap)
+            predicted.add_metric([], last.predicted_rps)
+        steps = CounterMetricFamily(
+            "kvmesh_planner_steps", "Adjustment intervals, by outcome.", labels=["result"]
+        )
+        for result, n in self.steps.items():
+            steps.add_metric([result], n)
+        yield from (target, capacity, predicted, steps)
+
+
+async def serve_status(loop: PlannerLoop, host: str, port: int) -> web.AppRunner:
+    """/health and /metrics of `loop` on host:port."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(loop)  # a collector: it has collect()
+
+    async def health(request: web.Request) -> web.Response:
+        ok = loop.healthy()
+        return web.json_response({"status": "ok" if ok else "stale"}, status=200 if ok else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
 
 
 def build_connector(
@@ -164,6 +235,9 @@ async def serve_planner(
     loop = PlannerLoop(config, process.policy, scraper, connector, profile)
     stop = asyncio.Event()
     task = asyncio.create_task(loop.run(stop))
+    status = None
+    if process.http_port >= 0:
+        status = await serve_status(loop, process.http_host, process.http_port)
     log.info("planner: %s policy, every %g s", process.policy.value, config.adjustment_interval_s)
     try:
         await wait_for_signal()
@@ -171,6 +245,8 @@ async def serve_planner(
         stop.set()
         await task
         await loop.close()
+        if status is not None:
+            await status.cleanup()
 
 
 def main(ns: argparse.Namespace) -> int:
