@@ -6,8 +6,9 @@ Three ways, by flags:
 
   * `kvmesh profile --out mocker.json [mocker flags]`: the mocker, in virtual time (its real
     scheduler driven step by step: kvmesh.sim.profiler), in about a second;
-  * `kvmesh profile --worker HOST:PORT --out f.json`: any running worker, over gRPC, by timing
-    real requests (kvmesh.planner.profiler); the worker should be idle;
+  * `kvmesh profile --worker HOST:PORT [HOST:PORT ...] --out f.json`: running workers of any
+    engine, over gRPC, by timing real requests (kvmesh.planner.profiler); they should be idle.
+    Several workers (a prefill and a decode worker) give one profile with each one's role;
   * `kvmesh profile --engine torch --out f.json [worker flags]` (or `--engine mocker --live`):
     starts that worker as a child process on this machine (registered in a private file
     registry, which tells its address), profiles it over gRPC, stops it.
@@ -52,7 +53,11 @@ class ProfileConfig:
     """Settings of `kvmesh profile` (the worker's flags follow: its engine and role)."""
 
     out: str = opt("profile.json", "where to write the profile (JSON)")
-    worker: str = opt("", "profile the running worker at HOST:PORT over gRPC (any engine) instead")
+    worker: list[str] = opt(
+        [],
+        "profile the running worker(s) at HOST:PORT over gRPC (any engine) instead; several "
+        "(e.g. a prefill and a decode worker): one profile with each one's role",
+    )
     live: bool = opt(
         False, "mocker: start a real mocker worker and time requests, not virtual time"
     )
@@ -128,6 +133,14 @@ async def _registered(discovery: str, child: ChildProcess, timeout_s: float) -> 
             t.cancel()
 
 
+async def _profile_workers(addresses: list[str], settings: LiveProfileSettings) -> PerfProfile:
+    """Each worker in turn, their roles merged into one profile (a later one wins a role)."""
+    profiles = [await profile_worker(a, settings) for a in addresses]
+    roles = {role: rp for p in profiles for role, rp in p.roles.items()}
+    first = profiles[0]
+    return replace(first, roles=roles, source=", ".join(p.source for p in profiles))
+
+
 def run_profile(ns: argparse.Namespace) -> int:
     """`kvmesh profile`: measure, write the profile (and plots), print where."""
     config = from_args(ProfileConfig, ns)
@@ -136,7 +149,7 @@ def run_profile(ns: argparse.Namespace) -> int:
     if config.plot:
         require_matplotlib()
     if config.worker:
-        profile = run(profile_worker(config.worker, config.settings()))
+        profile = run(_profile_workers(config.worker, config.settings()))
     elif worker.engine is EngineKind.MOCKER and not config.live:
         assert isinstance(engine, MockerConfig)
         info = ModelDirInfo.load(resolve_model_dir(worker.model))
