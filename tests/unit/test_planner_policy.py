@@ -57,6 +57,7 @@ def config(**kw: object) -> PlannerConfig:
         "max_workers": 20,
         "scale_down_delay_s": 30.0,
         "worker_startup_s": 0.0,
+        "prediction_margin": 0.0,
     }
     base.update(kw)
     return PlannerConfig(**base)  # type: ignore[arg-type]
@@ -179,9 +180,24 @@ def test_observed_latency_corrects_the_profile() -> None:
         WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 16.0), rel=1e-6
     )
     # slower than the profile says (TTFT tail or ITL): less per worker, so more workers
-    assert capacity(10 * expected.ttft_ms, expected.itl_ms) < as_profiled
+    assert capacity(20 * expected.ttft_ms, expected.itl_ms) < as_profiled
     assert capacity(expected.ttft_ms, 2 * expected.itl_ms) < as_profiled
     assert capacity(expected.ttft_ms / 2, expected.itl_ms / 2) > as_profiled
+
+
+def test_prediction_margin_grows_with_prediction_errors() -> None:
+    def planned(margin: float, rates: list[float]) -> float:
+        planner = Planner(config(prediction_margin=margin), PlannerPolicy.SLA, [AGG], PROFILE)
+        d = None
+        for i, rate in enumerate(rates):
+            d = planner.decide(10.0 * (i + 1), obs(rate), {AGG: PoolState(AGG, 1, 1)})
+        assert d is not None
+        return d.predicted_rps
+
+    steady = [20.0] * 8
+    assert planned(1.0, steady) == pytest.approx(planned(0.0, steady))  # no error, no margin
+    jumpy = [20.0, 40.0, 20.0, 40.0, 20.0, 40.0]
+    assert planned(1.0, jumpy) > planned(0.0, jumpy) + 5
 
 
 def test_budget_and_limits() -> None:

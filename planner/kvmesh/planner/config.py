@@ -41,6 +41,11 @@ class PlannerConfig:
         "load predictor: constant, moving-average, kalman (always available), arima, prophet "
         "(optional extras kvmesh[arima], kvmesh[prophet])",
     )
+    prediction_margin: float = opt(
+        1.0,
+        "sla: plan for the predicted rate plus this many times the RMS error of the past "
+        "predictions (more headroom while the load moves unpredictably)",
+    )
     min_workers: int = opt(
         1, "fewest workers per pool; 0 lets an idle pool scale to zero (cold start)"
     )
@@ -92,5 +97,7 @@ class PlannerConfig:
             raise ValueError("--ttft-quantile must be in (0, 1)")
         if not 0 < self.itl_headroom <= 1:
             raise ValueError("--itl-headroom must be in (0, 1]")
+        if not self.prediction_margin >= 0:
+            raise ValueError("--prediction-margin must be >= 0")
         if not self.queue_target > 0:
             raise ValueError("--queue-target must be > 0")

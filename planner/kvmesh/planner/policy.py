@@ -5,9 +5,12 @@ own timeline) call the same code.
 
 Two policies compute the size each pool wants:
 
-  * `SlaPolicy`: predicts the next intervals' request rate, prompt length and output length
-    (kvmesh.planner.predictors), reads from the performance profile how many requests/s one
-    worker serves within the targets (kvmesh.planner.model), corrects that by what the pool
+  * `SlaPolicy`: predicts the next intervals' request rate (`--predictor`, plus
+    `--prediction-margin` times the running RMS error of its past one-interval predictions,
+    so the margin grows while the load moves in ways the predictor misses) and the mean prompt
+    and output lengths (averaged over the last intervals: they wander without a trend), reads
+    from the performance profile how many requests/s one worker serves within the targets
+    (kvmesh.planner.model), corrects that by what the pool
     showed (observed TTFT at `--ttft-quantile` / the model's TTFT at the observed load, observed
     mean ITL / the model's ITL, both smoothed), and adds the queued work: requests in flight
     beyond what the ready and starting workers hold at that capacity, to be served within
@@ -34,7 +37,7 @@ from typing import Protocol
 
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.model import WorkerModel
-from kvmesh.planner.predictors import Predictor, make_predictor
+from kvmesh.planner.predictors import MovingAveragePredictor, Predictor, make_predictor
 from kvmesh.planner.profile import PerfProfile
 from kvmesh.runtime.errors import InvalidRequest
 from kvmesh.runtime.types import Role
@@ -55,6 +58,10 @@ FACTOR_SMOOTHING = 0.3
 MIN_SAMPLES = 5
 """Fewest first tokens in an interval for its latencies to move the corrections."""
 QUEUE_TOLERANCE = 0.1
+LENGTH_WINDOW = 6
+"""Intervals the mean prompt and output lengths are averaged over."""
+ERROR_SMOOTHING = 0.2
+"""Weight of the newest squared rate-prediction error in its running mean."""
 """The reactive policy leaves a pool alone while metric/target is within 1 +- this (HPA)."""
 
 
@@ -141,16 +148,24 @@ class SlaPolicy:
             self.models[role] = WorkerModel(prefill, decode)
         interval = config.adjustment_interval_s
         self.rate: Predictor = make_predictor(config.predictor, interval)
-        self.isl: Predictor = make_predictor(config.predictor, interval)
-        self.osl: Predictor = make_predictor(config.predictor, interval)
+        # Mean prompt and output lengths wander without a trend: extrapolating their noise
+        # would swing the capacity, so they are averaged over the last intervals.
+        self.isl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
+        self.osl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
         self.seen_isl = False
         self.seen_osl = False
+        self.rate_error = 0.0
+        """Exponentially weighted mean squared error of the one-interval rate prediction."""
+        self._predicted_next: float | None = None
         self.horizon = 1 + math.ceil(config.worker_startup_s / interval)
         """Intervals ahead a worker asked for now will serve (start-up, then one interval)."""
         self.ttft_factor = 1.0
         self.itl_factor = 1.0
 
     def _observe(self, obs: Observation) -> None:
+        if self._predicted_next is not None:
+            err = obs.rate_rps - self._predicted_next
+            self.rate_error = (1 - ERROR_SMOOTHING) * self.rate_error + ERROR_SMOOTHING * err * err
         self.rate.observe(obs.rate_rps)
         if obs.requests and math.isfinite(obs.isl_mean):
             self.isl.observe(obs.isl_mean)
@@ -187,7 +202,10 @@ class SlaPolicy:
         self._observe(obs)
         isl = self.isl.predict() if self.seen_isl else 0.0
         osl = max(1.0, self.osl.predict()) if self.seen_osl else 1.0
-        rate = max(self.rate.predict(1), self.rate.predict(self.horizon))
+        self._predicted_next = self.rate.predict(1)
+        # The load a worker asked for now will serve, plus the prediction's typical error.
+        rate = max(self._predicted_next, self.rate.predict(self.horizon))
+        rate += cfg.prediction_margin * math.sqrt(self.rate_error)
         decision.predicted_rps = rate
         self._correct(obs, pools, osl)
         ttft_target = cfg.ttft_slo_ms / self.ttft_factor
