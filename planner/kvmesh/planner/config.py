@@ -43,8 +43,8 @@ class PlannerConfig:
     )
     prediction_margin: float = opt(
         1.0,
-        "sla: plan for the predicted rate plus this many times the RMS error of the past "
-        "predictions (more headroom while the load moves unpredictably)",
+        "sla: plan for the predicted rate plus this many times the RMS of how far past "
+        "predictions fell short (more headroom while the load rises faster than predicted)",
     )
     min_workers: int = opt(
         1, "fewest workers per pool; 0 lets an idle pool scale to zero (cold start)"

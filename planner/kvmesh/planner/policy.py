@@ -6,8 +6,8 @@ own timeline) call the same code.
 Two policies compute the size each pool wants:
 
   * `SlaPolicy`: predicts the next intervals' request rate (`--predictor`, plus
-    `--prediction-margin` times the running RMS error of its past one-interval predictions,
-    so the margin grows while the load moves in ways the predictor misses) and the mean prompt
+    `--prediction-margin` times the running RMS of how far its past one-interval predictions
+    fell short, so the margin grows while the load rises faster than predicted) and the mean prompt
     and output lengths (averaged over the last intervals: they wander without a trend), reads
     from the performance profile how many requests/s one worker serves within the targets
     (kvmesh.planner.model), corrects that by what the pool
@@ -155,7 +155,8 @@ class SlaPolicy:
         self.seen_isl = False
         self.seen_osl = False
         self.rate_error = 0.0
-        """Exponentially weighted mean squared error of the one-interval rate prediction."""
+        """Exponentially weighted mean square of how far the one-interval rate predictions
+        fell short (over-predictions count as 0)."""
         self._predicted_next: float | None = None
         self.horizon = 1 + math.ceil(config.worker_startup_s / interval)
         """Intervals ahead a worker asked for now will serve (start-up, then one interval)."""
@@ -164,8 +165,9 @@ class SlaPolicy:
 
     def _observe(self, obs: Observation) -> None:
         if self._predicted_next is not None:
-            err = obs.rate_rps - self._predicted_next
-            self.rate_error = (1 - ERROR_SMOOTHING) * self.rate_error + ERROR_SMOOTHING * err * err
+            under = max(0.0, obs.rate_rps - self._predicted_next)  # only too low hurts
+            a = ERROR_SMOOTHING
+            self.rate_error = (1 - a) * self.rate_error + a * under * under
         self.rate.observe(obs.rate_rps)
         if obs.requests and math.isfinite(obs.isl_mean):
             self.isl.observe(obs.isl_mean)
@@ -215,7 +217,7 @@ class SlaPolicy:
             cap = model.capacity(isl, osl, ttft_target, itl_target)
             decision.capacity_rps[role] = cap
             state = pools.get(role)
-            if rate <= 0 and obs.inflight == 0:
+            if obs.requests == 0 and obs.inflight == 0:
                 out[role] = 0  # no traffic at all: the minimum
                 decision.reasons[role] = "sla: no traffic"
                 continue
