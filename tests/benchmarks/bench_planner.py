@@ -59,15 +59,15 @@ class Case:
 
 CASES = {
     "conv": Case(
-        "Azure conv (day)", "AzureLLMInferenceTrace_conv.csv", 900.0, 5.0, 100.0,
-        250.0, 15.0, 10.0, 8,
+        "Azure conv (day)", "AzureLLMInferenceTrace_conv.csv", 400.0, 5.0, 100.0,
+        250.0, 15.0, 10.0, 9,
     ),
     "code": Case(
-        "Azure code (day)", "AzureLLMInferenceTrace_code.csv", 900.0, 4.0, 80.0,
+        "Azure code (day)", "AzureLLMInferenceTrace_code.csv", 400.0, 4.0, 80.0,
         300.0, 15.0, 10.0, 6,
     ),
     "mooncake": Case(
-        "Mooncake synthetic (day)", "mooncake_synthetic_trace.jsonl", 1800.0, 0.8, 16.0,
+        "Mooncake synthetic (day)", "mooncake_synthetic_trace.jsonl", 600.0, 0.8, 16.0,
         3000.0, 30.0, 10.0, 8,
     ),
 }  # fmt: skip

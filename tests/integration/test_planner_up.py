@@ -62,6 +62,47 @@ class Control:
         return out
 
 
+class Streams:
+    """Client threads streaming chat completions in a loop until stopped; every failure is
+    kept (the tests expect none)."""
+
+    def __init__(self, base: str, prompt: str, max_tokens: int) -> None:
+        self.base, self.prompt, self.max_tokens = base, prompt, max_tokens
+        self.errors: list[BaseException] = []
+        self.done: list[int] = []
+        """Content chunks of each finished stream."""
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def add(self) -> None:
+        t = threading.Thread(target=self._loop)
+        t.start()
+        self.threads.append(t)
+
+    def _loop(self) -> None:
+        c = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0)
+        try:
+            while not self.stop.is_set():
+                stream = c.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": self.prompt}],
+                    max_tokens=self.max_tokens,
+                    stream=True,
+                )
+                self.done.append(
+                    sum(1 for ch in stream if ch.choices and ch.choices[0].delta.content)
+                )
+        except BaseException as exc:
+            self.errors.append(exc)
+        finally:
+            c.close()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
 @pytest.fixture
 def mesh3(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Mesh, Control]]:
     control = free_port()
@@ -173,41 +214,18 @@ def test_scale_down_drains_the_least_cached_worker_without_client_errors(
     hot = max(cached, key=lambda w: cached[w])
     assert cached[hot] > max(v for w, v in cached.items() if w != hot)
     # Streams in flight while the pool shrinks from 3 to 1: every one must finish.
-    errors: list[BaseException] = []
-    done: list[int] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        c = openai.OpenAI(base_url=mesh.base + "/v1", api_key="unused", max_retries=0)
-        try:
-            while not stop.is_set():
-                stream = c.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": "count to twenty"}],
-                    max_tokens=40,
-                    stream=True,
-                )
-                n = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
-                done.append(n)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            c.close()
-
-    threads = [threading.Thread(target=load) for _ in range(6)]
-    for t in threads:
-        t.start()
+    streams = Streams(mesh.base, "count to twenty", 40)
+    for _ in range(6):
+        streams.add()
     try:
         time.sleep(1.0)
         ctl.stub.Scale(spb.ScaleRequest(role=AGG, replicas=1, reason="test"))
         ctl.settled(1)
         time.sleep(0.5)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    assert not errors, errors
-    assert len(done) > 12
+        streams.finish()
+    assert not streams.errors, streams.errors
+    assert len(streams.done) > 12
     assert list(ctl.workers()) == [hot]  # the worker holding the cache stayed
 
 
@@ -224,36 +242,12 @@ def test_up_planner_follows_a_load_ramp_both_ways(tiny_model: Path, tmp_path: Pa
         "--min-workers", "1", "--max-workers", "3", "--drain-timeout-s", "20",
     )  # fmt: skip
     ctl = Control(control, tmp_path)
-    errors: list[BaseException] = []
-    finished: list[int] = []
-    stop = threading.Event()
-
-    def client_loop() -> None:
-        c = openai.OpenAI(base_url=mesh.base + "/v1", api_key="unused", max_retries=0)
-        try:
-            while not stop.is_set():
-                stream = c.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": "tell me a story " * 20}],
-                    max_tokens=64,
-                    stream=True,
-                )
-                for _ in stream:
-                    pass
-                finished.append(1)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            c.close()
-
-    threads: list[threading.Thread] = []
+    streams = Streams(mesh.base, "tell me a story " * 20, 64)
     sizes: list[int] = []
     try:
         ctl.settled(1)
         for _ in range(24):  # ramp up: more and more concurrent streams
-            t = threading.Thread(target=client_loop)
-            t.start()
-            threads.append(t)
+            streams.add()
             time.sleep(0.25)
             sizes.append(ctl.pool().target_replicas)
         grown = poll(
@@ -261,19 +255,15 @@ def test_up_planner_follows_a_load_ramp_both_ways(tiny_model: Path, tmp_path: Pa
             30,
             "the planner to grow the pool",
         )
-        stop.set()  # the load stops: the pool must shrink back
-        for t in threads:
-            t.join(60)
+        streams.finish()  # the load stops: the pool must shrink back
         poll(lambda: ctl.pool().target_replicas == 1 or None, 60, "the pool to shrink back")
         ctl.settled(1)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+        streams.finish()
         ctl.channel.close()
         assert stop_mesh(mesh) == 0, mesh.log.read_text()
     assert grown >= 2, sizes
-    assert not errors, errors
-    assert len(finished) > 24
+    assert not streams.errors, streams.errors
+    assert len(streams.done) > 24
     log = mesh.log.read_text()
     assert "planner: aggregated pool 1 -> " in log or "scaling aggregated to" in log, log[-3000:]
