@@ -28,6 +28,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ def queue_target(case: Case, day_path: Path) -> float:
     return max(1.0, round(cap * (lat.ttft_ms + (osl - 1) * lat.itl_ms) / 1e3, 1))
 
 
-def run_case(key: str, case: Case, out: Path) -> dict[str, Any]:
+def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     day = reshape_day(
         load_trace(str(TRACES / case.source)),
         duration_s=case.duration_s,
@@ -117,29 +118,36 @@ def run_case(key: str, case: Case, out: Path) -> dict[str, Any]:
     path = out / f"{key}_day.jsonl"
     write_trace(day, str(path))
     print(f"{case.name}: {len(day.requests)} requests over {case.duration_s:g} s", file=sys.stderr)
-    static: dict[int, dict[str, Any]] = {}
-    n = case.first_guess
-    while True:  # the smallest static pool that meets the SLO for >= 95 %
-        static[n] = replay(case, path, "--workers", str(n))
-        if static[n]["slo_attainment"] >= 0.95:
-            if n - 1 >= 1 and n - 1 not in static:
-                n -= 1
-                continue
-            break
-        if n + 1 in static:
-            n += 1
-            break
-        n += 1
-    ref_n = min(k for k, r in static.items() if r["slo_attainment"] >= 0.95)
-    ref = static[ref_n]
-    planned = ["--min-workers", "1", "--max-workers", str(2 * ref_n),
+    # Every replay of the day is independent: they run `jobs` at a time. The static search
+    # starts with first_guess - 1 .. + 1 and extends upward (or downward) until it brackets
+    # the smallest pool meeting the SLO for >= 95 %; the planned runs go alongside it, their
+    # maximum 2x the first guess.
+    pool = ThreadPoolExecutor(jobs)
+    planned = ["--min-workers", "1", "--max-workers", str(2 * case.first_guess),
                "--worker-startup-s", str(case.startup_s)]  # fmt: skip
-    sla = replay(case, path, "--planner", "sla", *planned)
     target = queue_target(case, path)
-    queues = {
-        t: replay(case, path, "--planner", "queue", *planned, "--queue-target", str(t))
+    sla_f = pool.submit(replay, case, path, "--planner", "sla", *planned)
+    queue_f = {
+        t: pool.submit(replay, case, path, "--planner", "queue", *planned, "--queue-target", str(t))
         for t in (target, round(target / 2, 1), round(target * 2, 1))
     }
+    static_f = {
+        n: pool.submit(replay, case, path, "--workers", str(n))
+        for n in range(max(1, case.first_guess - 1), case.first_guess + 2)
+    }
+    static: dict[int, dict[str, Any]] = {}
+    while True:
+        static.update({n: f.result() for n, f in static_f.items()})
+        meets = [n for n, r in static.items() if r["slo_attainment"] >= 0.95]
+        if meets and (min(meets) - 1 in static or min(meets) == 1):
+            break
+        n = min(meets) - 1 if meets else max(static) + 1
+        static_f = {n: pool.submit(replay, case, path, "--workers", str(n))}
+    ref_n = min(meets)
+    ref = static[ref_n]
+    sla = sla_f.result()
+    queues = {t: f.result() for t, f in queue_f.items()}
+    pool.shutdown()
     runs = [dict(ref, mode=f"static {ref_n}"), dict(sla, mode="sla planner"),
             dict(queues[target], mode=f"queue (target {target:g})")]  # fmt: skip
     write_timeline_plot(runs, str(out / f"{key}_day.png"), title=case.name)
@@ -184,10 +192,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default="/tmp/planner-bench", help="days, plots, results")
     parser.add_argument("--traces", default="conv,mooncake", help=f"of {', '.join(CASES)}")
+    parser.add_argument("--jobs", type=int, default=4, help="replays run at once")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [run_case(k, CASES[k], out) for k in args.traces.split(",")]
+    results = [run_case(k, CASES[k], out, args.jobs) for k in args.traces.split(",")]
     text = table(results)
     (out / "results.md").write_text(text + "\n")
     (out / "results.json").write_text(

@@ -122,7 +122,7 @@ def test_latency_model_and_capacity() -> None:
 
 def test_sla_planner_follows_the_load_both_ways() -> None:
     planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
-    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.8)
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
     pool = PoolState(AGG, target=1, ready=1)
     now = 0.0
     targets = []

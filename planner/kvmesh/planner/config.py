@@ -66,7 +66,7 @@ class PlannerConfig:
         0.95, "sla: the TTFT quantile held under the target (observed/expected correction)"
     )
     itl_headroom: float = opt(
-        0.8, "sla: plan the mean ITL at this fraction of the ITL target (requests vary around it)"
+        0.9, "sla: plan the mean ITL at this fraction of the ITL target (requests vary around it)"
     )
     queue_target: float = opt(
         8.0, "queue: in-flight requests per worker the reactive policy holds (HPA target value)"
