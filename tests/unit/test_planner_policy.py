@@ -123,16 +123,17 @@ def test_latency_model_and_capacity() -> None:
 def test_sla_planner_follows_the_load_both_ways() -> None:
     planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
     cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    high = math.floor(100 * cap) / 10  # 10 workers' worth, in whole requests per interval
     pool = PoolState(AGG, target=1, ready=1)
     now = 0.0
     targets = []
-    for rate in (2.0, 10 * cap, 10 * cap, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0):
+    for rate in (2.0, high, high, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0):
         now += 10.0
         d = planner.decide(now, obs(rate), {AGG: pool})
         targets.append(d.targets[AGG])
         pool = PoolState(AGG, target=d.targets[AGG], ready=d.targets[AGG])
     assert targets[0] == 1
-    assert targets[1] == math.ceil(10 * cap / cap - 1e-9) == 10  # up at once
+    assert targets[1] == math.ceil(high / cap - 1e-9) == 10  # up at once
     # down only once the window (30 s, ends included) holds nothing larger: the last high
     # interval was at 30 s, so 60 s still holds
     assert targets[2:6] == [10, 10, 10, 10]
@@ -177,7 +178,7 @@ def test_observed_latency_corrects_the_profile() -> None:
     expected = WorkerModel(PREFILL, DECODE).latency(10.0, 1000, 100)
     as_profiled = capacity(expected.ttft_ms, expected.itl_ms)
     assert as_profiled == pytest.approx(
-        WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 16.0), rel=1e-6
+        WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9), rel=1e-6
     )
     # slower than the profile says (TTFT tail or ITL): less per worker, so more workers
     assert capacity(20 * expected.ttft_ms, expected.itl_ms) < as_profiled
