@@ -22,6 +22,7 @@ from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
+from kvmesh.runtime.wire import device_cached_blocks
 from tests.conftest import free_port
 from tests.integration.test_up_openai import MODEL, Mesh, start_mesh, stop_mesh
 from tests.procs import poll
@@ -196,7 +197,7 @@ def _worker_pid(worker_id: str) -> int:
 def _cached_blocks(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         reply = wpb_grpc.WorkerServiceStub(ch).GetLoadMetrics(wpb.GetLoadMetricsRequest())
-        return int(reply.metrics.kv_cached_blocks)
+        return device_cached_blocks(reply.metrics)
 
 
 def test_scale_down_drains_the_least_cached_worker_without_client_errors(

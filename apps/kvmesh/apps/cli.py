@@ -67,12 +67,14 @@ def replay_config(ns: argparse.Namespace) -> ReplayConfig:
     from kvmesh.planner.config import PlannerConfig
     from kvmesh.router.backend import DisaggConfig
     from kvmesh.sim.config import ReplayConfig
+    from kvmesh.workers.batching.tiers import KvTierConfig
     from kvmesh.workers.mocker.config import MockerConfig
 
     mocker = from_args(MockerConfig, ns)
     disagg = from_args(DisaggConfig, ns)
     planning = from_args(PlannerConfig, ns)
-    return from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, planning=planning)
+    tiers = from_args(KvTierConfig, ns)
+    return from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, planning=planning, tiers=tiers)
 
 
 def _cmd_replay(ns: argparse.Namespace) -> int:

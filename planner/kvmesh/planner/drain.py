@@ -25,7 +25,7 @@ class DrainCandidate:
     serving: bool = True
     """False while it is still starting."""
     cached_blocks: int = 0
-    """Blocks in its prefix cache (LoadMetrics.kv_cached_blocks)."""
+    """Blocks in its device prefix cache (LoadMetrics.kv_tiers, device tier)."""
     inflight: int = 0
     """Requests it is serving."""
 

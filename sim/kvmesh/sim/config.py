@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.router.backend import DisaggConfig
 from kvmesh.router.kv_scheduler import KvRouterConfig
+from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
 from kvmesh.router.routing import RouterMode
 from kvmesh.runtime.config import add_args, opt
 from kvmesh.runtime.errors import KvmeshError
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.mocker.config import MockerConfig
 
 __all__ = ["ReplayConfig", "ReplayError", "add_replay_args"]
@@ -23,9 +25,10 @@ class ReplayError(KvmeshError):
 
 @dataclass
 class ReplayConfig:
-    """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; the
-    conditional disaggregation thresholds the gateway's, a DisaggConfig, `disagg`; the SLO
-    targets and the planner's settings the live planner's, a PlannerConfig, `planning`)."""
+    """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; its KV
+    tiers a KvTierConfig, `tiers`, the worker's flags; the conditional disaggregation thresholds
+    the gateway's, a DisaggConfig, `disagg`; the SLO targets and the planner's settings the
+    live planner's, a PlannerConfig, `planning`)."""
 
     trace: str = opt(
         "",
@@ -52,6 +55,14 @@ class ReplayConfig:
         100.0,
         "kv: simulated interval of the workers' load metrics fed to the router (as a live "
         "router's load stream); 0: the router only counts its own bookings",
+    )
+    router_host_hit_weight: float = opt(
+        HOST_HIT_WEIGHT,
+        "kv: what a prompt block on a worker's host KV tier counts for in the cost, a device "
+        "block counting 1",
+    )
+    router_disk_hit_weight: float = opt(
+        DISK_HIT_WEIGHT, "kv: the same for a block only on a worker's disk KV tier"
     )
     seed: int = opt(0, "seed of the router's tie-breaking/sampling and of the random policy")
     json: bool = opt(False, "print one JSON object per router mode instead of tables")
@@ -89,6 +100,10 @@ class ReplayConfig:
         default_factory=PlannerConfig,
         metadata={"help": "SLO targets and planner settings (the planner's flags)", "cli": False},
     )
+    tiers: KvTierConfig = field(
+        default_factory=KvTierConfig,
+        metadata={"help": "the workers' KV tiers (the worker's tier flags)", "cli": False},
+    )
 
     def __post_init__(self) -> None:
         modes: list[RouterMode] = []
@@ -115,6 +130,8 @@ class ReplayConfig:
             raise ReplayError("--planner replays aggregated pools; drop --prefill-workers")
         if not self.timeline_interval_s >= 0:
             raise ReplayError("--timeline-interval-s must be >= 0")
+        if self.tiers.enabled and not self.mocker.enable_prefix_caching:
+            raise ReplayError("KV tiers (--kv-host-blocks) need prefix caching")
         try:
             self.kv_router()
         except ValueError as exc:
@@ -131,12 +148,15 @@ class ReplayConfig:
             overlap_weight=self.router_overlap_weight,
             temperature=self.router_temperature,
             seed=self.seed,
+            host_hit_weight=self.router_host_hit_weight,
+            disk_hit_weight=self.router_disk_hit_weight,
         )
 
 
 def add_replay_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `kvmesh replay`: ReplayConfig's, the mocker's (MockerConfig), the
-    conditional disaggregation thresholds (DisaggConfig) and the planner's (PlannerConfig)."""
+    """The flags of `kvmesh replay`: ReplayConfig's, the mocker's (MockerConfig), its KV tiers
+    (KvTierConfig), the conditional disaggregation thresholds (DisaggConfig) and the planner's
+    (PlannerConfig)."""
     add_args(parser, ReplayConfig, skip={"router"})
     parser.add_argument(
         "--router",
@@ -150,6 +170,8 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
     )
     # The replay owns arrival speed and seeding; the engine's wall-clock speedup means nothing.
     add_args(parser, MockerConfig, skip={"speedup_ratio", "seed"})
+    # A simulated disk tier writes no files.
+    add_args(parser, KvTierConfig, skip={"kv_disk_dir"})
     # A simulated remote prefill never fails, so it never times out either.
     add_args(parser, DisaggConfig, skip={"disagg_prefill_timeout_s"})
     add_args(parser, PlannerConfig)
