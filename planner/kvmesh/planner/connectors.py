@@ -25,7 +25,7 @@ from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
 from kvmesh.planner.policy import PoolState
 from kvmesh.runtime.errors import InvalidRequest
-from kvmesh.runtime.grpcutil import error_from_rpc, insecure_channel
+from kvmesh.runtime.grpcutil import MeshSecurity, error_from_rpc, mesh_channel
 from kvmesh.runtime.types import Role
 from kvmesh.runtime.wire import role_from_pb, role_to_pb
 
@@ -62,11 +62,17 @@ def check_replicas(replicas: int, maximum: int) -> None:
 class GrpcConnector:
     """A ScalingService over gRPC (`kvmesh up`'s control port, or an external implementation)."""
 
-    def __init__(self, address: str, model: str = "", timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        model: str = "",
+        timeout_s: float = 10.0,
+        security: MeshSecurity | None = None,
+    ) -> None:
         self.address = address
         self.model = model
         self.timeout_s = timeout_s
-        self._channel = insecure_channel(address)
+        self._channel = mesh_channel(address, security)
         self._stub = spb_grpc.ScalingServiceStub(self._channel)
 
     async def pools(self) -> dict[Role, PoolState]:

@@ -43,7 +43,9 @@ from kvmesh.planner.profile import PerfProfile
 from kvmesh.planner.virtual import VirtualConfig, VirtualConnector
 from kvmesh.runtime.config import Flags, from_args, opt
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError
+from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.tls import TlsConfig
 
 __all__ = ["ENTRY", "ConnectorKind", "PlannerLoop", "PlannerProcessConfig"]
 
@@ -74,7 +76,7 @@ class PlannerProcessConfig:
     scaling_address: str = opt(
         "", "grpc: host:port of a ScalingService (kvmesh up prints its control port)"
     )
-    http_host: str = opt("0.0.0.0", "address of the /health and /metrics server")
+    http_host: str = opt("127.0.0.1", "address of the /health and /metrics server")
     http_port: int = opt(8002, "port of /health and /metrics; 0 picks a free one, -1: none")
 
 
@@ -202,13 +204,16 @@ async def serve_status(loop: PlannerLoop, host: str, port: int) -> web.AppRunner
 
 
 def build_connector(
-    process: PlannerProcessConfig, k8s: KubernetesConfig, virtual: VirtualConfig
+    process: PlannerProcessConfig,
+    k8s: KubernetesConfig,
+    virtual: VirtualConfig,
+    security: MeshSecurity | None = None,
 ) -> Connector:
-    """The connector `--connector` names."""
+    """The connector `--connector` names (`security`: the mesh TLS/token of the gRPC one)."""
     if process.connector is ConnectorKind.GRPC:
         if not process.scaling_address:
             raise InvalidRequest("--connector grpc needs --scaling-address HOST:PORT")
-        return GrpcConnector(process.scaling_address, process.model)
+        return GrpcConnector(process.scaling_address, process.model, security=security)
     if process.connector is ConnectorKind.KUBERNETES:
         return KubernetesConnector(k8s)
     return VirtualConnector(virtual)
@@ -219,6 +224,7 @@ async def serve_planner(
     config: PlannerConfig,
     k8s: KubernetesConfig,
     virtual: VirtualConfig,
+    security: MeshSecurity | None = None,
 ) -> None:
     """Run `kvmesh planner` until SIGINT/SIGTERM."""
     profile = None
@@ -231,7 +237,7 @@ async def serve_planner(
         prometheus_url=process.prometheus_url,
         model=process.model,
     )
-    connector = build_connector(process, k8s, virtual)
+    connector = build_connector(process, k8s, virtual, security)
     loop = PlannerLoop(config, process.policy, scraper, connector, profile)
     stop = asyncio.Event()
     task = asyncio.create_task(loop.run(stop))
@@ -257,6 +263,7 @@ def main(ns: argparse.Namespace) -> int:
             from_args(PlannerConfig, ns),
             from_args(KubernetesConfig, ns),
             from_args(VirtualConfig, ns),
+            MeshSecurity.load(from_args(TlsConfig, ns)),  # bad certificates stop it here
         )
     )
     return 0
@@ -265,6 +272,6 @@ def main(ns: argparse.Namespace) -> int:
 ENTRY = Entry(
     "planner",
     "the SLA planner: scales worker pools to meet TTFT/ITL targets",
-    Flags.of(PlannerProcessConfig, PlannerConfig, KubernetesConfig, VirtualConfig),
+    Flags.of(PlannerProcessConfig, PlannerConfig, KubernetesConfig, VirtualConfig, TlsConfig),
     main,
 )
