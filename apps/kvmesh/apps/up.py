@@ -4,15 +4,23 @@ Starts N workers, optionally a standalone router, and the frontend, all pointed 
 file registry (a temporary directory). Waits for the gateway to report healthy and prints how
 to call it. While running it keeps each worker pool at its target size (a worker that dies is
 replaced) and serves `ScalingService` on a control port, so a planner (or an operator with
-grpcurl) can scale the pools: scale-up starts workers, scale-down drains the newest ones (they
-leave discovery first, finish their requests, then exit). On Ctrl-C / SIGTERM it shuts down in
-order: frontend first (drains), then router and workers (each drains), saying what it waits
-for, killing whatever is still alive `--drain-timeout-s` + 10 s after it was asked to stop; a
-second Ctrl-C forces it (the frontend ends its streams at once with an error event and `[DONE]`,
-then everything left is killed). Whatever happens (stdout or stderr closed, an exception), every
-child is terminated before `up` returns, and children started by `up` get SIGTERM when `up`
-itself dies (`kill -9` included: kvmesh.runtime.process.die_with_parent). The exit code is 0
-only when every process stopped on its own.
+grpcurl) can scale the pools: scale-up starts workers; scale-down drains the workers with the
+least cached value (kvmesh.planner.drain: still starting first, then the fewest prefix-cache
+blocks): each leaves discovery first, keeps serving `--leave-delay-s` while the routers notice,
+finishes its in-flight requests within `--drain-timeout-s` (the grace period), then exits.
+`Scale` is checked whole before anything changes: an unknown pool, a count over `--max-workers`
+(a negative count sent by a client as a signed int arrives as a huge unsigned one) or over the
+`--max-total-workers` budget is INVALID_ARGUMENT, and a Scale while the previous one is still
+being applied is ABORTED; a pool whose new workers cannot be started is left as it was.
+`--planner sla|queue` runs the planner (kvmesh.planner.main.PlannerLoop) in this process,
+reading the frontend's /metrics and scaling through the control port. On Ctrl-C / SIGTERM it
+shuts down in order: frontend first (drains), then router and workers (each drains), saying
+what it waits for, killing whatever is still alive `--drain-timeout-s` + 10 s after it was asked
+to stop; a second Ctrl-C forces it (the frontend ends its streams at once with an error event
+and `[DONE]`, then everything left is killed). Whatever happens (stdout or stderr closed, an
+exception), every child is terminated before `up` returns, and children started by `up` get
+SIGTERM when `up` itself dies (`kill -9` included: kvmesh.runtime.process.die_with_parent). The
+exit code is 0 only when every process stopped on its own.
 
 Start-up: ports given on the command line that are already in use fail at once, with one line,
 before anything starts; the banner is printed only once kvmesh's own frontend answers. A worker
@@ -67,28 +75,46 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
+from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.frontend import main as frontend_main
 from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
+from kvmesh.planner.connectors import GrpcConnector
+from kvmesh.planner.drain import DrainCandidate, drain_order
+from kvmesh.planner.main import PlannerLoop
+from kvmesh.planner.metrics import MetricsScraper
+from kvmesh.planner.profile import PerfProfile
 from kvmesh.router import main as router_main
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
 from kvmesh.runtime.config import ConfigError, Flags, from_args, opt, to_argv
 from kvmesh.runtime.discovery import EventKind, open_discovery
-from kvmesh.runtime.errors import InvalidRequest, NotFound
-from kvmesh.runtime.grpcutil import GrpcServer, MeshSecurity, check_health, mesh_server
+from kvmesh.runtime.errors import Aborted, InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.grpcutil import (
+    GrpcServer,
+    MeshSecurity,
+    check_health,
+    mesh_channel,
+    mesh_server,
+)
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
 from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
+from kvmesh.runtime.wire import device_cached_blocks, role_from_pb, role_to_pb
+from kvmesh.sim.profiler import profile_mocker
 from kvmesh.workers import main as worker_main
 from kvmesh.workers.batching.tiers import KvTierConfig
-from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.config import EngineKind, WorkerConfig
 
 SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 STOP_MARGIN_S = 10.0
 """How long past its --drain-timeout-s a child may take to exit before it is killed."""
+LOAD_TIMEOUT_S = 1.0
+"""How long a scale-down waits for each worker's load metrics (its cache size)."""
 
 IDENTITIES = ("kvmesh-up", "kvmesh-frontend", "kvmesh-router", "kvmesh-worker", "kvmesh-planner")
 """The mesh identities `kvmesh up --tls` issues certificates for (subject CN = the name)."""
@@ -131,7 +157,13 @@ class UpConfig:
         0, "number of prefill worker processes (disaggregated serving, with --decode-workers)"
     )
     decode_workers: int = opt(0, "number of decode worker processes (disaggregated serving)")
-    max_workers: int = opt(64, "largest pool size Scale accepts")
+    max_workers: int = opt(64, "most workers per pool (the largest size Scale accepts)")
+    max_total_workers: int = opt(0, "budget: most workers over all pools (0: no budget)")
+    planner: PlannerPolicy | None = opt(
+        None,
+        "run the planner in this process with this policy (sla: needs --profile unless the "
+        "engine is the mocker; queue: the reactive baseline); its flags are PlannerConfig's",
+    )
     control_port: int = opt(0, "port of the ScalingService (gRPC); 0 picks a free one")
     router_process: bool = opt(
         False, "run the router as its own process (kvmesh router) instead of inside the frontend"
@@ -147,6 +179,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
             raise ValueError("worker counts must be >= 0")
+        if self.max_total_workers < 0:
+            raise ValueError("--max-total-workers must be >= 0")
         if self.prefill_workers and not self.decode_workers:
             raise ValueError("--prefill-workers needs --decode-workers (they decode)")
 
@@ -175,7 +209,8 @@ SET_BY_UP: dict[str, frozenset[str]] = {
 
 def _flags() -> Flags:
     processes = (worker_main.ENTRY, frontend_main.ENTRY, router_main.ENTRY)
-    flags = Flags.of(UpConfig)
+    # PlannerConfig's --max-workers and --max-total-workers are UpConfig's: one flag sets both.
+    flags = Flags.of(UpConfig, PlannerConfig)
     for entry in processes:
         flags += entry.flags.without(*SET_BY_UP[entry.name])
     # The same meaning as for `kvmesh frontend` (0: a free port); `up` serves it by default.
@@ -195,6 +230,7 @@ class UpArgs:
     frontend: FrontendConfig
     mesh: MeshConfig
     router: RouterServerConfig
+    planning: PlannerConfig
     tls: TlsConfig
 
     @classmethod
@@ -210,6 +246,7 @@ class UpArgs:
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
             router=from_args(RouterServerConfig, ns),
+            planning=from_args(PlannerConfig, ns),
             tls=from_args(TlsConfig, ns),
         )
 
@@ -269,7 +306,9 @@ class Supervisor:
         self.args = args
         self.config = args.up
         model_dir = resolve_model_dir(args.worker.model)
-        self.served = args.worker.served_model_name or ModelDirInfo.load(model_dir).name
+        info = ModelDirInfo.load(model_dir)
+        self.served = args.worker.served_model_name or info.name
+        self.context_length = info.context_length
         self.registry: Path | None = None
         self.discovery = self.config.discovery
         if not self.discovery:
@@ -315,7 +354,11 @@ class Supervisor:
         self.registered: set[str] = set()
         self.addresses: dict[str, str] = {}
         """Worker instance id (its Child's name) -> the gRPC address it registered, kept while
-        the process lives."""
+        the process lives (a hung worker's lease expires too: watch_health)."""
+        self.loads: dict[str, cpb.LoadMetrics] = {}
+        """Workers' load metrics as last read (for the drain choice)."""
+        self._applying: Role | None = None
+        """The pool a Scale call is changing right now."""
         self._pid = os.getpid()
 
     def tls(self, identity: str) -> TlsConfig:
@@ -379,8 +422,8 @@ class Supervisor:
         pool = self.pools.get(role)
         return pool.active() if pool is not None else []
 
-    def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
-        """Set a pool's target; start or drain workers now. Returns the previous target."""
+    def pool(self, role: Role) -> _Pool:
+        """The pool of `role`; InvalidRequest naming the pools when the mesh runs none."""
         pool = self.pools.get(role)
         if pool is None:
             raise InvalidRequest(
@@ -389,29 +432,115 @@ class Supervisor:
                 + ")",
                 param="role",
             )
-        if replicas > self.config.max_workers:
+        return pool
+
+    def check_scale(self, replicas: int, role: Role) -> _Pool:
+        """The pool of `role`, if `replicas` is within every limit (else InvalidRequest)."""
+        pool = self.pool(role)
+        if not 0 <= replicas <= self.config.max_workers:
             raise InvalidRequest(
-                f"replicas {replicas} exceeds --max-workers {self.config.max_workers}",
+                f"replicas {replicas} is outside 0..{self.config.max_workers} (--max-workers)",
                 param="replicas",
             )
-        previous, pool.target = pool.target, replicas
-        self.reconcile()
-        return previous
+        budget = self.config.max_total_workers
+        total = replicas + sum(p.target for r, p in self.pools.items() if r is not role)
+        if budget and total > budget:
+            raise InvalidRequest(
+                f"{total} workers over all pools would exceed --max-total-workers {budget}",
+                param="replicas",
+            )
+        return pool
+
+    async def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
+        """Set a pool's target and start or drain workers now, all or nothing (see the module
+        doc). Returns the previous target."""
+        pool = self.check_scale(replicas, role)
+        if self._applying is not None:
+            raise Aborted(
+                f"a Scale of the {self._applying.value} pool is still being applied; "
+                "retry once it has returned"
+            )
+        self._applying = role
+        try:
+            if replicas < len(pool.active()):
+                await self.refresh_loads(pool)  # the drain choice reads fresh cache sizes
+            previous, pool.target = pool.target, replicas
+            before = len(pool.children)
+            try:
+                self._converge(pool)
+            except OSError as exc:  # a worker could not be started: undo this call
+                started = pool.children[before:]
+                del pool.children[before:]
+                for child in started:
+                    child.terminate()
+                pool.target = previous
+                raise Unavailable(
+                    f"could not start a {role.value} worker ({exc}); the pool is unchanged"
+                ) from None
+            return previous
+        finally:
+            self._applying = None
+
+    async def refresh_loads(self, pool: _Pool) -> None:
+        """Read the load metrics (cached blocks, requests in flight) of the pool's registered
+        workers; one that does not answer within LOAD_TIMEOUT_S counts as holding nothing."""
+
+        async def read(child: Child) -> None:
+            self.loads.pop(child.name, None)
+            address = self.addresses.get(child.name)
+            if address is None:
+                return
+            channel = mesh_channel(address, self.security)
+            try:
+                reply = await wpb_grpc.WorkerServiceStub(channel).GetLoadMetrics(
+                    wpb.GetLoadMetricsRequest(), timeout=LOAD_TIMEOUT_S
+                )
+                self.loads[child.name] = reply.metrics
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                await channel.close()
+
+        await asyncio.gather(*(read(c) for c in pool.active()))
 
     def reconcile(self) -> None:
         """Reap exited workers, replace dead ones, drain extra ones, in every pool."""
         for pool in self.pools.values():
             for w in [w for w in pool.children if not w.alive()]:
                 pool.children.remove(w)
+                self.loads.pop(w.name, None)
                 if not w.draining:
                     _crashed(pool, w)
-            active = pool.active()
-            if time.monotonic() >= pool.restart_at:
-                for _ in range(pool.target - len(active)):
-                    self.start_worker(pool.role)
-            for w in sorted(active, key=lambda c: c.started)[pool.target :]:
-                w.draining = True
-                w.terminate()  # the worker deregisters, finishes its requests, exits
+            self._converge(pool)
+
+    def _converge(self, pool: _Pool) -> None:
+        """Start or drain workers of `pool` until its active workers match its target."""
+        active = pool.active()
+        if time.monotonic() >= pool.restart_at:  # (crash-loop backoff: _crashed)
+            for _ in range(pool.target - len(active)):
+                self.start_worker(pool.role)
+        extra = len(active) - pool.target
+        if extra <= 0:
+            return
+        candidates = []
+        for w in active:
+            load = self.loads.get(w.name)
+            candidates.append(
+                DrainCandidate(
+                    worker_id=w.name,
+                    started=w.started,
+                    serving=w.name in self.registered,
+                    cached_blocks=device_cached_blocks(load) if load is not None else 0,
+                    inflight=load.num_running_requests + load.num_waiting_requests
+                    if load is not None
+                    else 0,
+                )
+            )
+        by_name = {w.name: w for w in active}
+        for cand in drain_order(candidates)[:extra]:
+            w = by_name[cand.worker_id]
+            w.draining = True
+            w.terminate()  # it leaves discovery, finishes its requests, exits
 
     def pool_status(self, role: Role = Role.AGGREGATED) -> spb.PoolStatus:
         pool = self.pools[role]
@@ -419,7 +548,7 @@ class Supervisor:
         ready = sum(1 for w in active if w.name in self.registered)
         return spb.PoolStatus(
             model=self.served,
-            role=_ROLE_TO_PB[role],
+            role=role_to_pb(role),
             target_replicas=pool.target,
             ready_replicas=ready,
             starting_replicas=len(active) - ready,
@@ -428,11 +557,12 @@ class Supervisor:
 
     async def watch_registrations(self) -> None:
         async for event in open_discovery(self.discovery).watch("worker"):
+            name = event.instance.instance_id
             if event.kind is EventKind.ADDED:
-                self.registered.add(event.instance.instance_id)
-                self.addresses[event.instance.instance_id] = event.instance.address
+                self.registered.add(name)
+                self.addresses[name] = event.instance.address
             else:
-                self.registered.discard(event.instance.instance_id)
+                self.registered.discard(name)
                 # The address stays known: a hung worker's lease expires too (watch_health).
 
     async def watch_health(self) -> None:
@@ -559,14 +689,6 @@ async def _stop_group(group: list[Child], drain_s: float, forced: asyncio.Event)
     return False
 
 
-_ROLE_TO_PB: dict[Role, cpb.WorkerRole.ValueType] = {
-    Role.AGGREGATED: cpb.WORKER_ROLE_AGGREGATED,
-    Role.PREFILL: cpb.WORKER_ROLE_PREFILL,
-    Role.DECODE: cpb.WORKER_ROLE_DECODE,
-}
-_ROLE_FROM_PB: dict[int, Role] = {v: k for k, v in _ROLE_TO_PB.items()}
-
-
 class ScalingServicer(spb_grpc.ScalingServiceServicer):
     """ScalingService over the local supervisor (its aggregated, or prefill and decode, pools)."""
 
@@ -578,10 +700,11 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
             raise NotFound(f"this mesh serves {self.sup.served!r}, not {model!r}")
 
     def _role(self, role: int) -> Role:
-        found = _ROLE_FROM_PB.get(role)
-        if found is None or found not in self.sup.pools:
-            pools = ", ".join(cpb.WorkerRole.Name(_ROLE_TO_PB[r]) for r in self.sup.pools)
-            raise InvalidRequest(f"this mesh runs the pools {pools}; role must be one of them")
+        found = role_from_pb(role)
+        if found is None:
+            pools = ", ".join(cpb.WorkerRole.Name(role_to_pb(r)) for r in self.sup.pools)
+            raise InvalidRequest(f"role must be one of this mesh's pools: {pools}", param="role")
+        self.sup.pool(found)  # an unknown pool: InvalidRequest naming the pools
         return found
 
     async def Scale(
@@ -589,7 +712,7 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
     ) -> spb.ScaleResponse:
         self._check(request.model)
         role = self._role(request.role)
-        previous = self.sup.scale(request.replicas, role)
+        previous = await self.sup.scale(request.replicas, role)
         if request.reason:
             _say(f"scaling {role.value} to {request.replicas} ({request.reason})")
         return spb.ScaleResponse(
@@ -646,12 +769,31 @@ class _Signals:
         (self.forced if self.stop.is_set() else self.stop).set()
 
 
+def planner_profile(args: UpArgs, served: str, context_length: int) -> PerfProfile | None:
+    """The profile `--planner sla` plans with: --profile, or the mocker's measured in virtual
+    time (its flags, speedup included); None for the queue policy."""
+    if args.up.planner is not PlannerPolicy.SLA:
+        return None
+    if args.planning.profile:
+        return PerfProfile.load(args.planning.profile)
+    if args.worker.engine is not EngineKind.MOCKER:
+        raise InvalidRequest(
+            f"--planner sla with --engine {args.worker.engine.value} needs --profile FILE "
+            "(kvmesh profile --engine ... makes one)"
+        )
+    engine = args.engine
+    return profile_mocker(
+        engine, max_model_len=engine.max_model_len or context_length, model=served
+    )
+
+
 async def _up(args: UpArgs) -> int:
     taken = _ports_in_use(args)
     if taken:
         _say("port in use: " + "; ".join(taken))
         return 1
     sup = Supervisor(args)
+    profile = planner_profile(args, sup.served, sup.context_length)
     signals = _Signals()
     control = mesh_server("127.0.0.1", args.up.control_port, sup.security)
     control.add(
@@ -661,10 +803,15 @@ async def _up(args: UpArgs) -> int:
         asyncio.create_task(sup.watch_registrations()),
         asyncio.create_task(sup.watch_health()),
     ]
+    planners: list[tuple[PlannerLoop, asyncio.Task[None]]] = []
     try:
-        code = await _serve(sup, control, signals.stop)
+        code = await _serve(sup, control, signals.stop, profile, planners)
     finally:
         try:
+            signals.stop.set()  # (ends the planner; a signal from now on forces)
+            for planner, task in planners:
+                await task
+                await planner.close()
             for task in watchers:
                 task.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
@@ -675,9 +822,15 @@ async def _up(args: UpArgs) -> int:
     return code if clean else code or 1
 
 
-async def _serve(sup: Supervisor, control: GrpcServer, stop: asyncio.Event) -> int:
-    """Start the mesh, print the banner once it is healthy, keep the pools at their targets
-    until `stop`; the exit code."""
+async def _serve(
+    sup: Supervisor,
+    control: GrpcServer,
+    stop: asyncio.Event,
+    profile: PerfProfile | None,
+    planners: list[tuple[PlannerLoop, asyncio.Task[None]]],
+) -> int:
+    """Start the mesh, print the banner once it is healthy, run the planner (`planners` gets
+    it), keep the pools at their targets until `stop`; the exit code."""
     frontend = sup.start()
     await control.start()
     fe = sup.frontend
@@ -695,6 +848,17 @@ async def _serve(sup: Supervisor, control: GrpcServer, stop: asyncio.Event) -> i
         return 1
     kserve = f"{host}:{fe.kserve_grpc_port}" if fe.kserve_grpc_port > 0 else ""
     _banner(base, sup, control.address, kserve)
+    config = sup.config
+    if config.planner is not None:
+        planner = PlannerLoop(
+            sup.args.planning,
+            config.planner,
+            MetricsScraper(frontend_urls=[base + "/metrics"], model=sup.served),
+            GrpcConnector(control.address, sup.served, security=sup.security),
+            profile,
+        )
+        planners.append((planner, asyncio.create_task(planner.run(stop))))
+        _say(f"{config.planner.value} planner every {sup.args.planning.adjustment_interval_s:g} s")
     while not stop.is_set():
         if not frontend.alive():
             _say("the frontend exited; shutting down")
