@@ -672,7 +672,8 @@ async def _stop_group(group: list[Child], drain_s: float, forced: asyncio.Event)
         finally:
             force.cancel()
         if waits.done():  # all exited; a non-zero code: a drain timed out, requests were cut
-            return all(c.proc.returncode == 0 for c in alive)
+            # (-SIGTERM: one still starting, killed by the request to stop before it could drain)
+            return all(c.proc.returncode in (0, -signal.SIGTERM) for c in alive)
         if forced.is_set():
             _say("forced: ending every request now")
     alive = [c for c in alive if c.alive()]
