@@ -48,6 +48,7 @@ from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
+from kvmesh.workers.pytorch.guided import GrammarCompiler
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
 from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
@@ -124,6 +125,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._agent: NixlKvAgent | None = None
         self._pump: asyncio.Task[None] | None = None
+        self._grammars: GrammarCompiler | None = None
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -156,6 +158,8 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         with torch.inference_mode():
             cache = PagedKvCache(spec, num_blocks, loaded.device)
         self._runner = ModelRunner(loaded, cache)
+        if self._grammars is None:
+            self._grammars = self._grammar_compiler(loaded.vocab_size)
         sched = TorchScheduler(
             cfg,
             num_blocks=num_blocks,
@@ -164,6 +168,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             max_model_len=max_len,
             device=loaded.device,
             events=self._events,
+            grammars=self._grammars,
         )
         self._scheduler = sched
         self._info = ModelInfo(
@@ -190,6 +195,19 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             num_blocks * spec.block_bytes / (1 << 20),
             sched.max_seq_len,
         )
+
+    def _grammar_compiler(self, vocab_size: int) -> GrammarCompiler | None:
+        """Structured output needs llguidance and the model directory's tokenizer; without them
+        the engine runs without the GUIDED_DECODING capability (guided requests are refused)."""
+        try:
+            return GrammarCompiler.from_model_dir(self.model_dir, vocab_size)
+        except Exception as exc:  # no llguidance, no (fast) tokenizer in the directory
+            log.warning("torch engine: no guided decoding for %s: %s", self.model_dir, exc)
+            return None
+
+    def _capabilities(self) -> tuple[str, ...]:
+        caps = super()._capabilities()
+        return caps + (("GUIDED_DECODING",) if self._grammars is not None else ())
 
     async def _close(self) -> None:
         pump, self._pump = self._pump, None
