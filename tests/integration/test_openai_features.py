@@ -389,6 +389,7 @@ async def test_forced_tool_choice_uses_guided_decoding(gw: Gateway) -> None:
     assert guided is not None
     schema = json.loads(guided.value)
     assert schema["type"] == "array" and len(schema["items"]["anyOf"]) == 2
+    assert all(v["additionalProperties"] is False for v in schema["items"]["anyOf"])
 
 
 async def test_tools_without_a_parser_are_refused(gw: Gateway, tok: Tokenizer) -> None:

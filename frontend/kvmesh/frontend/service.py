@@ -568,7 +568,7 @@ class OpenAIService:
                 )
             what = f"tool_choice {choice.name or choice.mode!r}"
             self._require_guided(info, request.model, "tool_choice", what)
-            schema = _tool_schema(tools, choice.name)
+            schema = _tool_schema(tools, choice.name, request.parallel_tool_calls)
             options = _with(
                 options, guided=GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(schema))
             )
@@ -980,9 +980,14 @@ def _tool_parameters(tool: Mapping[str, Any]) -> Any:
     return params if isinstance(params, (dict, bool)) else {"type": "object"}
 
 
-def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[str, Any]:
+def _tool_schema(
+    tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool = True
+) -> dict[str, Any]:
     """JSON Schema forcing a tool call: the named function's arguments, or (tool_choice
-    "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them."""
+    "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them, with
+    no other keys (as xgrammar's strict mode, vLLM's default, enforces: a grammar that allows
+    extra keys lets a model write them instead of ending the call); one call at most when
+    `parallel` (parallel_tool_calls) is false."""
     if name is not None:
         for tool in tools:
             if tool_name(tool) == name:
@@ -995,11 +1000,19 @@ def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[s
                 "parameters": _tool_parameters(tool),
             },
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         }
         for tool in tools
         if (function := tool_name(tool)) is not None
     ]
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": variants},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def _with(options: GenerationOptions, **changes: Any) -> GenerationOptions:
