@@ -66,6 +66,7 @@ from kvmesh.frontend.reasoning import (
 )
 from kvmesh.frontend.tokenizer import Tokenizer, TokenizerRegistry
 from kvmesh.frontend.tool_parsers import (
+    TOOL_PARSERS,
     JsonListParser,
     NamedToolCallStream,
     ToolCallStream,
@@ -588,7 +589,7 @@ class OpenAIService:
                 raise InvalidRequest(
                     f"tool calling is not set up for model `{request.model}`: its chat template "
                     "names no known tool-call format; start the frontend with "
-                    "--tool-call-parser (hermes, llama3_json, mistral or pythonic)",
+                    f"--tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})",
                     param="tools",
                 )
             names = [n for n in (tool_name(t) for t in tools) if n is not None]
