@@ -271,7 +271,30 @@ CASES: list[tuple[str, str, Expected]] = [
         "<|tool_calls_section_end|>",
         ("Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "PST"})]),
     ),
-    ("kimi_k2", "Nothing to call.", ("Nothing to call.", [])),
+    (
+        "kimi_k2",
+        "Nothing to call.",
+        ("Nothing to call.", []),
+    ),  # -- gpt_oss (harmony) ------------------------------------------------------------------------
+    (
+        "gpt_oss",
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+        "<|call|>",
+        ("", [("get_weather", {"city": "Paris"})]),
+    ),
+    (
+        "gpt_oss",
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|><|call|>",
+        ("", [("get_time", {})]),
+    ),
+    (
+        "gpt_oss",
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Hello there!<|return|>",
+        ("Hello there!", []),
+    ),
+    ("gpt_oss", "Plain text.", ("Plain text.", [])),
 ]
 
 
@@ -402,6 +425,7 @@ def test_lookup_and_detection() -> None:
         "deepseek_v3",
         "deepseek_v31",
         "kimi_k2",
+        "gpt_oss",
     }
     assert get_tool_parser("qwen3") is get_tool_parser("hermes")
     assert get_tool_parser("glm4_moe") is get_tool_parser("glm45")
@@ -419,5 +443,6 @@ def test_lookup_and_detection() -> None:
     assert detect_tool_parser(ds_begin + "function ... ```json") == "deepseek_v3"
     assert detect_tool_parser(ds_begin + "{{ name }}") == "deepseek_v31"
     assert detect_tool_parser("<|tool_calls_section_begin|>") == "kimi_k2"
+    assert detect_tool_parser("<|start|>assistant<|channel|>final<|message|>") == "gpt_oss"
     assert detect_tool_parser("{{ messages }}") is None
     assert detect_tool_parser(None) is None

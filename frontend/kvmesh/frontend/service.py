@@ -601,6 +601,8 @@ class OpenAIService:
                 options = _with(options, skip_special_tokens=False)
         if options.guided is not None and options.guided_param != "tool_choice":
             self._require_guided(info, request.model, options.guided_param, "structured output")
+        if reasoning is not None and reasoning.needs_special_tokens and options.skip_special_tokens:
+            options = _with(options, skip_special_tokens=False)
         if reasoning is None and make_tools is None:
             return options, None
         return options, lambda: _OutputParser(

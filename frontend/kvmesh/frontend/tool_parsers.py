@@ -22,6 +22,8 @@ Formats (selected per model with `--tool-call-parser`, or detected from its chat
   `<|tool▁call▁begin|>NAME<|tool▁sep|>{...}<|tool▁call▁end|>`; `kimi_k2`:
   `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>`
   `{...}<|tool_call_end|>`. JSON arguments stream as written.
+- `gpt_oss` (harmony): messages addressed `to=functions.NAME`, their body the JSON arguments
+  (kvmesh.frontend.reasoning reads the format and takes the `analysis` channel as reasoning).
 
 How parsing works. Each parser is a pure function `scan(text, final)` of the output so far that
 returns the content and the calls (name, arguments text) that this prefix already determines.
@@ -52,6 +54,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.frontend.dataplane import ToolCall, ToolCallDelta
+from kvmesh.frontend.reasoning import harmony_messages
 
 __all__ = [
     "TOOL_PARSERS",
@@ -962,6 +965,33 @@ class Glm45Parser(_XmlParser):
         return False
 
 
+class HarmonyParser(ToolParser):
+    """gpt-oss (harmony): a message addressed `to=functions.NAME` is a call whose body is the
+    JSON arguments (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`
+    `<|call|>`); `final` and unaddressed messages are content; `analysis` (the reasoning, which
+    the `gpt_oss` reasoning parser takes first) is dropped here."""
+
+    name = "gpt_oss"
+    needs_special_tokens = True
+    PREFIX = "functions."
+
+    def scan(self, text: str, final: bool) -> ScanResult:
+        out = ScanResult()
+        for msg in harmony_messages(text, final):
+            if msg.recipient is None:
+                if msg.channel != "analysis" and not out.calls:
+                    out.content += msg.body
+                continue
+            name = msg.recipient.removeprefix(self.PREFIX)
+            arguments = msg.body.strip(_WS)
+            if not arguments and (msg.end is not None or final):
+                arguments = "{}"
+            out.calls.append(PartialCall(name, arguments))
+        if out.calls or not final:
+            out.content = out.content.rstrip(_WS)
+        return out
+
+
 class JsonListParser(ToolParser):
     """The output is a JSON list of `{"name", "parameters"}` objects: what guided decoding
     produces for tool_choice "required" (not a model format, so not selectable by name)."""
@@ -992,6 +1022,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         DeepSeekV3Parser,
         DeepSeekV31Parser,
         KimiK2Parser,
+        HarmonyParser,
     )
 }
 """Parser classes by name (the values of --tool-call-parser)."""
@@ -1002,6 +1033,8 @@ _ALIASES = {
     "llama3": "llama3_json",
     "glm4_moe": "glm45",
     "deepseek_r1": "deepseek_v3",
+    "openai": "gpt_oss",
+    "harmony": "gpt_oss",
 }
 
 
@@ -1018,6 +1051,8 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's tool format implies, or None."""
     if not chat_template:
         return None
+    if "<|channel|>" in chat_template:
+        return "gpt_oss"
     if "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:
