@@ -71,7 +71,8 @@ CASES: list[tuple[str, str, str, tuple[str, str]]] = [
         R1_PROMPT,
         "Reasoning from the prompt's tag</think>Answer",
         ("Reasoning from the prompt's tag", "Answer"),
-    ),  # gpt-oss (harmony): the analysis channel is the reasoning, final the content; a message
+    ),
+    # gpt-oss (harmony): the analysis channel is the reasoning, final the content; a message
     # to a tool goes on to the gpt_oss tool parser as it is.
     (
         "gpt_oss",

@@ -271,11 +271,8 @@ CASES: list[tuple[str, str, Expected]] = [
         "<|tool_calls_section_end|>",
         ("Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "PST"})]),
     ),
-    (
-        "kimi_k2",
-        "Nothing to call.",
-        ("Nothing to call.", []),
-    ),  # -- gpt_oss (harmony) ------------------------------------------------------------------------
+    ("kimi_k2", "Nothing to call.", ("Nothing to call.", [])),
+    # -- gpt_oss (harmony) ---------------------------------------------------------------------
     (
         "gpt_oss",
         "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
