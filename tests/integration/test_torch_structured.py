@@ -2,12 +2,14 @@
 (`kvmesh up --engine torch`, real processes) with the official `openai` client, on the
 random-weight tiny Llama: the grammar alone makes every answer valid.
 
-The acceptance runs (100 requests of each kind) are in the slow tier; the default tier runs the
-same checks on fewer requests."""
+The acceptance run (100 requests of each kind, about 10 minutes on a busy 2-core machine) runs
+only with KVMESH_ACCEPTANCE=1, to keep CI's suite short; the default tier runs the same checks
+on 48 requests."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +204,9 @@ def test_structured_output_and_tool_calls(mesh: Mesh) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.skipif(
+    os.environ.get("KVMESH_ACCEPTANCE") != "1", reason="set KVMESH_ACCEPTANCE=1 (10 minutes)"
+)
 def test_acceptance_100_of_100(mesh: Mesh) -> None:
     """Issue 16's acceptance: 100 of 100 schema-valid answers and tool calls."""
     client = mesh.client()
