@@ -667,6 +667,18 @@ def _py_call(source: str) -> PartialCall | None:
         return None
 
 
+def _name_until(text: str, j: int, stop: str) -> tuple[str, int] | None:
+    """(the stripped name at text[j] up to `stop`, the index of `stop`); None until `stop`
+    arrives. Raises _Bad for an empty name."""
+    k = text.find(stop, j)
+    if k == -1:
+        return None
+    name = text[j:k].strip()
+    if not name:
+        raise _Bad
+    return name, k
+
+
 class _MarkedJsonParser(ToolParser):
     """Calls inside a section of marker tokens, each `CALL header ARGS CALL_END` with JSON
     arguments (DeepSeek V3 / V3.1, Kimi K2). Subclasses set the markers and `_header`, which
@@ -717,20 +729,11 @@ class _MarkedJsonParser(ToolParser):
                     call.arguments = text[k:]
                     break
                 call.arguments = text[k:end]
-                rest = _skip_ws(text, end)
-                if self.ARGS_CLOSE:
-                    closed = _starts(text[rest:], self.ARGS_CLOSE)
-                    if not closed:
-                        if closed is False:
-                            raise _Bad
-                        break
-                    rest = _skip_ws(text, rest + len(self.ARGS_CLOSE))
-                ended = _starts(text[rest:], self.CALL_END)
-                if not ended:
-                    if ended is False:
-                        raise _Bad
+                closers = (self.ARGS_CLOSE, self.CALL_END) if self.ARGS_CLOSE else (self.CALL_END,)
+                after = _expect(text, end, closers)
+                if after is None:
                     break
-                i = rest + len(self.CALL_END)
+                i = after
         except _Bad:
             if not out.calls:
                 out.content = text
@@ -751,26 +754,12 @@ class DeepSeekV3Parser(_MarkedJsonParser):
     FENCE = "```json"
 
     def _header(self, text: str, j: int) -> tuple[str, int] | None:
-        kind = "function" + self.SEP
-        started = _starts(text[j:], kind)
-        if not started:
-            if started is False:
-                raise _Bad
+        k = _expect(text, j, ("function" + self.SEP,))
+        named = None if k is None else _name_until(text, k, "\n")
+        if named is None:
             return None
-        j += len(kind)
-        nl = text.find("\n", j)
-        if nl == -1:
-            return None
-        name = text[j:nl].strip()
-        if not name:
-            raise _Bad
-        k = _skip_ws(text, nl)
-        fenced = _starts(text[k:], self.FENCE)
-        if not fenced:
-            if fenced is False:
-                raise _Bad
-            return None
-        return name, k + len(self.FENCE)
+        k = _expect(text, named[1], (self.FENCE,))
+        return None if k is None else (named[0], k)
 
 
 class DeepSeekV31Parser(_MarkedJsonParser):
@@ -783,13 +772,8 @@ class DeepSeekV31Parser(_MarkedJsonParser):
     CALL_END = DeepSeekV3Parser.CALL_END
 
     def _header(self, text: str, j: int) -> tuple[str, int] | None:
-        sep = text.find(DeepSeekV3Parser.SEP, j)
-        if sep == -1:
-            return None
-        name = text[j:sep].strip()
-        if not name:
-            raise _Bad
-        return name, sep + len(DeepSeekV3Parser.SEP)
+        named = _name_until(text, j, DeepSeekV3Parser.SEP)
+        return None if named is None else (named[0], named[1] + len(DeepSeekV3Parser.SEP))
 
 
 class KimiK2Parser(_MarkedJsonParser):
@@ -803,15 +787,14 @@ class KimiK2Parser(_MarkedJsonParser):
     CALL_END = "<|tool_call_end|>"
 
     def _header(self, text: str, j: int) -> tuple[str, int] | None:
-        sep = text.find(self.ARGS, j)
-        if sep == -1:
+        named = _name_until(text, j, self.ARGS)  # functions.get_weather:0
+        if named is None:
             return None
-        ident = text[j:sep].strip()  # functions.get_weather:0
-        name = ident.split(".", 1)[1] if ident.startswith("functions.") else ident
-        name = name.rsplit(":", 1)[0] if ":" in name else name
+        ident, k = named
+        name = ident.removeprefix("functions.").rsplit(":", 1)[0]
         if not name:
             raise _Bad
-        return name, sep + len(self.ARGS)
+        return name, k + len(self.ARGS)
 
 
 def _xml_value(raw: str) -> object:
