@@ -4,9 +4,10 @@ Thin transport: each RPC converts protobuf to the engine's typed messages (runti
 calls one engine method and converts back. Domain exceptions become gRPC status codes in the
 ErrorInterceptor.
 
-Shutdown (SIGTERM/SIGINT or Drain): stop accepting (new requests get UNAVAILABLE, health goes
-NOT_SERVING, the discovery registration is removed so routers stop sending), wait for in-flight
-requests up to the drain timeout, cancel what is left, stop the engine.
+Shutdown (SIGTERM/SIGINT): leave discovery, so routers stop sending, and keep serving for
+`--leave-delay-s` while they notice; then stop accepting (new requests get UNAVAILABLE, health
+goes NOT_SERVING), wait for in-flight requests up to the drain timeout (`--drain-timeout-s`, the
+grace period), cancel what is left, stop the engine. Drain (the RPC) stops accepting at once.
 
 Roles (`--role`): an aggregated worker serves Generate; a prefill worker also serves
 PrefillRemote (its engine pins the prompt's KV and the servicer stamps the handle with this
@@ -33,7 +34,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import Instance, Registration, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
-from kvmesh.runtime.grpcutil import GrpcServer, status_of
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server, status_of
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, Role
 from kvmesh.workers.config import WorkerConfig
@@ -360,13 +361,18 @@ class _StreamRequest:
 
 
 class Worker:
-    """A running worker: engine + gRPC server + discovery registration."""
+    """A running worker: engine + gRPC server + discovery registration.
 
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+    `security`: how its server authenticates callers and its ReleaseKvBlocks client itself
+    (mTLS or the mesh token); None: plaintext."""
+
+    def __init__(
+        self, config: WorkerConfig, engine: Engine, security: MeshSecurity | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:12]}"
-        self.releaser = GrpcKvReleaser()
+        self.releaser = GrpcKvReleaser(security=security)
         engine.configure_disaggregation(
             DisaggSettings(
                 role=config.role,
@@ -376,7 +382,7 @@ class Worker:
             )
         )
         self.servicer = WorkerServicer(engine, self.worker_id)
-        self.server = GrpcServer(config.host, config.port)
+        self.server = mesh_server(config.host, config.port, security)
         self.server.add(wpb_grpc.add_WorkerServiceServicer_to_server, self.servicer, WORKER_SERVICE)
         self._registration: Registration | None = None
 
@@ -420,6 +426,8 @@ class Worker:
         if self._registration is not None:
             await self._registration.close()
             self._registration = None
+            if self.config.leave_delay_s > 0:
+                await asyncio.sleep(self.config.leave_delay_s)  # routers see us leave first
         await self.server.set_serving(False)
         cancelled = await self.servicer.drain(self.config.drain_timeout_s)
         if cancelled:
