@@ -54,6 +54,7 @@ from kvmesh.runtime.errors import InvalidRequest, NotFound
 from kvmesh.runtime.grpcutil import GrpcServer
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
+from kvmesh.runtime.telemetry import TracingConfig
 from kvmesh.runtime.types import Role
 from kvmesh.workers import main as worker_main
 from kvmesh.workers.config import WorkerConfig
@@ -86,6 +87,11 @@ class UpConfig:
     )
     discovery: str = opt("", "discovery URL; empty: an embedded file registry in a temp dir")
     startup_timeout_s: float = opt(60.0, "how long to wait for the mesh to become healthy")
+    metrics_targets: str = opt(
+        "",
+        "write every process's metrics endpoint to this file as a Prometheus file_sd target "
+        "list (rewritten as workers come and go; see deploy/prometheus)",
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
@@ -110,8 +116,10 @@ class UpConfig:
 
 SET_BY_UP: dict[str, frozenset[str]] = {
     "frontend": frozenset({"discovery", "router_address"}),
-    "router": frozenset({"host", "port", "discovery"}),
-    "worker": frozenset({"host", "advertise_host", "port", "discovery", "worker_id", "role"}),
+    "router": frozenset({"host", "port", "discovery", "metrics_port"}),
+    "worker": frozenset(
+        {"host", "advertise_host", "port", "discovery", "worker_id", "role", "metrics_port"}
+    ),
 }
 """Fields of each process that `kvmesh up` sets itself: they are not flags of `up`."""
 
@@ -137,6 +145,7 @@ class UpArgs:
     frontend: FrontendConfig
     mesh: MeshConfig
     router: RouterServerConfig
+    tracing: TracingConfig
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> UpArgs:
@@ -150,6 +159,7 @@ class UpArgs:
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
             router=from_args(RouterServerConfig, ns),
+            tracing=from_args(TracingConfig, ns),
         )
 
 
@@ -170,8 +180,10 @@ class _Pool:
 class Child:
     """A process `kvmesh up` started (in its own session, so Ctrl-C reaches only `up`)."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], metrics: str = "") -> None:
         self.name = name
+        self.metrics = metrics
+        """host:port of its /metrics ("" if none)."""
         self.proc = ChildProcess(argv)
         self.started = time.monotonic()
         self.draining = False
@@ -194,6 +206,11 @@ class Child:
 def _kvmesh(command: str, *configs: Any) -> list[str]:
     """The argv of `kvmesh <command>` with the non-default fields of `configs` as flags."""
     return [sys.executable, "-m", "kvmesh", command, *(a for c in configs for a in to_argv(c))]
+
+
+def _reachable(host: str) -> str:
+    """The address to reach a server bound to `host` on this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def _free_port(host: str) -> int:
@@ -234,20 +251,20 @@ class Supervisor:
         self.registered: set[str] = set()
         self._pid = os.getpid()
 
-    def worker_argv(self, role: Role, worker_id: str) -> list[str]:
+    def worker_argv(self, role: Role, worker_id: str, metrics_port: int = -1) -> list[str]:
         """The command line of one worker."""
-        worker = replace(self.worker, role=role, worker_id=worker_id)
-        return _kvmesh("worker", self.args.log, worker, self.args.engine)
+        worker = replace(self.worker, role=role, worker_id=worker_id, metrics_port=metrics_port)
+        return _kvmesh("worker", self.args.log, worker, self.args.engine, self.args.tracing)
 
-    def router_argv(self, port: int) -> list[str]:
+    def router_argv(self, port: int, metrics_port: int = -1) -> list[str]:
         """The command line of the standalone router (--router-process)."""
-        router = replace(self.args.router, host="127.0.0.1", port=port)
-        return _kvmesh("router", self.args.log, router, self.mesh)
+        router = replace(self.args.router, host="127.0.0.1", port=port, metrics_port=metrics_port)
+        return _kvmesh("router", self.args.log, router, self.mesh, self.args.tracing)
 
     def frontend_argv(self, router_address: str = "") -> list[str]:
         """The command line of the frontend."""
         mesh = replace(self.mesh, router_address=router_address)
-        return _kvmesh("frontend", self.args.log, self.frontend, mesh)
+        return _kvmesh("frontend", self.args.log, self.frontend, mesh, self.args.tracing)
 
     @property
     def workers(self) -> list[Child]:
@@ -259,7 +276,10 @@ class Supervisor:
         i, pool.next_index = pool.next_index, pool.next_index + 1
         prefix = "worker" if role is Role.AGGREGATED else role.value
         wid = f"{prefix}-{i}-{self._pid}"
-        pool.children.append(Child(wid, self.worker_argv(role, wid)))
+        metrics = _free_port(self.worker.host)
+        argv = self.worker_argv(role, wid, metrics)
+        pool.children.append(Child(wid, argv, f"{_reachable(self.worker.host)}:{metrics}"))
+        self.write_targets()
 
     def start(self) -> Child:
         """Start workers, router and frontend; returns the frontend."""
@@ -268,12 +288,41 @@ class Supervisor:
                 self.start_worker(pool.role)
         router_address = ""
         if self.config.router_process:
-            port = _free_port("127.0.0.1")
-            self.others.append(Child("router", self.router_argv(port)))
+            port, metrics = _free_port("127.0.0.1"), _free_port("127.0.0.1")
+            self.others.append(
+                Child("router", self.router_argv(port, metrics), f"127.0.0.1:{metrics}")
+            )
             router_address = f"127.0.0.1:{port}"
-        frontend = Child("frontend", self.frontend_argv(router_address))
+        fe = self.frontend
+        frontend = Child(
+            "frontend",
+            self.frontend_argv(router_address),
+            f"{_reachable(fe.http_host)}:{fe.http_port}",
+        )
         self.others.insert(0, frontend)
+        self.write_targets()
         return frontend
+
+    def metrics_endpoints(self) -> list[tuple[Child, str]]:
+        """(process, its component) of every live process with a /metrics endpoint."""
+        out = [(c, c.name) for c in self.others if c.metrics]
+        for pool in self.pools.values():
+            out += [(w, "worker") for w in pool.children if w.alive() and not w.draining]
+        return out
+
+    def write_targets(self) -> None:
+        """Write --metrics-targets (a Prometheus file_sd list), if asked for, atomically."""
+        path = self.config.metrics_targets
+        if not path:
+            return
+        groups = []
+        for child, component in self.metrics_endpoints():
+            labels = {"component": component, "kvmesh_process": child.name}
+            groups.append({"targets": [child.metrics], "labels": labels})
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(groups, f, indent=1)
+        os.replace(tmp, path)
 
     # -- pool ----------------------------------------------------------------------------------
 
@@ -317,6 +366,7 @@ class Supervisor:
             for w in sorted(active, key=lambda c: c.started)[pool.target :]:
                 w.draining = True
                 w.terminate()  # the worker deregisters, finishes its requests, exits
+                self.write_targets()
 
     def pool_status(self, role: Role = Role.AGGREGATED) -> spb.PoolStatus:
         pool = self.pools[role]
@@ -474,12 +524,18 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
         }
     )
     config = sup.config
+    metrics = "\n               ".join(
+        f"http://{c.metrics}/metrics ({c.name})" for c, _ in sup.metrics_endpoints()
+    )
+    if config.metrics_targets:
+        metrics += f"\n               Prometheus file_sd targets: {config.metrics_targets}"
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
     print(
         f"\nkvmesh is up: {sup.worker.engine.value} workers ({pools}), router {router}\n"
         f"  OpenAI API : {base}/v1   (model {sup.served!r})\n"
-        f"  health     : {base}/health    metrics: {base}/metrics\n"
+        f"  health     : {base}/health\n"
+        f"  metrics    : {metrics}\n"
         f"  KServe v2  : {base}/v2 (REST)"
         + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
         + "\n"

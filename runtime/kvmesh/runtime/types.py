@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvmesh.runtime.tracing import TraceContext
+
 
 class FinishReason(enum.Enum):
     """Why a sequence ended."""
@@ -222,6 +224,9 @@ class EngineRequest:
     priority: int = 0
     remote_prefill: RemotePrefill | None = None
     """Set on a decode worker: the prompt was prefilled remotely (see the module docstring)."""
+    trace: TraceContext | None = None
+    """The caller's span (W3C trace context from gRPC metadata): the engine's spans (queue,
+    prefill, kv_transfer, decode) are its children. None: no trace."""
 
 
 @dataclass(slots=True)

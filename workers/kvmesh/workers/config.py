@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
+from kvmesh.runtime.metrics import METRICS_PORT_HELP
 from kvmesh.runtime.types import Role
 
 
@@ -45,3 +46,4 @@ class WorkerConfig:
     discovery: str = opt("", "discovery URL (file:///dir, etcd://h:p); empty: do not register")
     worker_id: str = opt("", "unique worker id; empty: a random one")
     drain_timeout_s: float = opt(30.0, "how long shutdown waits for in-flight requests")
+    metrics_port: int = opt(-1, METRICS_PORT_HELP)
