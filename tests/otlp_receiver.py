@@ -1,9 +1,12 @@
-"""A real OTLP/gRPC trace receiver for tests: opentelemetry-proto's TraceService, served in this
-process on a free loopback port, keeping every span it is sent (with its resource's attributes).
+"""Real OTLP trace receivers for tests, in this process on a free loopback port, keeping every
+span they are sent (with its resource's attributes): `OtlpReceiver` serves opentelemetry-proto's
+TraceService over gRPC, `OtlpHttpReceiver` the http/protobuf transport (POST /v1/traces with an
+ExportTraceServiceRequest body).
 """
 
 from __future__ import annotations
 
+import http.server
 import threading
 import time
 from concurrent import futures
@@ -106,7 +109,9 @@ class OtlpReceiver:
         with self._lock:
             return [s for s in self.received if s.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 20.0) -> list[ReceivedSpan]:
+    def wait_for(
+        self, trace_id: str, names: set[str], timeout_s: float = 20.0
+    ) -> list[ReceivedSpan]:
         """The spans of `trace_id` once every name in `names` has arrived (AssertionError if
         not in time)."""
         deadline = time.monotonic() + timeout_s
@@ -118,3 +123,39 @@ class OtlpReceiver:
                 got = sorted((s.service, s.name) for s in spans)
                 raise AssertionError(f"spans {sorted(names)} not all received; got {got}")
             time.sleep(0.05)
+
+
+class OtlpHttpReceiver(OtlpReceiver):
+    """The same store, fed over OTLP http/protobuf (POST /v1/traces)."""
+
+    def start(self) -> OtlpHttpReceiver:
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.path != "/v1/traces":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                receiver._add(tpb.ExportTraceServiceRequest.FromString(body))
+                out = tpb.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(server.server_address[1])
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self._server = server
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

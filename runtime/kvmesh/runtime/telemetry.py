@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.runtime import __version__
-from kvmesh.runtime.config import opt
+from kvmesh.runtime.config import ConfigError, opt
 from kvmesh.runtime.tracing import TraceContext
 
 if TYPE_CHECKING:
@@ -420,7 +420,7 @@ def setup_tracing(
         url = config.otel_endpoint.rstrip("/") + "/v1/traces" if config.otel_endpoint else None
         exporter = HttpExporter(endpoint=url)
     else:
-        raise ValueError(
+        raise ConfigError(
             f"unsupported OTLP protocol {protocol!r} (kvmesh exports grpc or http/protobuf)"
         )
     attributes: dict[str, str] = {"service.instance.id": uuid.uuid4().hex}
