@@ -159,3 +159,34 @@ class OtlpHttpReceiver(OtlpReceiver):
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+def main() -> None:
+    """`python -m tests.otlp_receiver PORT`: an OTLP/gRPC sink for benchmarks (counts spans,
+    keeps none; prints the count when stopped)."""
+    import signal
+    import sys
+
+    count = [0]
+
+    class Servicer(tpb_grpc.TraceServiceServicer):
+        def Export(
+            self, request: tpb.ExportTraceServiceRequest, context: Any
+        ) -> tpb.ExportTraceServiceResponse:
+            count[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return tpb.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    tpb_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{int(sys.argv[1])}")
+    server.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    server.stop(0)
+    print(f"otlp receiver: {count[0]} spans", flush=True)
+
+
+if __name__ == "__main__":
+    main()
