@@ -13,14 +13,15 @@ service-name`, else `OTEL_SERVICE_NAME`, else `kvmesh-<process>`), a unique
 other `OTEL_EXPORTER_OTLP_*` variable (headers, timeout, compression, certificates, insecure)
 is read by the SDK's exporters themselves.
 
-Spans: `tracer().start(name, parent)` returns a `Span`; `end()` hands it to the SDK's
-`BatchSpanProcessor` (a queue append; encoding and export run on the processor's thread,
-never on the event loop). Span ids are the W3C ids of `kvmesh.runtime.tracing.TraceContext`,
-which travels hop to hop as before: `span.context` is what the next hop gets as its parent.
+Spans: `tracer().start(name, parent)` returns a `Span`; `end()` hands a `SpanRecord` to the
+SDK's `BatchSpanProcessor` (a queue append; encoding and export run on the processor's thread,
+never on the event loop; kvmesh.runtime.otlp). Span ids are the W3C ids of
+`kvmesh.runtime.tracing.TraceContext`, which travels hop to hop as before: `span.context` is
+what the next hop gets as its parent.
 A span records only when tracing is on and its trace is sampled; otherwise `start` returns a
 non-recording span whose context still carries the trace on (so the ids stay consistent
-across processes whatever each one samples). A span is an SDK `ReadableSpan` only once it
-ends: no SDK span object, lock or context variable is created on the request path. No span
+across processes whatever each one samples). No SDK span object, lock or context
+variable is created on the request path: a recording span costs a few microseconds. No span
 is ever created per token.
 
 Logs: `LogContext` (a context variable set per request: trace id, span id, request id) is what
@@ -41,14 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, opt
+from kvmesh.runtime.otlp import SpanRecord, grpc_exporter, http_exporter
 from kvmesh.runtime.tracing import TraceContext
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import Sampler
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 __all__ = [
     "LOG_CONTEXT",
@@ -65,6 +65,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+SCOPE = "kvmesh"
+"""The instrumentation scope of every kvmesh span."""
 
 
 class Protocol(enum.Enum):
@@ -238,13 +241,9 @@ class Tracer:
         self._sampler = sampler
         self._parent_based = True
         """A remote parent's sampled flag decides (the sampler need not be asked)."""
-        self._resource: Resource | None = provider.resource if provider is not None else None
-        self._scope: InstrumentationScope | None = None
         if self.enabled:
             from opentelemetry.sdk.trace.sampling import ParentBased
-            from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-            self._scope = InstrumentationScope("kvmesh", __version__)
             self._parent_based = sampler is None or isinstance(sampler, ParentBased)
 
     def start(
@@ -310,29 +309,25 @@ class Tracer:
         return result.decision is Decision.RECORD_AND_SAMPLE
 
     def _finish(self, span: _RecordingSpan, end_ns: int) -> None:
-        from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.trace import SpanKind as OtelKind
-        from opentelemetry.trace.status import Status, StatusCode
-
         processor = self._processor
         if processor is None:  # pragma: no cover - recording spans exist only when enabled
             return
+        ctx = span.context
         parent = span.parent
-        status = Status(StatusCode.ERROR, span._error) if span._error is not None else Status()
         processor.on_end(
-            ReadableSpan(
-                name=span.name,
-                context=_span_context(span.context, remote=False),
-                parent=_span_context(parent, remote=span.remote_parent)
-                if parent is not None
-                else None,
-                resource=self._resource,
-                attributes=span.attributes,
-                kind=OtelKind(int(span.kind)),
-                instrumentation_scope=self._scope,
-                status=status,
-                start_time=span.start_ns,
-                end_time=end_ns,
+            SpanRecord(  # type: ignore[arg-type]  # the batch processor only queues it
+                span.name,
+                ctx.trace_id,
+                ctx.span_id,
+                parent.span_id if parent is not None else "",
+                span.remote_parent,
+                ctx.flags,
+                ctx.tracestate,
+                int(span.kind),
+                span.start_ns,
+                end_ns,
+                span.attributes,
+                span._error,
             )
         )
 
@@ -406,20 +401,7 @@ def setup_tracing(
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"
     )
     protocol = protocol or Protocol.HTTP_PROTOBUF.value
-    if protocol == Protocol.GRPC.value:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcExporter,
-        )
-
-        exporter: Any = GrpcExporter(endpoint=config.otel_endpoint or None)
-    elif protocol == Protocol.HTTP_PROTOBUF.value:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter as HttpExporter,
-        )
-
-        url = config.otel_endpoint.rstrip("/") + "/v1/traces" if config.otel_endpoint else None
-        exporter = HttpExporter(endpoint=url)
-    else:
+    if protocol not in (Protocol.GRPC.value, Protocol.HTTP_PROTOBUF.value):
         raise ConfigError(
             f"unsupported OTLP protocol {protocol!r} (kvmesh exports grpc or http/protobuf)"
         )
@@ -440,7 +422,13 @@ def setup_tracing(
         if config.otel_sampler_ratio >= 0
         else None
     )
-    provider = TracerProvider(sampler=sampler, resource=Resource.create(attributes))
+    resource = Resource.create(attributes)
+    if protocol == Protocol.GRPC.value:
+        exporter = grpc_exporter(config.otel_endpoint or None, resource, SCOPE, __version__)
+    else:
+        url = config.otel_endpoint.rstrip("/") + "/v1/traces" if config.otel_endpoint else None
+        exporter = http_exporter(url, resource, SCOPE, __version__)
+    provider = TracerProvider(sampler=sampler, resource=resource)
     processor = BatchSpanProcessor(exporter)
     provider.add_span_processor(processor)
     _TRACER = Tracer(provider, processor, provider.sampler)
