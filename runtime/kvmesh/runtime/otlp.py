@@ -131,6 +131,7 @@ _SPAN_PARENT, _SPAN_NAME, _SPAN_KIND = b"\x22\x08", b"\x2a", b"\x30"
 _SPAN_START, _SPAN_END, _SPAN_ATTRIBUTE = b"\x39", b"\x41", b"\x4a"
 _SPAN_STATUS, _SPAN_FLAGS = b"\x7a", b"\x85\x01"
 _STATUS_MESSAGE, _STATUS_ERROR = b"\x12", b"\x18\x02"
+_STATUS_UNSET = b"\x7a\x00"  # an empty Status, as the SDK's encoder writes it
 _SCOPE_SPANS_SCOPE, _SCOPE_SPANS_SPAN = b"\x0a", b"\x12"
 _RESOURCE_SPANS_RESOURCE, _RESOURCE_SPANS_SCOPE_SPANS = b"\x0a", b"\x12"
 _REQUEST_RESOURCE_SPANS = b"\x0a"
@@ -189,7 +190,9 @@ def _span(r: SpanRecord) -> bytes:
     )
     for key, value in r.attributes.items():
         parts.append(_field(_SPAN_ATTRIBUTE, _attribute(key, value)))
-    if r.error is not None:
+    if r.error is None:
+        parts.append(_STATUS_UNSET)
+    else:
         status = _field(_STATUS_MESSAGE, r.error.encode()) if r.error else b""
         parts.append(_field(_SPAN_STATUS, status + _STATUS_ERROR))
     parts += (_SPAN_FLAGS, _PACK_I(flags))
