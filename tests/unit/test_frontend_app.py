@@ -510,23 +510,44 @@ async def test_metrics(gw: Gateway) -> None:
         text = await resp.text()
     for name in (
         "kvmesh_frontend_requests_total",
-        "kvmesh_frontend_errors_total",
+        "kvmesh_frontend_requests_started_total",
         "kvmesh_frontend_inflight_requests",
+        "kvmesh_frontend_queued_requests",
+        "kvmesh_frontend_disconnected_clients",
         "kvmesh_frontend_time_to_first_token_seconds_bucket",
         "kvmesh_frontend_inter_token_latency_seconds_bucket",
         "kvmesh_frontend_input_sequence_tokens_bucket",
         "kvmesh_frontend_output_sequence_tokens_bucket",
         "kvmesh_frontend_request_duration_seconds_bucket",
+        "kvmesh_frontend_output_tokens_total",
     ):
         assert name in text, name
     assert (
-        'kvmesh_frontend_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+        'kvmesh_frontend_requests_total{endpoint="chat_completions",error_type="",'
+        'model="tiny",request_type="unary",status="success"} 1.0' in text
     )
     assert (
-        'kvmesh_frontend_requests_total{endpoint="/v1/chat/completions",status="404"} 1.0' in text
+        'kvmesh_frontend_requests_total{endpoint="chat_completions",error_type="not_found",'
+        'model="unknown_model",request_type="unary",status="error"} 1.0' in text
     )
     assert 'kvmesh_frontend_output_sequence_tokens_count{model="tiny"} 1.0' in text
-    assert 'kvmesh_frontend_errors_total{type="not_found_error"} 1.0' in text
+    assert 'kvmesh_frontend_output_tokens_total{model="tiny"} 3.0' in text
+
+
+async def test_x_request_id_is_returned(gw: Gateway) -> None:
+    headers = {"x-request-id": "req-42"}
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2}
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200 and r.headers["x-request-id"] == "req-42"
+    stream = {**body, "stream": True}
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=stream, headers=headers) as r:
+        await r.read()
+        assert r.status == 200 and r.headers["x-request-id"] == "req-42"
+    bad = {"model": "nope", "messages": USER}
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=bad, headers=headers) as r:
+        assert r.status == 404 and r.headers["x-request-id"] == "req-42"
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200 and "x-request-id" not in r.headers
 
 
 async def test_traceparent_is_forwarded_as_a_child(gw: Gateway) -> None:

@@ -69,7 +69,8 @@ STOP_MARGIN_S = 10.0
 class UpConfig:
     """Settings of `kvmesh up` itself. The flags after these are those of the processes it
     starts, passed to each process that takes them, but for the ones `up` sets itself
-    (--host, --advertise-host, --port, --discovery, --worker-id, --role, --router-address)."""
+    (--host, --advertise-host, --port, --discovery, --worker-id, --role, --router-address,
+    --metrics-port: `up` assigns the workers' and the router's metrics ports and prints them)."""
 
     workers: int = opt(
         -1,

@@ -17,14 +17,29 @@ from kvmesh.router.routing import RoutingStats
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.process import Entry, GlobalConfig, run, wait_for_signal
+from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
 
 
-async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
-    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
+async def serve_frontend(
+    config: FrontendConfig,
+    mesh: MeshConfig,
+    tracing: TracingConfig | None = None,
+    log_content: bool = False,
+) -> None:
+    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop (tracing: see
+    kvmesh.runtime.telemetry; `log_content`: log prompts and outputs)."""
+    setup_tracing(tracing or TracingConfig(), "frontend")
+    try:
+        await _serve(config, mesh, log_content)
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(config: FrontendConfig, mesh: MeshConfig, log_content: bool) -> None:
     # Imported here, not at the top: every `kvmesh` command reads ENTRY to build its parser,
     # and only the frontend needs the gateway (aiohttp app, tokenizers, chat templates).
     from kvmesh.frontend.app import build_app, serve_http
@@ -53,6 +68,7 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     await pool.start()
     backend = MeshBackend(pool, router, configured, disagg=mesh)
     service = OpenAIService(backend, tokenizers, config)
+    service.log_content = log_content
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
@@ -81,13 +97,20 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh frontend`: serve until SIGINT/SIGTERM."""
-    run(serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns)))
+    run(
+        serve_frontend(
+            from_args(FrontendConfig, ns),
+            from_args(MeshConfig, ns),
+            from_args(TracingConfig, ns),
+            from_args(GlobalConfig, ns).log_content,
+        )
+    )
     return 0
 
 
 ENTRY = Entry(
     "frontend",
     "OpenAI HTTP gateway and KServe v2 front doors (REST; gRPC with --kserve-grpc-port)",
-    Flags.of(FrontendConfig, MeshConfig),
+    Flags.of(FrontendConfig, MeshConfig, TracingConfig),
     main,
 )
