@@ -19,6 +19,7 @@ import yaml
 
 from tests.conftest import free_port
 from tests.integration.test_up_openai import start_mesh, stop_mesh
+from tests.integration.test_worker_observability import promtool_check
 from tests.procs import poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -124,6 +125,11 @@ def test_prometheus_scrapes_every_component_and_answers_promql(
         assert hit is not None and 0.3 < hit < 1, hit  # most of each prompt is the prefix
         decisions = scalar(base, "sum(kvmesh_router_decisions_total)")
         assert decisions == 24
+        # Every endpoint's exposition passes `promtool check metrics`.
+        for group in json.loads((targets / "kvmesh.json").read_text()):
+            for target in group["targets"]:
+                with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as r:
+                    promtool_check(r.read().decode())
         # The recording rule (per worker; NaN for a worker that saw no prompt in the window).
         recorded = poll(
             lambda: query(base, "kvmesh:prefix_cache_hit_rate:ratio_rate1m > 0"),

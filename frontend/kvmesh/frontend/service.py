@@ -923,13 +923,14 @@ class OpenAIService:
                 )
                 if texts is not None:
                     texts.append(text)
+                if reason is not None:
+                    ch.finish_reason = reason  # before the yield: a consumer may stop there
                 if want_ids:
                     if text or reason is not None or logprobs or ids:
                         yield ChoiceDelta(index, text, reason, logprobs, list(ids))
                 elif text or reason is not None or logprobs:
                     yield ChoiceDelta(index, text, reason, logprobs)
                 if reason is not None:
-                    ch.finish_reason = reason
                     return
                 try:
                     out = await next_output()
