@@ -12,12 +12,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-$PWD/.venv/bin/python}
 N=${N:-4000}; C=${C:-200}; ROUNDS=${ROUNDS:-3}; BASE=${BASE:-main}; MODES=${MODES:-"base off on"}
-PORT=${PORT:-8300}; SINK_PORT=${SINK_PORT:-4399}
+free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+PORT=${PORT:-$(free_port)}; SINK_PORT=${SINK_PORT:-$(free_port)}
 WORK=$(mktemp -d /tmp/kvmesh-bench-tracing.XXXXXX)
 git archive "$BASE" | tar -x -C "$WORK"
 BASE_PATH=$(printf "$WORK/%s:" gen runtime frontend router workers planner sim apps)
 
-cpu_of() { local t=0; for p in $(pgrep -f "$1" || true); do
+cpu_of() { # CPU ticks of the children of `kvmesh up` $1 (its frontend and workers)
+  local t=0; for p in $(pgrep -P "$1" || true); do
   t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done; echo $t; }
 
 "$PY" -m tests.otlp_receiver "$SINK_PORT" >"$WORK/sink.log" 2>&1 &
@@ -34,10 +36,9 @@ run_mode() { # mode round
     --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
   local up=$!
   for _ in $(seq 150); do curl -sf "127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.2; done
-  local pat="\-m kvmesh .*(frontend|worker) "
-  local before; before=$(cpu_of "$pat")
+  local before; before=$(cpu_of $up)
   local out; out=$("$PY" -m kvmesh bench --url "http://127.0.0.1:$PORT" -n "$N" -c "$C" --sequential 0)
-  local ticks=$(( $(cpu_of "$pat") - before ))
+  local ticks=$(( $(cpu_of $up) - before ))
   kill -INT $up; wait $up || true
   echo "$out" | "$PY" -c "import sys,json
 c=json.loads(sys.stdin.readline())

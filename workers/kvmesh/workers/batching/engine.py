@@ -127,7 +127,8 @@ class BatchingEngine(Engine, Generic[SchedT]):
         self._disagg = DisaggSettings()
         self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
         self._pulls: set[asyncio.Task[None]] = set()
-        self.stats: EngineStats = EngineStats()
+        self._stats = EngineStats()
+        self.stats = self._stats
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -544,7 +545,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
     def _finished(self, req: SubmittedRequest, out: SeqOutput, now: float) -> None:
         """Record a request that ended (or, pinned on a prefill worker, was handed off): the
         worker's metrics, and its spans when its trace is sampled (queue, prefill, decode)."""
-        stats = self.stats
+        stats = self._stats
         first = req.first_at if req.first_at is not None else now
         admitted = req.admitted if req.admitted is not None else req.arrived
         usage = out.usage
@@ -624,7 +625,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         """Record a decode-side KV pull (metrics; the kv_transfer span when sampled)."""
         now = self._clock.now()
         nbytes = received.nbytes if received is not None else 0
-        stats = self.stats
+        stats = self._stats
         stats.kv_transfer.observe(now - started)
         stats.kv_transfer_bytes += nbytes
         trace = entry.trace
