@@ -6,8 +6,6 @@ client's span, every parent is inside the trace, and the hops are named for what
 
 from __future__ import annotations
 
-import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from kvmesh.runtime.tracing import TraceContext
+from tests.integration.test_kserve_up import kserve_grpc_address
 from tests.integration.test_up_openai import MODEL, Mesh, start_mesh, stop_mesh
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -132,18 +131,6 @@ def test_disaggregated_request_is_one_trace_across_frontend_prefill_and_decode(
     assert decode["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens - 1
 
 
-def _grpc_address(mesh: Mesh) -> str:
-    deadline = time.monotonic() + 10
-    while True:
-        found = re.search(
-            r"grpc (127\.0\.0\.1:\d+) \(inference\.GRPCInferenceService\)", mesh.log.read_text()
-        )
-        if found:
-            return found.group(1)
-        assert time.monotonic() < deadline, mesh.log.read_text()
-        time.sleep(0.1)
-
-
 def test_aggregated_and_kserve_grpc_requests_are_one_trace_each(
     tiny_model: Path, tmp_path: Path, receiver: OtlpReceiver
 ) -> None:
@@ -161,7 +148,7 @@ def test_aggregated_and_kserve_grpc_requests_are_one_trace_each(
         )
 
         infer = TraceContext.new()
-        client = grpcclient.InferenceServerClient(_grpc_address(mesh))
+        client = grpcclient.InferenceServerClient(kserve_grpc_address(mesh))
         try:
             text = grpcclient.InferInput("text_input", [1], "BYTES")
             text.set_data_from_numpy(np.array([b"The quick brown fox"], dtype=object))
