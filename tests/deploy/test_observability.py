@@ -49,6 +49,8 @@ def exported_names() -> set[str]:
     registry = CollectorRegistry(auto_describe=False)
     frontend = FrontendMetrics(registry)
     frontend.model("m")  # per-model families appear once a model is known
+    frontend.started("m", "chat_completions", "unary")  # request counters once one is counted
+    frontend.finished("m", "chat_completions", "unary")
     info = ModelInfo("m", "mocker", 16, 64, 1024)
     registry.register(WorkerCollector("w", lambda: info, LoadInfo, EngineStats()))
     registry.register(RoutingCollector(RoutingStats(policy="kv")))
