@@ -56,6 +56,15 @@ if ! command -v etcd >/dev/null; then
   else echo "etcd not found: its tests will be skipped (sudo apt-get install etcd-server)" >&2; fi
 fi
 
+step "Prometheus (Debian's prometheus: promtool and the server) for the metrics tests"
+if ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+    # The package starts a Prometheus service where systemd runs; the tests start their own.
+    command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1 || true
+  else echo "promtool not found: the metrics tests will be skipped (sudo apt-get install prometheus)" >&2; fi
+fi
+
 step "iproute2 (ip netns) for the multi-host test (tests/integration/test_multihost_netns.py)"
 if ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
