@@ -217,6 +217,40 @@ def test_engine_args_pass_through_and_kvmesh_settings() -> None:
     assert args.kv_transfer_config is None  # aggregated: no KV connector
 
 
+def test_cpu_defaults_give_vllm_a_kv_cache_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    eng = VllmEngine(
+        VllmConfig(vllm_cpu_kv_cache_gib=1.5), model_path="/m", served_model_name="m"
+    )
+    args = vllm_runtime.build_engine_args(eng.engine_kwargs(cpu=True))
+    assert args.kv_cache_memory_bytes == int(1.5 * 2**30)
+    assert "kv_cache_memory_bytes" not in eng.engine_kwargs(cpu=False)  # GPUs: vLLM decides
+    user = VllmEngine(
+        VllmConfig(vllm_engine_args='{"kv_cache_memory_bytes": 12345}'),
+        model_path="/m",
+        served_model_name="m",
+    )
+    assert user.engine_kwargs(cpu=True)["kv_cache_memory_bytes"] == 12345
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # vLLM's own variable wins
+    assert "kv_cache_memory_bytes" not in eng.engine_kwargs(cpu=True)
+    with pytest.raises(ValueError, match="vllm_cpu_kv_cache_gib"):
+        VllmConfig(vllm_cpu_kv_cache_gib=0)
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("0.32.0", True), ("0.33.0", True), ("0.33.1rc1.dev4+g00", True), ("0.31.2", False)]
+    + [("0.34.0", False), ("1.0.0", False), ("main", False)],
+)
+def test_supported_vllm_versions(version: str, ok: bool) -> None:
+    if ok:
+        assert vllm_runtime.check_version(version) == version
+    else:
+        with pytest.raises(RuntimeError, match=r"supports vLLM >=0\.32,<0\.34"):
+            vllm_runtime.check_version(version)
+    assert vllm_runtime.check_version()  # the installed one (0.33.0 here) is supported
+
+
 def test_engine_args_from_file_and_unknown_names(tmp_path: Path) -> None:
     path = tmp_path / "vllm.json"
     path.write_text(json.dumps({"max_model_len": 4096, "no_such_flag": 1}))
@@ -292,7 +326,7 @@ async def test_generate_streams_deltas_with_usage_and_logprobs(adapter: Any) -> 
     lps = [lp for o in outs for lp in o.logprobs or []]
     assert [lp.token_id for lp in lps] == tokens and all(len(lp.top) == 2 for lp in lps)
     prompt, params, kwargs = fake.requests["r1"]
-    assert prompt == {"prompt_token_ids": PROMPT}
+    assert prompt == {"type": "token", "prompt_token_ids": PROMPT}  # rendered: no thread hop
     assert isinstance(params, SamplingParams) and params.max_tokens == 8 and params.logprobs == 2
     assert kwargs == {"lora_request": None, "priority": 0}
 

