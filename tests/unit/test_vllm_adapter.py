@@ -219,9 +219,7 @@ def test_engine_args_pass_through_and_kvmesh_settings() -> None:
 
 def test_cpu_defaults_give_vllm_a_kv_cache_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    eng = VllmEngine(
-        VllmConfig(vllm_cpu_kv_cache_gib=1.5), model_path="/m", served_model_name="m"
-    )
+    eng = VllmEngine(VllmConfig(vllm_cpu_kv_cache_gib=1.5), model_path="/m", served_model_name="m")
     args = vllm_runtime.build_engine_args(eng.engine_kwargs(cpu=True))
     assert args.kv_cache_memory_bytes == int(1.5 * 2**30)
     assert "kv_cache_memory_bytes" not in eng.engine_kwargs(cpu=False)  # GPUs: vLLM decides
@@ -239,8 +237,15 @@ def test_cpu_defaults_give_vllm_a_kv_cache_size(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize(
     ("version", "ok"),
-    [("0.32.0", True), ("0.33.0", True), ("0.33.1rc1.dev4+g00", True), ("0.31.2", False)]
-    + [("0.34.0", False), ("1.0.0", False), ("main", False)],
+    [
+        ("0.32.0", True),
+        ("0.33.0", True),
+        ("0.33.1rc1.dev4+g00", True),
+        ("0.31.2", False),
+        ("0.34.0", False),
+        ("1.0.0", False),
+        ("main", False),
+    ],
 )
 def test_supported_vllm_versions(version: str, ok: bool) -> None:
     if ok:

@@ -239,9 +239,7 @@ async def test_router_index_equals_what_vllm_caches_after_a_random_workload(
     pool, kv = router
     backend = MeshBackend(pool, kv)
     rng = random.Random(19)
-    prefixes = [
-        [rng.randrange(20, 3900) for _ in range(rng.randint(1, 5) * BS)] for _ in range(6)
-    ]
+    prefixes = [[rng.randrange(20, 3900) for _ in range(rng.randint(1, 5) * BS)] for _ in range(6)]
     sent: list[list[int]] = []
     sem = asyncio.Semaphore(4)
 

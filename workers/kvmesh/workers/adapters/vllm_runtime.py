@@ -117,6 +117,7 @@ def tokens_prompt(token_ids: list[int]) -> Any:
     hop per request in front of the first token.)"""
     return tokens_input(token_ids)
 
+
 _CONFIG_FIELDS: dict[str, Callable[..., Any]] = {
     "kv_transfer_config": KVTransferConfig,
     "kv_events_config": KVEventsConfig,
