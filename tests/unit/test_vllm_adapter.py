@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -292,6 +293,22 @@ def test_kv_events_off_and_user_endpoint() -> None:
     args = vllm_runtime.build_engine_args(shared.engine_kwargs())
     assert args.kv_events_config.endpoint == "tcp://*:5557"
     assert shared.kv_events_endpoint == "tcp://*:5557"
+
+
+def test_nixl_workers_on_one_machine_get_their_own_side_channel_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvmesh.workers.adapters.vllm_adapter import NIXL_SIDE_CHANNEL_PORT, _nixl_side_channel_port
+
+    monkeypatch.delenv(NIXL_SIDE_CHANNEL_PORT, raising=False)
+    _nixl_side_channel_port({"kv_connector": "LMCacheConnectorV1"})
+    assert NIXL_SIDE_CHANNEL_PORT not in os.environ
+    _nixl_side_channel_port({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    port = int(os.environ[NIXL_SIDE_CHANNEL_PORT])
+    assert 0 < port < 65536 and port != 5600
+    monkeypatch.setenv(NIXL_SIDE_CHANNEL_PORT, "6000")  # a port the user chose stays
+    _nixl_side_channel_port({"kv_connector": "NixlConnector"})
+    assert os.environ[NIXL_SIDE_CHANNEL_PORT] == "6000"
 
 
 def test_disaggregated_roles_get_a_kv_connector() -> None:

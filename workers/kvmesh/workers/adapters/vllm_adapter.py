@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -303,6 +304,7 @@ class VllmEngine(StreamingAdapter[Any]):
         vllm_runtime.check_version()
         kwargs = self.engine_kwargs(cpu=vllm_runtime.is_cpu_platform())
         engine_args = vllm_runtime.build_engine_args(kwargs)
+        _nixl_side_channel_port(kwargs.get("kv_transfer_config"))
         if self.kv_events_endpoint is not None:
             await self._start_kv_events()
         factory = self._factory or vllm_runtime.create_async_llm
@@ -551,6 +553,22 @@ class VllmEngine(StreamingAdapter[Any]):
         if request.stop.max_tokens == 1:
             return PrefillResult(remote, usage, FinishReason.LENGTH)
         return PrefillResult(remote, usage)
+
+
+NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+def _nixl_side_channel_port(transfer: Any) -> None:
+    """vLLM's NIXL connectors answer their peers' handshakes on VLLM_NIXL_SIDE_CHANNEL_PORT
+    (5600 unless set), so two workers on one machine would collide: unless the environment
+    names a port, this worker takes a free one (its engine processes inherit the variable)."""
+    name = transfer.get("kv_connector") if isinstance(transfer, dict) else None
+    name = name or getattr(transfer, "kv_connector", None)
+    if not name or "Nixl" not in str(name) or os.environ.get(NIXL_SIDE_CHANNEL_PORT):
+        return
+    with socket.socket() as s:
+        s.bind(("", 0))
+        os.environ[NIXL_SIDE_CHANNEL_PORT] = str(s.getsockname()[1])
 
 
 def _engine_params(text: str) -> dict[str, Any]:
