@@ -28,7 +28,6 @@ Supported vLLM versions: vllm_runtime.SUPPORTED_VERSIONS, checked at start.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -329,12 +328,6 @@ class VllmEngine(StreamingAdapter[Any]):
         if info.role is not Role.AGGREGATED:
             caps.append("DISAGGREGATION")
         info.capabilities = tuple(caps)
-        # Everything imported and built so far (torch, transformers, vLLM: millions of objects)
-        # lives as long as the process. Left to the collector, each full collection walks it
-        # all: pauses of 0.1-0.9 s on two cores, during which vLLM's outputs wait in this
-        # process and reach clients in bursts. vLLM's own server freezes its heap the same way.
-        gc.collect()
-        gc.freeze()
 
     async def _start_kv_events(self) -> None:
         assert self.kv_events_endpoint is not None
