@@ -48,6 +48,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tests.integration.test_up_openai import start_mesh, stop_mesh  # noqa: E402
 from tests.vllm_real.env import ENGINE_ARGS, create_vllm_tiny_model, worker_env  # noqa: E402
 
 MODEL = "tiny-llama-h32"
@@ -109,36 +110,14 @@ def tree_cpu_s(root: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[tuple[str, int]]:
-    """Start `kind` ("vllm" or "kvmesh") on a free port; yields its base URL and pid."""
+    """Start `kind` ("vllm": its own server with the flags in `extra`, "kvmesh": `kvmesh up`
+    with the flags in `extra`) on a free port; yields its base URL and pid."""
     port = free_port()
     env = worker_env()
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # the same 1 GiB KV cache as kvmesh's CPU default
-    if kind == "vllm":  # the vllm server takes its own flags in `extra`
-        argv = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            MODEL,
-            "--port",
-            str(port),
-            "--dtype",
-            str(ENGINE_ARGS["dtype"]),
-            "--block-size",
-            str(ENGINE_ARGS["block_size"]),
-            "--enforce-eager",
-            *extra,
-        ]
-    else:
-        argv = [
-            sys.executable,
-            "-m",
-            "kvmesh",
-            "--log-level",
-            "warning",
-            "up",
+    if kind == "kvmesh":
+        mesh = start_mesh(
+            log.parent,
             "--engine",
             "vllm",
             "--workers",
@@ -147,14 +126,36 @@ def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[tupl
             str(model),
             "--served-model-name",
             MODEL,
-            "--http-port",
-            str(port),
             "--vllm-engine-args",
             json.dumps(ENGINE_ARGS),
             "--startup-timeout-s",
             "600",
             *extra,
-        ]
+            ready_timeout_s=600,
+            env=env,
+        )
+        try:
+            yield mesh.base, mesh.proc.pid
+        finally:
+            stop_mesh(mesh)
+        return
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--dtype",
+        str(ENGINE_ARGS["dtype"]),
+        "--block-size",
+        str(ENGINE_ARGS["block_size"]),
+        "--enforce-eager",
+        *extra,
+    ]
     with log.open("ab") as out:
         proc = subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

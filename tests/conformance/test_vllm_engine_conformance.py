@@ -32,7 +32,7 @@ from kvmesh.runtime.tinymodel import create_tiny_model
 from kvmesh.runtime.types import GuidedDecoding, GuidedKind
 from kvmesh.workers.engine import Engine
 from tests.conformance import test_engine_conformance as suite
-from tests.conformance.test_engine_conformance import EngineCase, collect, make
+from tests.conformance.test_engine_conformance import EngineCase, collect, make, started
 from tests.vllm_real.env import (
     BLOCK_SIZE,
     ENGINE_ARGS,
@@ -85,12 +85,8 @@ def case() -> EngineCase:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(case: EngineCase) -> AsyncIterator[Engine]:
-    eng = case.build()
-    await eng.start()
-    try:
+    async with started(case) as eng:  # one engine for the module
         yield eng
-    finally:
-        await eng.stop()
 
 
 def _vllm_load(engine: Engine) -> Any:
