@@ -300,7 +300,7 @@ def torch_vs_vllm(model: Path, max_tokens: int) -> dict[str, Any]:
                 ]
 
                 async def run(r: EngineRequest) -> int:
-                    return sum(len(o.token_ids) async for o in engine.generate(r))
+                    return len([t async for o in engine.generate(r) for t in o.token_ids])
 
                 await run(reqs[0])  # warm up
                 t0 = time.perf_counter()
