@@ -16,6 +16,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tests.conftest import free_port
@@ -27,17 +28,29 @@ MISSING_REASON = (
 
 
 class EtcdServer:
-    """One etcd member on 127.0.0.1, its data (and log) under `workdir`.
+    """One etcd member on 127.0.0.1 (or `host`), its data (and log) under `workdir`.
 
     Short heartbeat and election timings make it the leader at once and allow 1 s leases.
+    `wrap`: a command prefix to run etcd under (e.g. `ip netns exec NS` for another network
+    namespace); `healthy`: how to check it from here when 127.0.0.1 cannot reach it.
     """
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        host: str = "127.0.0.1",
+        wrap: Sequence[str] = (),
+        healthy: Callable[[], bool] | None = None,
+    ) -> None:
         if ETCD_BINARY is None:
             raise RuntimeError(MISSING_REASON)
         self.workdir = workdir
         self.data_dir = workdir / "data"
         self.log_path = workdir / "etcd.log"
+        self.host = host
+        self.wrap = list(wrap)
+        self._healthy = healthy or self.healthy
         self.client_port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -45,7 +58,7 @@ class EtcdServer:
     @property
     def endpoint(self) -> str:
         """host:port of the client API."""
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def url(self) -> str:
@@ -56,8 +69,9 @@ class EtcdServer:
         """Start etcd and wait until /health says it is healthy."""
         assert ETCD_BINARY is not None
         client = f"http://{self.endpoint}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         argv = [
+            *self.wrap,
             ETCD_BINARY,
             "--name=test",
             f"--data-dir={self.data_dir}",
@@ -78,7 +92,7 @@ class EtcdServer:
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         deadline = time.monotonic() + timeout_s
-        while not self.healthy():
+        while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop(kill=True)
                 raise RuntimeError(f"etcd did not become healthy:\n{self.log_tail()}")

@@ -49,7 +49,7 @@ step "mypy (strict; the namespace portions in place, see pyproject.toml)"
 "$VENV/bin/python" -m mypy
 
 step "pyright (the same tree, [tool.pyright] in pyproject.toml)"
-"$VENV/bin/python" -m pyright
+"$VENV/bin/python" -m pyright --pythonpath "$VENV/bin/python"
 
 step "etcd server (Debian's etcd-server) for the etcd discovery tests"
 if ! command -v etcd >/dev/null; then
@@ -58,7 +58,14 @@ if ! command -v etcd >/dev/null; then
   else echo "etcd not found: its tests will be skipped (sudo apt-get install etcd-server)" >&2; fi
 fi
 
-step "pytest"
+step "iproute2 (ip netns) for the multi-host test (tests/integration/test_multihost_netns.py)"
+if ! command -v ip >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+  else echo "ip not found: the multi-host test will be skipped (sudo apt-get install iproute2)" >&2; fi
+fi
+
+step "pytest (includes tests/deploy: every manifest under deploy/ built and validated offline)"
 "$VENV/bin/python" -m pytest -q "$@"
 
 if [ "${KVMESH_SKIP_VLLM_REAL:-0}" = 1 ]; then

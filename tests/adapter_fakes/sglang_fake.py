@@ -1,5 +1,14 @@
 """A fake of SGLang's offline Engine, speaking SGLang's formats, with the kvmesh mocker as model.
 
+Upstream: SGLang 0.5.18 (UPSTREAM_VERSION; tests/unit/test_adapter_fake_versions.py fails if the
+`sglang` extra of pyproject.toml excludes it). Checked against the files of the sglang 0.5.18
+wheel listed in UPSTREAM_SOURCES: the async_generate parameter list and the SamplingParams API
+fields are exactly 0.5.18's, and KV events are 0.5.18's tagged arrays. SGLang 0.5.20 changed
+KV events to tagged maps (KVCacheEvent lost array_like), which kvmesh's decoder does not read,
+hence the extra's `<0.5.20`. One known divergence from 0.5.18, kept because the adapter uses it:
+`tokenizer_manager.get_load()`, which SGLang 0.5.17 and 0.5.18 no longer have (they have
+`get_loads()`, returning LoadSnapshots; test_adapter_fake_versions records it as a strict xfail).
+
 What follows SGLang's source (python/sglang/srt/entrypoints/engine.py, managers/
 tokenizer_manager.py, sampling/sampling_params.py, disaggregation/kv_events.py):
   * `Engine(**server_args)` and `await Engine.async_generate(..., stream=True)` returning an
@@ -40,6 +49,16 @@ from kvmesh.runtime.types import EngineRequest, FinishReason, SamplingParams, St
 
 from .backend import VOCAB, Backend
 
+UPSTREAM_DIST = "sglang"
+UPSTREAM_VERSION = "0.5.18"
+UPSTREAM_SOURCES = (
+    "sglang/srt/entrypoints/engine.py",
+    "sglang/srt/sampling/sampling_params.py",
+    "sglang/srt/disaggregation/kv_events.py",
+    "sglang/srt/managers/tokenizer_manager.py",
+    "sglang/srt/managers/schedule_batch.py",
+)
+
 # SGLang's SamplingParams fields (the API ones) and their defaults.
 _SAMPLING_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
@@ -63,10 +82,10 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "no_stop_trim": False,
-    "custom_params": None,
     "stream_interval": None,
     "logit_bias": None,
     "sampling_seed": None,
+    "custom_params": None,
 }
 
 
@@ -211,7 +230,6 @@ class FakeSglangEngine:
         routed_dp_rank: int | None = None,
         disagg_prefill_dp_rank: int | None = None,
         data_parallel_rank: int | None = None,
-        kv_router_hint: dict[str, Any] | None = None,
         external_trace_header: dict[str, Any] | None = None,
         rid: Any = None,
         session_params: dict[str, Any] | None = None,

@@ -1,5 +1,15 @@
 """A fake of TensorRT-LLM's LLM API, speaking its formats, with the kvmesh mocker as the model.
 
+Upstream: TensorRT-LLM 1.2.1 (UPSTREAM_VERSION, the newest release; tests/unit/
+test_adapter_fake_versions.py fails if the `trtllm` extra of pyproject.toml excludes it). Not
+checked against an installed 1.2.1: PyPI's tensorrt-llm 1.2.1 is a 10 kB sdist that fetches the
+wheel from NVIDIA's own index, which this project cannot reach. What was checked, against
+TensorRT-LLM's GitHub sources: the SamplingParams public fields and defaults (sampling_params.py
+at commit 000a01de, version 1.0.0rc4), the DisaggregatedParams P-D fields (disaggregated_params.py
+at commit 01009a33) and the generate_async parameters (tensorrt_llm/llmapi/llm.py on main, with
+conversation_params, cache_salt and priority). The adapter passes only inputs, sampling_params,
+lora_request, streaming and disaggregated_params, which every 1.x release takes.
+
 What follows TensorRT-LLM's source (tensorrt_llm/llmapi/llm.py, executor/result.py,
 sampling_params.py, disaggregated_params.py, _utils.py KVCacheEventSerializer):
   * `LLM(**llm_args)`, `LLM.generate_async(inputs, sampling_params, ..., streaming=True, ...,
@@ -30,6 +40,16 @@ from kvmesh.runtime.kv_events import AllCleared, BlocksRemoved, BlocksStored
 from kvmesh.runtime.types import EngineRequest, FinishReason, SamplingParams, StopParams
 
 from .backend import Backend
+
+UPSTREAM_DIST = "tensorrt_llm"
+UPSTREAM_VERSION = "1.2.1"
+UPSTREAM_SOURCES = (
+    "tensorrt_llm/llmapi/llm.py",
+    "tensorrt_llm/executor/result.py",
+    "tensorrt_llm/sampling_params.py",
+    "tensorrt_llm/disaggregated_params.py",
+    "tensorrt_llm/_utils.py",
+)
 
 
 @dataclass(slots=True, kw_only=True)

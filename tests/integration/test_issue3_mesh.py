@@ -19,15 +19,9 @@ The tests share the mesh and run in file order; (b) kills a worker, so it comes 
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,6 +35,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from tests.conftest import free_port
 from tests.etcd_server import ETCD_BINARY, MISSING_REASON, EtcdServer
+from tests.procs import Proc, frontend_ready, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -54,66 +49,11 @@ WORKERS = [f"wk{i}" for i in range(4)]
 T = TypeVar("T")
 
 
-def poll(fn: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
-    """Call `fn` until it returns something other than None/False; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value is not None and value is not False:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-
-
 def prompt(group: int, variant: int) -> list[int]:
     """SHARED_BLOCKS blocks shared by the group, then one block of the variant's own."""
     rng = random.Random(group)
     shared = [rng.randrange(10, 4000) for _ in range(SHARED_BLOCKS * BS)]
     return shared + [(7 * group + 13 * variant + i) % 3990 + 10 for i in range(BS)]
-
-
-class Proc:
-    """One kvmesh process, its output in a log file."""
-
-    def __init__(self, name: str, argv: list[str], logdir: Path) -> None:
-        self.name = name
-        self.argv = argv
-        self.log = logdir / f"{name}.log"
-        self.popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with self.log.open("ab") as out:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "kvmesh", "--log-level", "warning", *self.argv],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def kill(self) -> None:
-        """SIGKILL and reap."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it does not exit in time."""
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def tail(self) -> str:
-        try:
-            return f"--- {self.name}\n" + self.log.read_text(errors="replace")[-3000:]
-        except OSError:
-            return ""
 
 
 class Mesh:
@@ -242,14 +182,6 @@ class Mesh:
         return workers[wid].indexed_blocks
 
 
-def _health(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     if ETCD_BINARY is None:
@@ -271,7 +203,7 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 )
             m.addresses = {wid: w.address for wid, w in views.items()}
             for port in m.http_ports:
-                poll(lambda port=port: _health(port), 30, f"frontend :{port} healthy", 0.2)
+                poll(lambda port=port: frontend_ready(port), 30, f"frontend :{port} healthy", 0.2)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{m.logs()}") from None
         yield m

@@ -61,9 +61,9 @@ def start_mesh(
                 sys.executable,
                 "-m",
                 "kvmesh",
-                "--log-level",
-                "warning",
                 "up",
+                "--log-level",  # a global flag, after the command's name
+                "warning",
                 "--http-port",
                 str(port),
                 "--workers",
@@ -98,9 +98,12 @@ def stop_mesh(mesh: Mesh) -> int:
         raise
 
 
+MAX_N = 5  # `kvmesh up --max-n`: a frontend flag `up` passes through
+
+
 @pytest.fixture(scope="module")
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = start_mesh(tmp_path_factory.mktemp("up"))
+    m = start_mesh(tmp_path_factory.mktemp("up"), "--max-n", str(MAX_N))
     yield m
     assert stop_mesh(m) == 0, m.log.read_text()
 
@@ -173,6 +176,19 @@ def test_seeded_sampling_and_n(mesh: Mesh) -> None:
     assert many.usage is not None and many.usage.completion_tokens == 24
 
 
+def test_frontend_flags_reach_the_frontend(mesh: Mesh) -> None:
+    with pytest.raises(openai.BadRequestError, match=f"'n' must be <= {MAX_N}"):
+        mesh.client().chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, n=MAX_N + 1
+        )
+
+
+def test_no_grpc_fork_handler_lines(mesh: Mesh) -> None:
+    """`kvmesh up` starts its children without fork, so gRPC has no fork handlers to skip."""
+    log = mesh.log.read_text()
+    assert "kvmesh is up" in log and "fork" not in log, log
+
+
 def test_bad_requests_get_openai_errors(mesh: Mesh) -> None:
     client = mesh.client()
     with pytest.raises(openai.NotFoundError):
@@ -181,9 +197,9 @@ def test_bad_requests_get_openai_errors(mesh: Mesh) -> None:
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)
-    with pytest.raises(openai.APIStatusError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="word " * 6000, max_tokens=4)
-    assert info.value.status_code in (400, 413)
+    assert info.value.status_code == 400 and info.value.code == "context_length_exceeded"
     req = urllib.request.Request(
         mesh.base + "/v1/chat/completions",
         data=b"{not json",

@@ -14,15 +14,19 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
+from kvmesh.router.session import WorkerSession
 from kvmesh.runtime import kv_events as kv
 from kvmesh.runtime import wire
-from kvmesh.runtime.grpcutil import error_from_rpc, insecure_channel
+from kvmesh.runtime.errors import KvmeshError, RequestTooLarge
+from kvmesh.runtime.grpcutil import error_from_rpc, insecure_channel, status_for
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
@@ -74,7 +78,7 @@ async def collect(
 
 
 async def test_generate_streams_tokens_then_finish_and_usage(
-    stub: wpb_grpc.WorkerServiceStub,
+    stub: wpb_grpc.WorkerServiceStub, tiny_model: Path
 ) -> None:
     msgs = await collect(stub, gen_request(list(range(100, 110)), max_tokens=6))
     tokens = [t for m in msgs for t in m.token_ids]
@@ -84,8 +88,32 @@ async def test_generate_streams_tokens_then_finish_and_usage(
     assert last.finish_reason == cpb.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (10, 6)
     again = await collect(stub, gen_request(list(range(100, 110)), max_tokens=6))
-    assert [t for m in again for t in m.token_ids] == tokens, "greedy output is deterministic"
     assert again[-1].usage.cached_tokens > 0, "second identical prompt hits the prefix cache"
+    # Greedy output depends on the prompt only: not on this worker's cache, nor on anything of
+    # this process. Another worker (its own engine, cold cache) must give the same tokens, and
+    # so must seeded sampling; another seed must not.
+    other = Worker(WorkerConfig(), make_engine(tiny_model, num_gpu_blocks=64, block_size=4))
+    await other.start()
+    channel = insecure_channel(other.address)
+    try:
+        cold = await collect(
+            wpb_grpc.WorkerServiceStub(channel), gen_request(list(range(100, 110)), max_tokens=6)
+        )
+        assert cold[-1].usage.cached_tokens == 0
+        assert [t for m in again for t in m.token_ids] == tokens
+        assert [t for m in cold for t in m.token_ids] == tokens
+
+        async def sample(s: wpb_grpc.WorkerServiceStub, seed: int) -> list[int]:
+            req = gen_request(list(range(100, 110)), max_tokens=6, seed=seed)
+            req.sampling.temperature = 1.0
+            return [t for m in await collect(s, req) for t in m.token_ids]
+
+        seeded = await sample(stub, 42)
+        assert seeded == await sample(wpb_grpc.WorkerServiceStub(channel), 42)
+        assert seeded != await sample(wpb_grpc.WorkerServiceStub(channel), 43)
+    finally:
+        await channel.close()
+        await other.stop()
 
 
 @pytest.mark.parametrize(
@@ -109,15 +137,92 @@ async def test_bad_sampling_is_invalid_argument(
     assert field in (info.value.details() or "")
 
 
+def _error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The ErrorInfo of a failed call's grpc-status-details-bin trailer (there must be one)."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]  # an AioRpcError is a Call
+    assert status is not None, "no google.rpc.Status in the trailers"
+    (detail,) = status.details
+    info = error_details_pb2.ErrorInfo()
+    assert detail.Unpack(info)
+    return info
+
+
 async def test_empty_and_too_long_prompts(stub: wpb_grpc.WorkerServiceStub, worker: Worker) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(stub, gen_request([]))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert _error_info(info.value).reason == "INVALID_REQUEST"
     too_long = [5] * (worker.engine.info.context_length + 1)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(stub, gen_request(too_long))
+    # Old clients read a plain INVALID_ARGUMENT with a plain message (no tag in it) ...
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert type(error_from_rpc(info.value)).__name__ == "RequestTooLarge"
+    assert (info.value.details() or "").startswith("prompt has")
+    # ... and the kind travels as structured details, decoded in one place.
+    detail = _error_info(info.value)
+    assert (detail.reason, detail.domain) == ("CONTEXT_LENGTH_EXCEEDED", "kvmesh.api")
+    assert dict(detail.metadata) == {"param": "prompt"}
+    err = error_from_rpc(info.value)
+    assert isinstance(err, RequestTooLarge) and err.param == "prompt"
+
+
+async def test_too_long_prompt_on_a_generate_stream_is_request_too_large(
+    stub: wpb_grpc.WorkerServiceStub, worker: Worker
+) -> None:
+    """The in-band error of a multiplexed stream (what routers and gateways use) keeps the kind
+    too: the router's WorkerSession raises RequestTooLarge, not a bare InvalidRequest."""
+    session = WorkerSession(stub, worker.address)
+    try:
+        req = gen_request([5] * worker.engine.info.context_length, max_tokens=1)
+        req.request_id = "too-long"
+        with pytest.raises(RequestTooLarge) as info:
+            async for _ in session.generate(req):
+                pass
+        assert info.value.param == "prompt" and "context length" in info.value.message
+        ok = gen_request([5, 6, 7], max_tokens=2)
+        ok.request_id = "fine"
+        assert [m.finish_reason async for m in session.generate(ok)][-1] == cpb.FINISH_REASON_LENGTH
+    finally:
+        await session.close()
+
+
+async def test_fields_the_engine_cannot_honour_are_refused(
+    stub: wpb_grpc.WorkerServiceStub, worker: Worker
+) -> None:
+    """media (no MULTIMODAL), engine_params_json (no engine reads it), lora_name (no LORA) and
+    guided decoding (no GUIDED_DECODING) are refused, on Generate and on GenerateStream alike,
+    instead of being served as if they were not there."""
+    assert {"MULTIMODAL", "LORA", "GUIDED_DECODING"}.isdisjoint(worker.engine.info.capabilities)
+    media = gen_request([1, 2, 3])
+    media.media.add(mime_type="image/png", data=b"\x89PNG")
+    params = gen_request([1, 2, 3])
+    params.engine_params_json = '{"best_of": 2}'
+    lora = gen_request([1, 2, 3])
+    lora.lora_name = "sql"
+    guided = gen_request([1, 2, 3])
+    guided.sampling.guided.json_object = True
+    cases = [
+        (media, grpc.StatusCode.INVALID_ARGUMENT, "media", "MULTIMODAL"),
+        (params, grpc.StatusCode.UNIMPLEMENTED, "engine_params_json", "engine_params_json"),
+        (lora, grpc.StatusCode.INVALID_ARGUMENT, "lora_name", "LORA"),
+        (guided, grpc.StatusCode.INVALID_ARGUMENT, "response_format", "GUIDED_DECODING"),
+    ]
+    session = WorkerSession(stub, worker.address)
+    try:
+        for i, (req, code, param, words) in enumerate(cases):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(stub, req)
+            assert info.value.code() is code
+            assert words in (info.value.details() or "")
+            assert error_from_rpc(info.value).param == param
+            req.request_id = f"stream-{i}"
+            with pytest.raises(KvmeshError) as err:
+                async for _ in session.generate(req):
+                    pass
+            assert (status_for(err.value)[0], err.value.param) == (code, param)
+    finally:
+        await session.close()
+    assert worker.engine.load().num_running == 0
 
 
 async def test_zero_max_tokens_rejected(stub: wpb_grpc.WorkerServiceStub) -> None:

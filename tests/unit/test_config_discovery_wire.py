@@ -11,7 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 
+from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.runtime import errors, wire
 from kvmesh.runtime import kv_events as kv
 from kvmesh.runtime.config import add_args, from_args, opt, to_argv
@@ -22,7 +24,7 @@ from kvmesh.runtime.discovery import (
     Instance,
     open_discovery,
 )
-from kvmesh.runtime.grpcutil import error_from_rpc, status_for
+from kvmesh.runtime.grpcutil import error_from_rpc, error_from_status, status_for, status_of
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -95,28 +97,81 @@ def test_open_discovery_urls(tmp_path: Path) -> None:
 
 
 class FakeRpcError(grpc.aio.AioRpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailers: grpc.aio.Metadata | None = None
+    ) -> None:
+        super().__init__(code, grpc.aio.Metadata(), trailers or grpc.aio.Metadata(), details)
 
 
-@pytest.mark.parametrize(
-    "exc",
-    [
-        errors.InvalidRequest("bad"),
-        errors.RequestTooLarge("too big"),
-        errors.NotFound("nope"),
-        errors.ResourceExhausted("full"),
-        errors.Unavailable("down"),
-        errors.Unimplemented("later"),
-        errors.Cancelled("bye"),
-        errors.DeadlineExceeded("slow"),
-    ],
-)
+ALL_ERRORS = [
+    errors.InvalidRequest("bad", param="top_p"),
+    errors.RequestTooLarge("too big", param="max_tokens"),
+    errors.NotFound("nope"),
+    errors.ResourceExhausted("full"),
+    errors.Unavailable("down"),
+    errors.Unimplemented("later"),
+    errors.Cancelled("bye"),
+    errors.DeadlineExceeded("slow"),
+]
+
+
+def _trailers(status: status_pb2.Status) -> grpc.aio.Metadata:
+    return grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+
+
+@pytest.mark.parametrize("exc", ALL_ERRORS, ids=lambda e: type(e).__name__)
 def test_status_mapping_roundtrip(exc: errors.KvmeshError) -> None:
+    status = status_of(exc)
     code, detail = status_for(exc)
-    back = error_from_rpc(FakeRpcError(code, detail))
+    assert (status.code, status.message) == (code.value[0], exc.message)  # no message prefix
+    back = error_from_rpc(FakeRpcError(code, detail, _trailers(status)))
     assert type(back) is type(exc)
-    assert back.message == exc.message
+    assert (back.message, back.param) == (exc.message, exc.param)
+    # The same status sent in-band (StreamedGenerateOutput) decodes the same way.
+    again = error_from_status(status.code, status.message, status.SerializeToString())
+    assert (type(again), again.message, again.param) == (type(exc), exc.message, exc.param)
+
+
+def test_every_error_reason_is_an_error_reason_of_the_contract() -> None:
+    """errors.py reasons are the ErrorReason values the proto documents (minus the prefix)."""
+    names = {
+        n.removeprefix("ERROR_REASON_")
+        for n in cpb.ErrorReason.keys()
+        if n != "ERROR_REASON_UNSPECIFIED"
+    }
+    ours = {errors.KvmeshError.reason} | {type(e).reason for e in ALL_ERRORS}
+    assert ours == names
+
+
+def test_errors_without_details_map_by_code_alone() -> None:
+    """A peer that sends no status details (an older worker) still maps by code; the kind a
+    code cannot tell (too large vs invalid) falls back to the code's class."""
+    assert type(error_from_rpc(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "x"))) is (
+        errors.InvalidRequest
+    )
+    assert type(error_from_status(grpc.StatusCode.NOT_FOUND.value[0], "")) is errors.NotFound
+    # A reason that does not go with the code is not trusted; foreign domains are ignored.
+    too_large = status_of(errors.RequestTooLarge("big"))
+    wrong = error_from_status(grpc.StatusCode.NOT_FOUND, "m", too_large.SerializeToString())
+    assert type(wrong) is errors.NotFound
+    foreign = status_pb2.Status(code=3, message="m")
+    foreign.details.add().Pack(
+        error_details_pb2.ErrorInfo(reason="CONTEXT_LENGTH_EXCEEDED", domain="example.com")
+    )
+    got = error_from_status(3, "m", foreign.SerializeToString())
+    assert type(got) is errors.InvalidRequest
+    assert type(error_from_status(3, "m", b"\xff not a status")) is errors.InvalidRequest
+    # Details that contradict the call's code are ignored (grpc_status refuses them).
+    mismatch = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "big", _trailers(too_large))
+    assert type(error_from_rpc(mismatch)) is errors.Unavailable
+
+
+def test_unexpected_exceptions_are_internal_without_their_text() -> None:
+    status = status_of(RuntimeError("secret"))
+    assert status.code == grpc.StatusCode.INTERNAL.value[0]
+    assert "secret" not in status.message and "RuntimeError" in status.message
+    back = error_from_status(status.code, status.message, status.SerializeToString())
+    assert type(back) is errors.KvmeshError
 
 
 def test_request_and_output_roundtrip() -> None:

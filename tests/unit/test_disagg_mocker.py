@@ -204,6 +204,33 @@ async def test_release_is_idempotent_and_unreleased_blocks_expire() -> None:
         await pair.d.stop()
 
 
+async def test_a_failing_release_falls_back_to_recompute(agg: MockerEngine) -> None:
+    p, d = mocker(), mocker()
+
+    async def unreachable(handle: KvTransferHandle) -> bool:
+        raise ConnectionError("the prefill worker is gone")
+
+    p.configure_disaggregation(DisaggSettings(role=Role.PREFILL))
+    d.configure_disaggregation(DisaggSettings(role=Role.DECODE, release_remote=unreachable))
+    await p.start()
+    await d.start()
+    try:
+        req = request("u", PROMPTS[4])
+        result = await p.prefill_remote(req)
+        handle = result.remote.handle
+        assert handle is not None
+        tokens, last = await collect(d, dataclasses.replace(req, remote_prefill=result.remote))
+        # Unconfirmed KV is never used: the decode side recomputes and frees what it received.
+        assert last.remote_prefill_fallback and last.kv_transfer_bytes == 0
+        assert [result.remote.first_token_id, *tokens] == (await collect(agg, req))[0]
+        baseline(d)
+        assert await p.release_kv(handle.transfer_id) is True  # still pinned: never released
+        baseline(p)
+    finally:
+        await p.stop()
+        await d.stop()
+
+
 async def test_cancelling_a_prefill_frees_its_blocks() -> None:
     pair = Pair(mocker(speedup_ratio=0.05), mocker())  # a 40-token prefill takes ~0.3 s
     await pair.p.start()

@@ -1,30 +1,105 @@
-"""Timing models: the Dynamo polynomial numbers and the JSON table profile."""
+"""Timing models: the polynomial against NVIDIA Dynamo's own mocker, and the JSON table profile.
+
+The reference numbers are not re-typed coefficients: tests/fixtures/dynamo_mocker_timing.json
+holds step durations that Dynamo 1.6.1's mocker reported for single requests, produced by
+tests/benchmarks/dynamo_mocker_timing.py (its docstring says how; the file records the command
+and the Dynamo version).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvmesh.workers.mocker import PolynomialTiming, TableTiming, load_timing
+from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
+from kvmesh.workers.mocker import (
+    MockerConfig,
+    MockerScheduler,
+    PolynomialTiming,
+    TableTiming,
+    load_timing,
+)
 
 pytestmark = pytest.mark.unit
 
+DYNAMO = json.loads(
+    (Path(__file__).resolve().parent.parent / "fixtures" / "dynamo_mocker_timing.json").read_text()
+)
+CASES: list[dict[str, Any]] = DYNAMO["cases"]
+BLOCK = DYNAMO["block_size"]
+# Dynamo reports timestamps rounded to the nanosecond (1e-6 ms); a ttst is a difference of two.
+TOL_MS = 2e-6
 
-def test_polynomial_matches_dynamo() -> None:
-    poly = PolynomialTiming()
-    # prefill(1000) = 4.209989e-7 * 1000^2 + 1.518344e-2 * 1000 + 16.50142
-    assert poly.prefill_ms(1000) == pytest.approx(32.1058589, abs=1e-9)
-    assert poly.prefill_ms(8192) == pytest.approx(
-        4.209989e-7 * 8192**2 + 1.518344e-2 * 8192 + 16.50142
+
+def _id(case: dict[str, Any]) -> str:
+    return f"isl{case['input_length']}-blocks{case['num_gpu_blocks']}"
+
+
+def test_fixture_provenance() -> None:
+    assert DYNAMO["dynamo_version"] == "1.6.1"
+    assert "dynamo_mocker_timing.py" in DYNAMO["command"]
+    assert len(CASES) >= 10
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_prefill_matches_dynamo(case: dict[str, Any]) -> None:
+    """Dynamo's time to first token of a lone prompt is one prefill step of all its tokens."""
+    assert PolynomialTiming().prefill_ms(case["input_length"]) == pytest.approx(
+        case["ttft_ms"], abs=TOL_MS
     )
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_decode_matches_dynamo(case: dict[str, Any]) -> None:
+    """Dynamo's time to second token is one decode step; its KV usage input is the batch's
+    tokens (prompt + first token) over the pool's token capacity."""
+    usage = (case["input_length"] + 1) / (case["num_gpu_blocks"] * BLOCK)
+    assert PolynomialTiming().decode_ms(usage) == pytest.approx(case["ttst_ms"], abs=TOL_MS)
+
+
+def _scheduler_steps_ms(case: dict[str, Any]) -> list[float]:
+    """Step durations of kvmesh's mocker scheduler serving the case's lone request."""
+    sched = MockerScheduler(
+        MockerConfig(num_gpu_blocks=case["num_gpu_blocks"], block_size=BLOCK),
+        vocab_size=1000,
+        excluded_token_ids=(),
+        max_model_len=1 << 20,
+    )
+    prompt = [(7 * i) % 900 + 10 for i in range(case["input_length"])]
+    stop = StopParams(max_tokens=2, ignore_eos=True)
+    sched.add(EngineRequest("r", prompt, SamplingParams(temperature=0.0), stop), 0.0)
+    steps = []
+    while sched.has_work:
+        steps.append(sched.step(0.0).duration_s * 1000)
+    return steps
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_scheduler_prefill_step_matches_dynamo(case: dict[str, Any]) -> None:
+    assert _scheduler_steps_ms(case)[0] == pytest.approx(case["ttft_ms"], abs=TOL_MS)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known difference: kvmesh's mocker feeds decode_ms the fraction of whole blocks in "
+    "use, Dynamo's the fraction of token slots (e.g. a 1-token prompt in 100 blocks of 64: "
+    "kvmesh u=0.01 -> 6.28 ms, Dynamo u=2/6400 -> 5.76 ms); changing it changes every replay "
+    "number, so it is left to the engine-core owners",
+)
+def test_scheduler_decode_step_matches_dynamo() -> None:
+    got = [_scheduler_steps_ms(case)[1] for case in CASES]
+    assert got == pytest.approx([case["ttst_ms"] for case in CASES], abs=TOL_MS)
+
+
+def test_polynomial_clamps_usage_and_skips_empty_prefill() -> None:
+    poly = PolynomialTiming()
     assert poly.prefill_ms(0) == 0.0
-    assert poly.decode_ms(0.5) == pytest.approx(26.31)  # -25.74/4 + 54.01/2 + 5.74
-    assert poly.decode_ms(0.0) == pytest.approx(5.74)
-    assert poly.decode_ms(1.0) == pytest.approx(34.01)
-    assert poly.decode_ms(7.0) == pytest.approx(34.01)  # usage is clamped to [0, 1]
-    assert poly.decode_ms(-1.0) == pytest.approx(5.74)
+    assert poly.decode_ms(7.0) == poly.decode_ms(1.0)  # usage is clamped to [0, 1]
+    assert poly.decode_ms(-1.0) == poly.decode_ms(0.0)
+    assert poly.decode_ms(1.0) > poly.decode_ms(0.5) > poly.decode_ms(0.0) >= 1.0
 
 
 def test_table_interpolates_and_extrapolates() -> None:

@@ -6,13 +6,29 @@ import math
 
 import pytest
 
+from kvmesh.api.common.v1 import common_pb2 as cpb
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge
-from kvmesh.runtime.types import EngineRequest, ModelInfo, SamplingParams, StopParams
-from kvmesh.workers.validation import validate_request
+from kvmesh.runtime.types import (
+    EngineRequest,
+    GuidedDecoding,
+    GuidedKind,
+    ModelInfo,
+    SamplingParams,
+    StopParams,
+)
+from kvmesh.workers.validation import validate_request, validate_wire_request
 
 pytestmark = pytest.mark.unit
 
-INFO = ModelInfo("m", "mocker", kv_block_size=16, kv_total_blocks=100, context_length=100)
+INFO = ModelInfo(
+    "m",
+    "mocker",
+    kv_block_size=16,
+    kv_total_blocks=100,
+    context_length=100,
+    capabilities=("LOGPROBS",),
+)
 
 
 def request(
@@ -108,8 +124,46 @@ def test_too_large() -> None:
     assert (
         e.value.param == "prompt" and "100" in e.value.message and "context length" in str(e.value)
     )
-    assert e.value.http_status == 413
+    assert e.value.http_status == 400
     with pytest.raises(RequestTooLarge) as e:
         validate_request(request(prompt=list(range(50)), stop=StopParams(max_tokens=51)), INFO)
     assert e.value.param == "max_tokens" and "50" in e.value.message
     validate_request(request(prompt=list(range(50)), stop=StopParams(max_tokens=50)), INFO)
+
+
+@pytest.mark.parametrize(
+    ("capability", "param", "req"),
+    [
+        (
+            "GUIDED_DECODING",
+            "response_format",
+            EngineRequest(
+                "r", [1, 2], SamplingParams(guided=GuidedDecoding(GuidedKind.JSON_OBJECT))
+            ),
+        ),
+        ("LOGPROBS", "logprobs", EngineRequest("r", [1, 2], SamplingParams(top_logprobs=0))),
+        ("LORA", "lora_name", EngineRequest("r", [1, 2], lora_name="sql")),
+    ],
+)
+def test_fields_needing_a_capability_are_refused_without_it(
+    capability: str, param: str, req: EngineRequest
+) -> None:
+    """Nothing is served as if the field were absent: without the capability in the model card
+    the request is refused, naming the field and the capability; with it, it passes."""
+    bare = ModelInfo("m", "mocker", 16, 100, 100)
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(req, bare)
+    assert e.value.param == param and capability in e.value.message
+    validate_request(req, ModelInfo("m", "mocker", 16, 100, 100, capabilities=(capability,)))
+
+
+def test_media_needs_the_multimodal_capability() -> None:
+    media = [cpb.MediaInput(mime_type="image/png", data=b"\x89PNG")]
+    for msg in (
+        wpb.GenerateRequest(token_ids=[1], media=media),
+        wpb.PrefillRemoteRequest(token_ids=[1], media=media),
+    ):
+        with pytest.raises(InvalidRequest) as e:
+            validate_wire_request(msg, INFO)
+        assert e.value.param == "media" and "MULTIMODAL" in e.value.message
+        validate_wire_request(type(msg)(token_ids=[1]), INFO)  # text only: fine

@@ -13,17 +13,16 @@ import pytest
 from kvmesh.apps.cli import main
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.routing import RouterMode
+from kvmesh.sim.config import ReplayConfig, ReplayError
 from kvmesh.sim.main import run_replay
-from kvmesh.sim.replay import (
-    ModeResult,
-    ReplayConfig,
-    ReplayError,
+from kvmesh.sim.replay import simulate
+from kvmesh.sim.results import ModeResult
+from kvmesh.sim.trace import (
+    PromptBuilder,
     Trace,
     TraceRequest,
-    _PromptBuilder,
     load_trace,
     prefix_hit_bound,
-    simulate,
     token_block,
 )
 from kvmesh.workers.mocker import MockerConfig, PolynomialTiming
@@ -130,7 +129,7 @@ def test_token_blocks_are_fixed_per_hash_id() -> None:
 
 
 def test_prompts_share_exactly_their_common_hash_ids() -> None:
-    builder = _PromptBuilder(512)
+    builder = PromptBuilder(512)
     a = builder.prompt(TraceRequest(0, 3 * 512, 1, [1, 2, 3]), 0)
     b = builder.prompt(TraceRequest(0, 2 * 512 + 100, 1, [1, 2, 9]), 1)
     assert len(a) == 1536 and len(b) == 1124
@@ -343,3 +342,33 @@ def test_bound_matches_trace_stats_on_the_mooncake_trace() -> None:
     blocks, tokens = prefix_hit_bound(load_trace(str(MOONCAKE)))
     assert round(blocks, 4) == stats["infinite_cache_prefix_block_hit_rate"] == 0.6396
     assert round(tokens, 4) == stats["infinite_cache_prefix_token_hit_rate"]
+
+
+def test_azure_csv_traces_load_and_round_trip(tmp_path: Path) -> None:
+    from kvmesh.sim.trace import write_trace
+
+    csv_path = tmp_path / "azure.csv"
+    csv_path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:16:00.0000000,12,0\n"
+    )
+    trace = load_trace(str(csv_path))
+    assert [(r.input_length, r.output_length, r.hash_ids) for r in trace.requests] == [
+        (374, 44, []),
+        (396, 109, []),
+        (12, 0, []),
+    ]
+    assert [round(r.timestamp_ms, 3) for r in trace.requests] == [0.0, 4314.579, 13319.41]
+    assert len(load_trace(str(csv_path), limit=2).requests) == 2
+    out = tmp_path / "t.jsonl"
+    write_trace(trace, str(out))
+    assert load_trace(str(out)).requests == trace.requests
+    bad = tmp_path / "bad.csv"
+    bad.write_text("when,isl,osl\n1,2,3\n")
+    with pytest.raises(ReplayError, match="not an Azure LLM inference trace"):
+        load_trace(str(bad))
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n")
+    with pytest.raises(ReplayError, match=r"bad\.csv:2"):
+        load_trace(str(bad))

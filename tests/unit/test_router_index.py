@@ -13,9 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvmesh.api.common.v1 import common_pb2 as cpb
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.indexer import ApproxIndex, PrefixIndex
 from kvmesh.router.kv_state import KvIndexer
+from kvmesh.runtime import wire
 from kvmesh.runtime.kv_events import (
     AllCleared,
     BlocksRemoved,
@@ -414,3 +417,62 @@ def test_kv_indexer_direct_feed_lora_and_block_size_change() -> None:
     assert idx.find_matches(block_hashes([*tokens, 9, 9, 9, 9], BS, "lo")) == {}
     with pytest.raises(ValueError):
         idx.add_worker("x", 0)
+
+
+def test_kv_indexer_leaves_host_and_disk_tier_events_out() -> None:
+    """Until tiered offload exists, HOST/DISK blocks are not device blocks: a stored event on
+    those tiers adds nothing, a removed event there does not evict the device copy, snapshot
+    chains on them are left out, and an event of an unknown kind does not clear the worker
+    (it used to be read as AllCleared). Each still advances the stream, so no gap follows."""
+    tokens = list(range(8))
+    b0, b1 = tuple(tokens[:4]), tuple(tokens[4:])
+    e0 = engine_hash(None, b0)
+    e1 = engine_hash(e0, b1)
+    device = cpb.KvBlocksStored(blocks=[cpb.KvBlock(block_hash=e0, token_ids=b0)])
+    host = cpb.KvBlocksStored(
+        parent_block_hash=e0,
+        blocks=[cpb.KvBlock(block_hash=e1, token_ids=b1)],
+        tier=cpb.KV_TIER_HOST,
+    )
+    snap = wpb.SubscribeKvEventsResponse(
+        snapshot=wpb.KvSnapshotChunk(
+            as_of_event_id=1, chains=[device, host], first=True, last=True, log_id="L"
+        )
+    )
+    chunk = wire.kv_item_from_pb(snap)
+    assert isinstance(chunk, SnapshotChunk) and len(chunk.chains) == 1
+    idx = KvIndexer()
+    idx.add_worker("w", BS)
+    idx.apply("w", chunk, "L")
+    assert idx.find_matches(block_hashes(tokens, BS)) == {"w": 1}
+
+    def event(event_id: int, **kind: object) -> wpb.SubscribeKvEventsResponse:
+        return wpb.SubscribeKvEventsResponse(event=cpb.KvEvent(event_id=event_id, **kind))  # type: ignore[arg-type]
+
+    items = [
+        wire.kv_item_from_pb(event(2, stored=host)),
+        wire.kv_item_from_pb(
+            event(3, removed=cpb.KvBlocksRemoved(block_hashes=[e0], tier=cpb.KV_TIER_DISK))
+        ),
+        wire.kv_item_from_pb(wpb.SubscribeKvEventsResponse(event=cpb.KvEvent(event_id=4))),
+    ]
+    assert [type(i).__name__ for i in items] == ["SkippedKvEvent"] * 3
+    assert [i.reason for i in items if isinstance(i, wire.SkippedKvEvent)] == [
+        "stored on tier KV_TIER_HOST",
+        "removed from tier KV_TIER_DISK",
+        "unknown event kind",
+    ]
+    for item in items:
+        idx.apply("w", item)
+    assert idx.find_matches(block_hashes(tokens, BS)) == {"w": 1}
+    assert idx.resume_point("w") == (4, "L")
+    stats = idx.stats("w")
+    assert (stats.skipped, stats.events, stats.blocks) == (3, 0, 1)
+    # A device-tier delta right after is applied normally (ids continue, no gap).
+    device_child = cpb.KvBlocksStored(
+        parent_block_hash=e0,
+        blocks=[cpb.KvBlock(block_hash=e1, token_ids=b1)],
+        tier=cpb.KV_TIER_DEVICE,
+    )
+    idx.apply("w", wire.kv_item_from_pb(event(5, stored=device_child)))
+    assert idx.find_matches(block_hashes(tokens, BS)) == {"w": 2}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +91,11 @@ def test_chat_template_renders_all_roles(model_dir: Path) -> None:
 
 
 def test_deterministic_and_idempotent(model_dir: Path, tmp_path: Path) -> None:
-    start = time.perf_counter()
     other = create_tiny_model(tmp_path / "again")
-    assert time.perf_counter() - start < 2.0
     for name in MODEL_FILES:
         assert (other / name).read_bytes() == (model_dir / name).read_bytes(), name
     stamps = {name: (other / name).stat().st_mtime_ns for name in MODEL_FILES}
-    start = time.perf_counter()
-    assert create_tiny_model(other) == other
-    assert time.perf_counter() - start < 0.1
+    assert create_tiny_model(other) == other  # a complete directory is left as it is
     assert {name: (other / name).stat().st_mtime_ns for name in MODEL_FILES} == stamps
 
 

@@ -7,7 +7,12 @@ replaced) and serves `ScalingService` on a control port, so a planner (or an ope
 grpcurl) can scale the pools: scale-up starts workers, scale-down drains the newest ones (they
 leave discovery first, finish their requests, then exit). On Ctrl-C / SIGTERM it shuts down in
 order: frontend first (drains), then router and workers (each drains), killing whatever is
-still alive after the grace period.
+still alive `--drain-timeout-s` + 10 s after it was asked to stop.
+
+Flags: UpConfig's, plus every flag of the processes it starts (their entry points' `Flags`),
+but the ones `up` sets itself (SET_BY_UP: where each process listens and registers, and a
+worker's id and role). A flag several processes take (`--model`, `--drain-timeout-s`) goes to
+each. Children are started with posix_spawn, never fork (see ChildProcess).
 
 Pools: `--workers N` aggregated workers, or a disaggregated mesh with `--prefill-workers N
 --decode-workers M` (workers started with `--role prefill` / `--role decode`; the gateway
@@ -28,7 +33,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,28 +43,33 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
-from kvmesh.router.backend import DisaggConfig
-from kvmesh.router.routing import RouterMode
-from kvmesh.runtime.config import opt, to_argv
+from kvmesh.frontend import main as frontend_main
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.router import main as router_main
+from kvmesh.router.main import RouterServerConfig
+from kvmesh.router.stack import MeshConfig
+from kvmesh.runtime.config import Flags, from_args, opt, to_argv
 from kvmesh.runtime.discovery import EventKind, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, NotFound
 from kvmesh.runtime.grpcutil import GrpcServer
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import run
+from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
 from kvmesh.runtime.types import Role
-from kvmesh.workers.config import EngineKind
-from kvmesh.workers.main import engine_arg_groups
+from kvmesh.workers import main as worker_main
+from kvmesh.workers.config import WorkerConfig
 
 SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
+STOP_MARGIN_S = 10.0
+"""How long past its --drain-timeout-s a child may take to exit before it is killed."""
+
 
 @dataclass
-class UpConfig(DisaggConfig):
-    """Settings of `kvmesh up` (with the gateway's conditional disaggregation thresholds)."""
+class UpConfig:
+    """Settings of `kvmesh up` itself. The flags after these are those of the processes it
+    starts, passed to each process that takes them, but for the ones `up` sets itself
+    (--host, --advertise-host, --port, --discovery, --worker-id, --role, --router-address)."""
 
-    engine: EngineKind = opt(EngineKind.MOCKER, "engine every worker runs")
-    model: str = opt("", "local Hugging Face model directory; empty: the built-in tiny model")
-    served_model_name: str = opt("", "model name clients use; empty: the directory's name")
     workers: int = opt(
         -1,
         "number of aggregated worker processes; -1: 2, or 0 when --prefill-workers or "
@@ -70,22 +80,14 @@ class UpConfig(DisaggConfig):
     )
     decode_workers: int = opt(0, "number of decode worker processes (disaggregated serving)")
     max_workers: int = opt(64, "largest pool size Scale accepts")
-    http_host: str = opt("127.0.0.1", "gateway bind address")
-    http_port: int = opt(8000, "gateway HTTP port")
-    kserve_grpc_port: int = opt(
-        0, "KServe v2 gRPC port of the gateway (0: pick a free one; -1: no KServe gRPC server)"
-    )
     control_port: int = opt(0, "port of the ScalingService (gRPC); 0 picks a free one")
-    router_mode: RouterMode = opt(RouterMode.KV, "routing policy")
     router_process: bool = opt(
         False, "run the router as its own process (kvmesh router) instead of inside the frontend"
     )
     discovery: str = opt("", "discovery URL; empty: an embedded file registry in a temp dir")
     startup_timeout_s: float = opt(60.0, "how long to wait for the mesh to become healthy")
-    shutdown_timeout_s: float = opt(15.0, "grace period for children to exit before SIGKILL")
 
     def __post_init__(self) -> None:
-        DisaggConfig.__post_init__(self)
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
             raise ValueError("worker counts must be >= 0")
         if self.prefill_workers and not self.decode_workers:
@@ -106,6 +108,51 @@ class UpConfig(DisaggConfig):
         return sizes
 
 
+SET_BY_UP: dict[str, frozenset[str]] = {
+    "frontend": frozenset({"discovery", "router_address"}),
+    "router": frozenset({"host", "port", "discovery"}),
+    "worker": frozenset({"host", "advertise_host", "port", "discovery", "worker_id", "role"}),
+}
+"""Fields of each process that `kvmesh up` sets itself: they are not flags of `up`."""
+
+
+def _flags() -> Flags:
+    processes = (worker_main.ENTRY, frontend_main.ENTRY, router_main.ENTRY)
+    flags = Flags.of(UpConfig)
+    for entry in processes:
+        flags += entry.flags.without(*SET_BY_UP[entry.name])
+    # The same meaning as for `kvmesh frontend` (0: a free port); `up` serves it by default.
+    return flags.with_defaults(kserve_grpc_port=0)
+
+
+@dataclass
+class UpArgs:
+    """What `kvmesh up` was given: its own settings and those of the processes it starts."""
+
+    up: UpConfig
+    log: GlobalConfig
+    worker: WorkerConfig
+    engine: Any
+    """The config dataclass of `worker.engine` (MockerConfig, TorchConfig, ...)."""
+    frontend: FrontendConfig
+    mesh: MeshConfig
+    router: RouterServerConfig
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> UpArgs:
+        """Build every process's config from the flags of `kvmesh up` (ConfigError if bad)."""
+        worker = from_args(WorkerConfig, ns)
+        return cls(
+            up=from_args(UpConfig, ns),
+            log=from_args(GlobalConfig, ns),
+            worker=worker,
+            engine=from_args(worker_main.ENGINES[worker.engine].config, ns),
+            frontend=from_args(FrontendConfig, ns),
+            mesh=from_args(MeshConfig, ns),
+            router=from_args(RouterServerConfig, ns),
+        )
+
+
 @dataclass
 class _Pool:
     """The workers of one role and their target count."""
@@ -121,38 +168,32 @@ class _Pool:
 
 
 class Child:
-    """A child process in its own session, so Ctrl-C reaches only the supervisor."""
+    """A process `kvmesh up` started (in its own session, so Ctrl-C reaches only `up`)."""
 
-    def __init__(self, name: str, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, name: str, argv: list[str]) -> None:
         self.name = name
-        self.proc = proc
+        self.proc = ChildProcess(argv)
         self.started = time.monotonic()
         self.draining = False
 
-    @classmethod
-    async def spawn(cls, name: str, argv: list[str]) -> Child:
-        return cls(name, await asyncio.create_subprocess_exec(*argv, start_new_session=True))
-
     def alive(self) -> bool:
-        return self.proc.returncode is None
+        return self.proc.alive()
 
     def terminate(self) -> None:
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(signal.SIGTERM)
 
     async def wait(self, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(self.proc.wait(), timeout_s)
         except TimeoutError:
             print(f"kvmesh up: {self.name} did not exit in time; killing it", file=sys.stderr)
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+            self.proc.send_signal(signal.SIGKILL)
             await self.proc.wait()
 
 
-def _kvmesh(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvmesh", *args]
+def _kvmesh(command: str, *configs: Any) -> list[str]:
+    """The argv of `kvmesh <command>` with the non-default fields of `configs` as flags."""
+    return [sys.executable, "-m", "kvmesh", command, *(a for c in configs for a in to_argv(c))]
 
 
 def _free_port(host: str) -> int:
@@ -162,102 +203,75 @@ def _free_port(host: str) -> int:
 
 
 class Supervisor:
-    """The processes of one `kvmesh up` and the worker pool's target size."""
+    """The processes of one `kvmesh up` and the worker pools' target sizes."""
 
-    def __init__(self, config: UpConfig, ns: argparse.Namespace) -> None:
-        self.config = config
-        self.model_dir = resolve_model_dir(config.model)
-        self.served = config.served_model_name or ModelDirInfo.load(self.model_dir).name
+    def __init__(self, args: UpArgs) -> None:
+        self.args = args
+        self.config = args.up
+        model_dir = resolve_model_dir(args.worker.model)
+        self.served = args.worker.served_model_name or ModelDirInfo.load(model_dir).name
         self.registry: Path | None = None
-        self.discovery = config.discovery
+        self.discovery = self.config.discovery
         if not self.discovery:
             self.registry = Path(tempfile.mkdtemp(prefix="kvmesh-registry-"))
             self.discovery = f"file://{self.registry}"
-        self.log_level = ["--log-level", getattr(ns, "log_level", "info")]
-        self.engine_flags: list[str] = []
-        for group in engine_arg_groups():
-            fields = {k: getattr(ns, k) for k in group.__dataclass_fields__ if hasattr(ns, k)}
-            self.engine_flags += to_argv(group(**fields))
-        self.pools = {role: _Pool(role, n) for role, n in config.pool_sizes().items()}
-        self.kserve_grpc_port = config.kserve_grpc_port
-        """The frontend's KServe v2 gRPC port (a free one is picked when configured as 0)."""
+        model = str(model_dir)
+        self.worker = replace(
+            args.worker, model=model, served_model_name=self.served, discovery=self.discovery
+        )
+        # Ports 0 mean "a free one" for `up` as for the frontend; `up` picks them to print them.
+        fe = args.frontend
+        self.frontend = replace(
+            fe,
+            model=model,
+            served_model_name=self.served,
+            http_port=fe.http_port or _free_port(fe.http_host),
+            kserve_grpc_port=fe.kserve_grpc_port or _free_port(fe.http_host),
+        )
+        self.mesh = replace(args.mesh, discovery=self.discovery)
+        self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
         self._pid = os.getpid()
+
+    def worker_argv(self, role: Role, worker_id: str) -> list[str]:
+        """The command line of one worker."""
+        worker = replace(self.worker, role=role, worker_id=worker_id)
+        return _kvmesh("worker", self.args.log, worker, self.args.engine)
+
+    def router_argv(self, port: int) -> list[str]:
+        """The command line of the standalone router (--router-process)."""
+        router = replace(self.args.router, host="127.0.0.1", port=port)
+        return _kvmesh("router", self.args.log, router, self.mesh)
+
+    def frontend_argv(self, router_address: str = "") -> list[str]:
+        """The command line of the frontend."""
+        mesh = replace(self.mesh, router_address=router_address)
+        return _kvmesh("frontend", self.args.log, self.frontend, mesh)
 
     @property
     def workers(self) -> list[Child]:
         """Every worker process of every pool."""
         return [w for pool in self.pools.values() for w in pool.children]
 
-    def _common(self) -> list[str]:
-        return [
-            "--model",
-            str(self.model_dir),
-            "--served-model-name",
-            self.served,
-            "--discovery",
-            self.discovery,
-        ]
-
-    async def start_worker(self, role: Role = Role.AGGREGATED) -> None:
+    def start_worker(self, role: Role = Role.AGGREGATED) -> None:
         pool = self.pools[role]
         i, pool.next_index = pool.next_index, pool.next_index + 1
         prefix = "worker" if role is Role.AGGREGATED else role.value
         wid = f"{prefix}-{i}-{self._pid}"
-        argv = _kvmesh(
-            *self.log_level,
-            "worker",
-            "--engine",
-            self.config.engine.value,
-            *self._common(),
-            "--worker-id",
-            wid,
-            "--role",
-            role.value,
-            *self.engine_flags,
-        )
-        pool.children.append(await Child.spawn(wid, argv))
+        pool.children.append(Child(wid, self.worker_argv(role, wid)))
 
-    async def start(self) -> Child:
+    def start(self) -> Child:
         """Start workers, router and frontend; returns the frontend."""
         for pool in self.pools.values():
             for _ in range(pool.target):
-                await self.start_worker(pool.role)
-        router_args: list[str] = []
-        cfg = self.config
-        if cfg.router_process:
+                self.start_worker(pool.role)
+        router_address = ""
+        if self.config.router_process:
             port = _free_port("127.0.0.1")
-            argv = _kvmesh(
-                *self.log_level,
-                "router",
-                "--port",
-                str(port),
-                "--discovery",
-                self.discovery,
-                "--router-mode",
-                cfg.router_mode.value,
-            )
-            self.others.append(await Child.spawn("router", argv))
-            router_args = ["--router-address", f"127.0.0.1:{port}"]
-        if cfg.kserve_grpc_port == 0:
-            self.kserve_grpc_port = _free_port(cfg.http_host)
-        argv = _kvmesh(
-            *self.log_level,
-            "frontend",
-            "--http-host",
-            cfg.http_host,
-            "--http-port",
-            str(cfg.http_port),
-            "--kserve-grpc-port",
-            str(max(self.kserve_grpc_port, 0)),
-            *self._common(),
-            "--router-mode",
-            cfg.router_mode.value,
-            *router_args,
-            *to_argv(DisaggConfig(**{f.name: getattr(cfg, f.name) for f in fields(DisaggConfig)})),
-        )
-        frontend = await Child.spawn("frontend", argv)
+            self.others.append(Child("router", self.router_argv(port)))
+            router_address = f"127.0.0.1:{port}"
+        frontend = Child("frontend", self.frontend_argv(router_address))
         self.others.insert(0, frontend)
         return frontend
 
@@ -268,7 +282,7 @@ class Supervisor:
         pool = self.pools.get(role)
         return pool.active() if pool is not None else []
 
-    async def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
+    def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
         """Set a pool's target; start or drain workers now. Returns the previous target."""
         pool = self.pools.get(role)
         if pool is None:
@@ -284,10 +298,10 @@ class Supervisor:
                 param="replicas",
             )
         previous, pool.target = pool.target, replicas
-        await self.reconcile()
+        self.reconcile()
         return previous
 
-    async def reconcile(self) -> None:
+    def reconcile(self) -> None:
         """Reap exited workers, replace dead ones, drain extra ones, in every pool."""
         for pool in self.pools.values():
             for w in [w for w in pool.children if not w.alive()]:
@@ -299,7 +313,7 @@ class Supervisor:
                     )
             active = pool.active()
             for _ in range(pool.target - len(active)):
-                await self.start_worker(pool.role)
+                self.start_worker(pool.role)
             for w in sorted(active, key=lambda c: c.started)[pool.target :]:
                 w.draining = True
                 w.terminate()  # the worker deregisters, finishes its requests, exits
@@ -325,12 +339,15 @@ class Supervisor:
                 self.registered.discard(event.instance.instance_id)
 
     async def shutdown(self) -> None:
-        # Frontend first so no new work arrives, then everything else.
-        groups = [self.others[:1], self.others[1:] + self.workers]
-        for group in groups:
+        # Frontend first so no new work arrives, then everything else; each drains first.
+        groups = [
+            (self.others[:1], self.frontend.drain_timeout_s),
+            (self.others[1:] + self.workers, self.worker.drain_timeout_s),
+        ]
+        for group, drain_s in groups:
             for c in group:
                 c.terminate()
-            await asyncio.gather(*(c.wait(self.config.shutdown_timeout_s) for c in group))
+            await asyncio.gather(*(c.wait(drain_s + STOP_MARGIN_S) for c in group))
         if self.registry is not None:
             shutil.rmtree(self.registry, ignore_errors=True)
 
@@ -365,7 +382,7 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
     ) -> spb.ScaleResponse:
         self._check(request.model)
         role = self._role(request.role)
-        previous = await self.sup.scale(request.replicas, role)
+        previous = self.sup.scale(request.replicas, role)
         if request.reason:
             print(
                 f"kvmesh up: scaling {role.value} to {request.replicas} ({request.reason})",
@@ -390,8 +407,9 @@ async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
-async def _up(config: UpConfig, ns: argparse.Namespace) -> int:
-    sup = Supervisor(config, ns)
+async def _up(args: UpArgs) -> int:
+    sup = Supervisor(args)
+    config = args.up
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -402,10 +420,11 @@ async def _up(config: UpConfig, ns: argparse.Namespace) -> int:
     )
     watcher = asyncio.create_task(sup.watch_registrations())
     try:
-        frontend = await sup.start()
+        frontend = sup.start()
         await control.start()
-        host = "127.0.0.1" if config.http_host in ("0.0.0.0", "::") else config.http_host
-        base = f"http://{host}:{config.http_port}"
+        fe = sup.frontend
+        host = "127.0.0.1" if fe.http_host in ("0.0.0.0", "::") else fe.http_host
+        base = f"http://{host}:{fe.http_port}"
         deadline = time.monotonic() + config.startup_timeout_s
         async with aiohttp.ClientSession() as http:
             while not await _healthy(http, base + "/health"):
@@ -419,13 +438,13 @@ async def _up(config: UpConfig, ns: argparse.Namespace) -> int:
                     print(f"kvmesh up: mesh did not become healthy ({why})", file=sys.stderr)
                     return 1
                 await asyncio.sleep(0.2)
-        kserve = f"{host}:{sup.kserve_grpc_port}" if sup.kserve_grpc_port > 0 else ""
-        _banner(base, sup.served, config, control.address, kserve)
+        kserve = f"{host}:{fe.kserve_grpc_port}" if fe.kserve_grpc_port > 0 else ""
+        _banner(base, sup, control.address, kserve)
         while not stop.is_set():
             if not frontend.alive():
                 print("kvmesh up: the frontend exited; shutting down", file=sys.stderr)
                 return 1
-            await sup.reconcile()
+            sup.reconcile()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
         return 0
@@ -435,25 +454,31 @@ async def _up(config: UpConfig, ns: argparse.Namespace) -> int:
         await sup.shutdown()
 
 
-def run_up(config: UpConfig, ns: argparse.Namespace) -> int:
-    """Run the mesh until interrupted; returns the process exit code."""
-    return run(_up(config, ns))
+def main(ns: argparse.Namespace) -> int:
+    """`kvmesh up`: run the mesh until interrupted; returns the process exit code."""
+    return run(_up(UpArgs.from_args(ns)))
 
 
-def _banner(base: str, model: str, config: UpConfig, control: str, kserve: str) -> None:
+ENTRY = Entry(
+    "up", "frontend, optional router and N workers on this machine (no etcd)", _flags(), main
+)
+
+
+def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
     body = json.dumps(
         {
-            "model": model,
+            "model": sup.served,
             "messages": [{"role": "user", "content": "Hello!"}],
             "max_tokens": 16,
             "stream": True,
         }
     )
+    config = sup.config
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
+    router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
     print(
-        f"\nkvmesh is up: {config.engine.value} workers ({pools}), "
-        f"router {config.router_mode.value}{' (own process)' if config.router_process else ''}\n"
-        f"  OpenAI API : {base}/v1   (model {model!r})\n"
+        f"\nkvmesh is up: {sup.worker.engine.value} workers ({pools}), router {router}\n"
+        f"  OpenAI API : {base}/v1   (model {sup.served!r})\n"
         f"  health     : {base}/health    metrics: {base}/metrics\n"
         f"  KServe v2  : {base}/v2 (REST)"
         + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")

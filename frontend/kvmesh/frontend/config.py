@@ -38,9 +38,10 @@ class FrontendConfig:
         30.0, "on shutdown, how long in-flight requests may run before they are cancelled"
     )
     kserve_grpc_port: int = opt(
-        0,
+        -1,
         "port of the KServe v2 gRPC server (inference.GRPCInferenceService, incl. Triton's "
-        "ModelStreamInfer) on --http-host; 0: off",
+        "ModelStreamInfer) on --http-host; 0: pick a free one (logged), -1: no KServe gRPC "
+        "server",
     )
     tool_call_parser: str = opt(
         "auto",
@@ -54,6 +55,12 @@ class FrontendConfig:
         "deepseek_r1, none, or auto (from the chat template); per model as for "
         "--tool-call-parser",
     )
+
+    def __post_init__(self) -> None:
+        if self.http_port < 0:
+            raise ValueError("http_port must be >= 0 (0: pick a free one)")
+        if self.kserve_grpc_port < -1:
+            raise ValueError("kserve_grpc_port must be >= -1 (-1: off, 0: pick a free one)")
 
     def model_name(self) -> str:
         """The served model name: `served_model_name`, else the model directory's name."""

@@ -1,24 +1,23 @@
 """`kvmesh frontend`: the OpenAI and KServe v2 gateway process.
 
-Builds the object graph explicitly (tokenizers, the routing stack of kvmesh.router.stack, the
-OpenAIService both doors share, the HTTP and KServe gRPC servers), serves until SIGINT/SIGTERM,
-then drains.
+Its flags are FrontendConfig's and MeshConfig's (`ENTRY`). Builds the object graph explicitly
+(tokenizers, the routing stack of kvmesh.router.stack, the OpenAIService both doors share, the
+HTTP and KServe gRPC servers), serves until SIGINT/SIGTERM, then drains.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 
-from kvmesh.frontend.app import build_app, serve_http
 from kvmesh.frontend.config import FrontendConfig
-from kvmesh.frontend.service import OpenAIService
-from kvmesh.frontend.tokenizer import Tokenizer
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.metrics import DisaggCollector, RoutingCollector
 from kvmesh.router.routing import RoutingStats
 from kvmesh.router.stack import MeshConfig, build_router, close_router
+from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import wait_for_signal
+from kvmesh.runtime.process import Entry, run, wait_for_signal
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -26,6 +25,12 @@ log = logging.getLogger(__name__)
 
 async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
+    # Imported here, not at the top: every `kvmesh` command reads ENTRY to build its parser,
+    # and only the frontend needs the gateway (aiohttp app, tokenizers, chat templates).
+    from kvmesh.frontend.app import build_app, serve_http
+    from kvmesh.frontend.service import OpenAIService
+    from kvmesh.frontend.tokenizer import Tokenizer
+
     tokenizers: dict[str, Tokenizer] = {}
     configured: dict[str, ModelInfo] = {}
     if config.model:
@@ -55,7 +60,7 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
     log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)
     kserve = None
-    if config.kserve_grpc_port > 0:
+    if config.kserve_grpc_port >= 0:
         # Imported here: it registers the `inference.*` protobuf symbols (see its docstring).
         from kvmesh.frontend.kserve_grpc import serve_kserve_grpc
 
@@ -72,3 +77,17 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     await runner.cleanup()
     await close_router(router)
     await pool.stop()
+
+
+def main(ns: argparse.Namespace) -> int:
+    """`kvmesh frontend`: serve until SIGINT/SIGTERM."""
+    run(serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns)))
+    return 0
+
+
+ENTRY = Entry(
+    "frontend",
+    "OpenAI HTTP gateway and KServe v2 front doors (REST; gRPC with --kserve-grpc-port)",
+    Flags.of(FrontendConfig, MeshConfig),
+    main,
+)

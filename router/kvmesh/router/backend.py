@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -85,6 +85,27 @@ class LocalPrefill(enum.Enum):
     TRANSFER_FAILED = "transfer_failed"
     """The decode worker could not use the remote KV (pull failed, blocks released first) and
     recomputed the prompt."""
+
+
+def local_prefill_reason(
+    config: DisaggConfig, prompt_tokens: int, cached_tokens: int, prefill_inflight: Sequence[int]
+) -> LocalPrefill | None:
+    """Conditional disaggregation: why a request of a disaggregated pool should prefill on its
+    decode worker, or None to prefill it remotely.
+
+    `cached_tokens`: prompt tokens the decode worker already holds (the router's overlap in
+    blocks x block size); `prefill_inflight`: requests in flight from this gateway on each live
+    prefill worker (empty: none is alive). Pure: `MeshBackend` and the simulator
+    (kvmesh.sim.disagg) both decide through it.
+    """
+    if not prefill_inflight:
+        return LocalPrefill.NO_PREFILL_WORKER
+    if prompt_tokens - cached_tokens <= config.disagg_local_prefill_tokens:
+        return LocalPrefill.SHORT_PROMPT
+    limit = config.disagg_max_prefill_inflight
+    if limit and all(n >= limit for n in prefill_inflight):
+        return LocalPrefill.PREFILL_SATURATED
+    return None
 
 
 class DisaggStats:
@@ -271,16 +292,12 @@ class MeshBackend:
         self, model: str, request: EngineRequest, decode: WorkerHandle, overlap_blocks: int
     ) -> LocalPrefill | None:
         """Why `request` should prefill on its decode worker (None: remotely)."""
-        prefill_workers = [w for w in self.pool.workers(model) if w.info.role is Role.PREFILL]
-        if not prefill_workers:
-            return LocalPrefill.NO_PREFILL_WORKER
-        uncached = len(request.prompt) - overlap_blocks * decode.info.kv_block_size
-        if uncached <= self.disagg.disagg_local_prefill_tokens:
-            return LocalPrefill.SHORT_PROMPT
-        limit = self.disagg.disagg_max_prefill_inflight
-        if limit and all(w.inflight >= limit for w in prefill_workers):
-            return LocalPrefill.PREFILL_SATURATED
-        return None
+        return local_prefill_reason(
+            self.disagg,
+            len(request.prompt),
+            overlap_blocks * decode.info.kv_block_size,
+            [w.inflight for w in self.pool.workers(model) if w.info.role is Role.PREFILL],
+        )
 
     async def _prefill(
         self,

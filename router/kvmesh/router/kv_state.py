@@ -10,12 +10,15 @@ It also keeps each worker's block tree (parent, number of held children), so it 
 whether the worker holds a block whose parent it lacks ("holes") and tells the index, which
 then answers queries for hole-free workers by binary search (see kvmesh.router.indexer).
 
-Streams: `apply(worker, item, log_id)` takes the items of a SubscribeKvEvents stream. A snapshot
-(chunks `first` .. `last`) is built aside and swapped in atomically when its last chunk arrives;
-events must carry consecutive ids after it, else `KvEventGap` is raised and the caller
-resubscribes for a fresh snapshot. `resume_point(worker)` gives (last event id, log id) for a
-resumed subscription. `apply_event(worker, kind)` applies an event with no id (a simulator that
-owns the engines, like `kvmesh replay`, calls it directly from KvEventLog publications).
+Streams: `apply(worker, item, log_id)` takes the items of a SubscribeKvEvents stream (as
+kvmesh.runtime.wire converts them: the device tier only). A snapshot (chunks `first` .. `last`)
+is built aside and swapped in atomically when its last chunk arrives; events must carry
+consecutive ids after it, else `KvEventGap` is raised and the caller resubscribes for a fresh
+snapshot. A `SkippedKvEvent` (blocks on the HOST or DISK tier, which the index does not model
+yet, or an unknown kind) only advances the stream position and is counted in the worker's stats.
+`resume_point(worker)` gives (last event id, log id) for a resumed subscription.
+`apply_event(worker, kind)` applies an event with no id (a simulator that owns the engines, like
+`kvmesh replay`, calls it directly from KvEventLog publications).
 
 Synchronous, no clock, no I/O; one thread (the event loop).
 """
@@ -37,6 +40,7 @@ from kvmesh.runtime.kv_events import (
     KvEventRecord,
     SnapshotChunk,
 )
+from kvmesh.runtime.wire import SkippedKvEvent
 
 __all__ = ["KvIndexer", "WorkerKvStats"]
 
@@ -182,6 +186,8 @@ class WorkerKvStats:
     """Snapshots applied since the worker was added."""
     events: int = 0
     """Events applied since the worker was added."""
+    skipped: int = 0
+    """Events left out since the worker was added (SkippedKvEvent: other tiers, unknown kinds)."""
 
 
 @dataclass(slots=True)
@@ -195,6 +201,7 @@ class _Worker:
     pending_log_id: str = ""
     snapshots: int = 0
     events: int = 0
+    skipped: int = 0
 
 
 class KvIndexer:
@@ -253,6 +260,7 @@ class KvIndexer:
             log_id=w.log_id,
             snapshots=w.snapshots,
             events=w.events,
+            skipped=w.skipped,
         )
 
     def resume_point(self, worker_id: str) -> tuple[int, str] | None:
@@ -285,7 +293,9 @@ class KvIndexer:
 
     # -- events -----------------------------------------------------------------------------
 
-    def apply(self, worker_id: str, item: SnapshotChunk | KvEventRecord, log_id: str = "") -> None:
+    def apply(
+        self, worker_id: str, item: SnapshotChunk | KvEventRecord | SkippedKvEvent, log_id: str = ""
+    ) -> None:
         """Apply one stream item. `log_id` comes with snapshot chunks (KvSnapshotChunk.log_id).
 
         Raises KeyError for an unknown worker, KvEventGap when an event does not directly
@@ -302,8 +312,11 @@ class KvIndexer:
             raise KvEventGap(f"event {item.event_id} before any snapshot")
         if item.event_id != w.last_event_id + 1:
             raise KvEventGap(f"event {item.event_id} after {w.last_event_id}")
-        self._apply_kind(worker_id, w, item.kind)
         w.last_event_id = item.event_id
+        if isinstance(item, SkippedKvEvent):
+            w.skipped += 1
+            return
+        self._apply_kind(worker_id, w, item.kind)
         w.events += 1
 
     def apply_event(self, worker_id: str, kind: KvEventKind) -> None:

@@ -12,6 +12,8 @@ correction:
     snapshot arrives (a dead stream must not keep attracting requests);
   * an engine without KV events (UNIMPLEMENTED, or no KV_EVENTS capability in its model card)
     is routed in approximate mode;
+  * events on the HOST or DISK tier (and of unknown kinds) are left out of the index, which
+    models the device tier only: counted in `skipped`, logged once per worker and reason;
   * a worker that leaves the pool has its streams cancelled and leaves the index at once.
 
 `PeerLoadSync` follows other router replicas' `SubscribeLoadEvents` streams and applies their
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -38,7 +41,7 @@ from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.runtime import wire
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.grpcutil import insecure_channel
-from kvmesh.runtime.kv_events import KvEventGap
+from kvmesh.runtime.kv_events import KvEventGap, SnapshotChunk
 
 __all__ = [
     "KvSubscriber",
@@ -163,6 +166,9 @@ class KvSubscriber:
         self._retry = (retry_initial_s, retry_max_s)
         self._followed: dict[str, tuple[WorkerHandle, list[asyncio.Task[None]]]] = {}
         self._tasks = _Tasks()
+        self.skipped: Counter[tuple[str, str]] = Counter()
+        """KV stream items left out of the index, by (worker id, reason): blocks stored in or
+        removed from the HOST or DISK tier (not modelled yet), unknown event kinds."""
 
     def add(self, handle: WorkerHandle) -> None:
         """Register the worker with the scheduler and follow its streams."""
@@ -216,8 +222,13 @@ class KvSubscriber:
             call = handle.stub.SubscribeKvEvents(request)
             try:
                 async for msg in call:
-                    log_id = msg.snapshot.log_id if msg.HasField("snapshot") else ""
-                    indexer.apply(wid, wire.kv_item_from_pb(msg), log_id)
+                    item = wire.kv_item_from_pb(msg)
+                    if isinstance(item, wire.SkippedKvEvent):
+                        self._skipped(wid, item.reason)
+                    elif isinstance(item, SnapshotChunk):
+                        for _ in range(len(msg.snapshot.chains) - len(item.chains)):
+                            self._skipped(wid, "snapshot chain on another tier")
+                    indexer.apply(wid, item, msg.snapshot.log_id)
                     if failures:
                         failures = 0
                         backoff.reset()
@@ -242,6 +253,20 @@ class KvSubscriber:
                 indexer.clear_worker(wid)  # the stream looks dead: stop trusting its blocks
                 WorkerPool.mark_down(handle)  # and stop routing to it until it answers again
             await self.clock.sleep(backoff.next())
+
+    def _skipped(self, worker_id: str, reason: str) -> None:
+        """Count a KV event left out of the index; say so once per worker and reason."""
+        key = (worker_id, reason)
+        self.skipped[key] += 1
+        if self.skipped[key] == 1:
+            log.warning(
+                "KV events of %s: leaving out events %s (the router indexes the device tier "
+                "only); counted in KvSubscriber.skipped",
+                worker_id,
+                reason,
+            )
+        else:
+            log.debug("KV events of %s: left out an event %s", worker_id, reason)
 
     async def _follow_load(self, handle: WorkerHandle) -> None:
         wid = handle.worker_id

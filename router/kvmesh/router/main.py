@@ -1,16 +1,20 @@
-"""`kvmesh router`: the router as a standalone gRPC service (RouterService)."""
+"""`kvmesh router`: the router as a standalone gRPC service (RouterService).
+
+Its flags are RouterServerConfig's and MeshConfig's but `--router-address` (`ENTRY`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router, close_router
-from kvmesh.runtime.config import opt
+from kvmesh.runtime.config import Flags, from_args, opt
 from kvmesh.runtime.grpcutil import GrpcServer
-from kvmesh.runtime.process import wait_for_signal
+from kvmesh.runtime.process import Entry, run, wait_for_signal
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +42,18 @@ async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
     await server.stop(2.0)
     await close_router(router)
     await pool.stop()
+
+
+def main(ns: argparse.Namespace) -> int:
+    """`kvmesh router`: serve until SIGINT/SIGTERM."""
+    run(serve_router(from_args(RouterServerConfig, ns), from_args(MeshConfig, ns)))
+    return 0
+
+
+ENTRY = Entry(
+    "router",
+    "the router as a standalone gRPC service (RouterService)",
+    # A router routes itself: it cannot delegate to another one.
+    Flags.of(RouterServerConfig, MeshConfig, skip={"router_address"}),
+    main,
+)

@@ -165,12 +165,33 @@ class Router(Protocol):
         ...
 
 
-class SimpleRouter:
-    """Round-robin, random or least-loaded (fewest requests in flight from this process).
+def pick_simple(
+    mode: RouterMode, loads: Sequence[int], turn: int, rng: random.Random
+) -> tuple[int, int]:
+    """Round-robin's, random's or least-loaded's choice among candidate workers.
 
-    Round-robin keeps one cursor per model; ties in least-loaded are broken round-robin so
-    idle fleets are not all sent to the first worker.
+    `loads`: each candidate's requests in flight (least-loaded picks the fewest); `turn`: the
+    caller's round-robin counter for these candidates (round-robin picks `turn % n`;
+    least-loaded breaks ties round-robin from there, so idle fleets are not all sent to the
+    first worker); `rng`: random's generator (one draw per choice). Returns (index into
+    `loads`, the counter's next value: random leaves it alone). Pure but for the draw:
+    `SimpleRouter` and the simulator (kvmesh.sim) both choose through it.
     """
+    n = len(loads)
+    if not n:
+        raise ValueError("no candidate workers")
+    if mode is RouterMode.RANDOM:
+        return rng.randrange(n), turn
+    if mode is RouterMode.ROUND_ROBIN:
+        return turn % n, turn + 1
+    if mode is RouterMode.LEAST_LOADED:
+        return min(((turn + i) % n for i in range(n)), key=loads.__getitem__), turn + 1
+    raise ValueError(f"{mode.value} is not a simple routing policy")
+
+
+class SimpleRouter:
+    """Round-robin, random or least-loaded (fewest requests in flight from this process),
+    chosen by `pick_simple`; round-robin keeps one counter per model."""
 
     def __init__(
         self, pool: WorkerPool, mode: RouterMode = RouterMode.ROUND_ROBIN, seed: int = 0
@@ -203,16 +224,10 @@ class SimpleRouter:
     ) -> RouteDecision:
         t0 = time.perf_counter()
         workers = self.candidates(model, exclude, role)
-        if self.mode is RouterMode.RANDOM:
-            chosen = self._rng.choice(workers)
-        else:
-            start = self._cursor.get(model, 0)
-            self._cursor[model] = start + 1
-            n = len(workers)
-            if self.mode is RouterMode.ROUND_ROBIN:
-                chosen = workers[start % n]
-            else:
-                chosen = min((workers[(start + i) % n] for i in range(n)), key=lambda w: w.inflight)
+        index, self._cursor[model] = pick_simple(
+            self.mode, [w.inflight for w in workers], self._cursor.get(model, 0), self._rng
+        )
+        chosen = workers[index]
         self.finished(request_id)  # a retry replaces its booking
         chosen.inflight += 1
         self._booked[request_id] = chosen

@@ -141,7 +141,7 @@ class WorkerSession:
                     raise item.error
                 if item.error_code:
                     finished = True
-                    raise error_from_status(item.error_code, item.error_message)
+                    raise error_from_status(item.error_code, item.error_message, item.error_status)
                 yield item.response
                 if item.response.finish_reason:
                     finished = True

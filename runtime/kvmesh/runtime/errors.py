@@ -3,6 +3,11 @@
 Each maps once to a gRPC status (kvmesh.runtime.grpcutil) and once to an OpenAI-style HTTP error
 (kvmesh.frontend.errors). Raise these from engines, routers and services; never return
 success-shaped error messages.
+
+`reason` names the kind of error on the wire: it travels as the `reason` of a `google.rpc.ErrorInfo`
+in the call's status details (kvmesh.runtime.grpcutil), so a subclass that shares its parent's
+status code (RequestTooLarge is an INVALID_ARGUMENT) survives every hop. The reasons are the
+`ErrorReason` values of kvmesh.api.common.v1 without their prefix.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ class KvmeshError(Exception):
 
     http_status = 500
     code = "internal_error"
+    reason = "INTERNAL"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -25,12 +31,14 @@ class InvalidRequest(KvmeshError):
 
     http_status = 400
     code = "invalid_request_error"
+    reason = "INVALID_REQUEST"
 
 
 class RequestTooLarge(InvalidRequest):
-    """The prompt (plus requested output) does not fit the context window (HTTP 413)."""
+    """The prompt (plus requested output) does not fit the context window (gRPC INVALID_ARGUMENT,
+    HTTP 400 with OpenAI's code "context_length_exceeded", as OpenAI and vLLM answer)."""
 
-    http_status = 413
+    reason = "CONTEXT_LENGTH_EXCEEDED"
 
 
 class NotFound(KvmeshError):
@@ -38,6 +46,7 @@ class NotFound(KvmeshError):
 
     http_status = 404
     code = "not_found_error"
+    reason = "NOT_FOUND"
 
 
 class ResourceExhausted(KvmeshError):
@@ -45,6 +54,7 @@ class ResourceExhausted(KvmeshError):
 
     http_status = 429
     code = "rate_limit_error"
+    reason = "RESOURCE_EXHAUSTED"
 
 
 class Unavailable(KvmeshError):
@@ -53,6 +63,7 @@ class Unavailable(KvmeshError):
 
     http_status = 503
     code = "service_unavailable"
+    reason = "UNAVAILABLE"
 
 
 class Unimplemented(KvmeshError):
@@ -60,6 +71,7 @@ class Unimplemented(KvmeshError):
 
     http_status = 501
     code = "not_implemented"
+    reason = "UNIMPLEMENTED"
 
 
 class Cancelled(KvmeshError):
@@ -67,6 +79,7 @@ class Cancelled(KvmeshError):
 
     http_status = 499
     code = "cancelled"
+    reason = "CANCELLED"
 
 
 class DeadlineExceeded(KvmeshError):
@@ -74,3 +87,4 @@ class DeadlineExceeded(KvmeshError):
 
     http_status = 504
     code = "timeout"
+    reason = "DEADLINE_EXCEEDED"

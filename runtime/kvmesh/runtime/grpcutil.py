@@ -1,7 +1,12 @@
 """gRPC plumbing shared by every server and client: status mapping, options, servers.
 
-Domain exceptions (kvmesh.runtime.errors) are mapped to gRPC status codes here, once: servers
-install `ErrorInterceptor`, clients call `error_from_rpc`.
+Domain exceptions (kvmesh.runtime.errors) are mapped to gRPC statuses here, once: servers install
+`ErrorInterceptor` (or call `status_of` for errors sent in-band), clients call `error_from_rpc`
+(or `error_from_status`). Every error carries, besides its status code and message, a
+`google.rpc.Status` in the `grpc-status-details-bin` trailer with a `google.rpc.ErrorInfo`
+(domain ERROR_DOMAIN, reason = the exception's `reason`, metadata `param`), so the exact
+exception class and its parameter survive every hop (worker -> router -> gateway); a client that
+reads only the code and message still gets both.
 """
 
 from __future__ import annotations
@@ -11,14 +16,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
+from google.rpc.error_details_pb2 import ErrorInfo
+from google.rpc.status_pb2 import Status
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 
 from kvmesh.runtime import errors
 
 log = logging.getLogger(__name__)
 
+ERROR_DOMAIN = "kvmesh.api"
+"""`google.rpc.ErrorInfo.domain` of kvmesh errors (reasons: kvmesh.api.common.v1.ErrorReason)."""
+
+# Most specific class first: the first match wins.
 _TO_STATUS: list[tuple[type[errors.KvmeshError], grpc.StatusCode]] = [
+    (errors.RequestTooLarge, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -39,8 +54,10 @@ _FROM_STATUS: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
 }
 
-# A prefix on INVALID_ARGUMENT details marks "too large" (HTTP 413) across the wire.
-_TOO_LARGE_TAG = "[too_large] "
+# reason -> (class, the status code it travels with). A reason is trusted only with its code.
+_BY_REASON: dict[str, tuple[type[errors.KvmeshError], grpc.StatusCode]] = {
+    cls.reason: (cls, code) for cls, code in _TO_STATUS
+}
 
 # Large enough for KV snapshot chunks and long prompts; keepalive so dead peers are noticed.
 CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
@@ -63,42 +80,87 @@ SERVER_OPTIONS: Sequence[tuple[str, Any]] = (
 
 
 def status_for(exc: errors.KvmeshError) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and details for a domain exception."""
+    """The gRPC status code and details (the exception's message) for a domain exception."""
     for cls, code in _TO_STATUS:
         if isinstance(exc, cls):
-            detail = exc.message
-            if isinstance(exc, errors.RequestTooLarge):
-                detail = _TOO_LARGE_TAG + detail
-            return code, detail
+            return code, exc.message
     return grpc.StatusCode.INTERNAL, exc.message
 
 
+def status_of(exc: BaseException) -> Status:
+    """The google.rpc.Status of any exception: a domain exception's code, message and ErrorInfo;
+    anything else is INTERNAL and names only the exception type (callers log the details)."""
+    if isinstance(exc, errors.KvmeshError):
+        code, message = status_for(exc)
+        reason = exc.reason
+        metadata = {"param": exc.param} if exc.param else {}
+    else:
+        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+        reason, metadata = errors.KvmeshError.reason, {}
+    detail = any_pb2.Any()
+    detail.Pack(ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
+    return Status(code=code.value[0], message=message, details=[detail])
+
+
 def error_from_rpc(err: grpc.aio.AioRpcError) -> errors.KvmeshError:
-    """The domain exception for a failed call (INTERNAL and unknown codes -> KvmeshError)."""
-    return error_from_status(err.code(), err.details() or "")
+    """The domain exception for a failed call (INTERNAL and unknown codes -> KvmeshError), from
+    its status code, message and status details."""
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]  # an AioRpcError is a Call
+    except ValueError:  # details that contradict the code or message: not ours, ignore them
+        status = None
+    return _decode(err.code(), err.details() or "", status)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def error_from_status(code: grpc.StatusCode | int, details: str) -> errors.KvmeshError:
-    """The domain exception for a status code (enum or its number) and details."""
+def error_from_status(
+    code: grpc.StatusCode | int, details: str, status_details: bytes = b""
+) -> errors.KvmeshError:
+    """The domain exception for a status code (enum or its number), its details and, if any, the
+    serialized google.rpc.Status that came with it (StreamedGenerateOutput.error_status)."""
     if isinstance(code, int):
         code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
-    detail = details or code.name
-    if code is grpc.StatusCode.INVALID_ARGUMENT and detail.startswith(_TOO_LARGE_TAG):
-        return errors.RequestTooLarge(detail[len(_TOO_LARGE_TAG) :])
+    status = None
+    if status_details:
+        try:
+            status = Status.FromString(status_details)
+        except DecodeError:  # garbage from a foreign server is just no details
+            pass
+    return _decode(code, details, status)
+
+
+def _decode(code: grpc.StatusCode, details: str, status: Status | None) -> errors.KvmeshError:
+    """The one decoder: the code picks the class, unless the status carries a kvmesh ErrorInfo
+    whose reason goes with that code (then the reason picks it); its metadata gives the param."""
     cls = _FROM_STATUS.get(code, errors.KvmeshError)
-    return cls(detail)
+    param = None
+    info = _error_info(status) if status is not None else None
+    if info is not None:
+        by_reason = _BY_REASON.get(info.reason)
+        if by_reason is not None and by_reason[1] is code:
+            cls = by_reason[0]
+        param = info.metadata.get("param") or None
+    return cls(details or code.name, param=param)
+
+
+def _error_info(status: Status) -> ErrorInfo | None:
+    """The kvmesh ErrorInfo among a google.rpc.Status's details, if there is one."""
+    for detail in status.details:
+        if detail.Is(ErrorInfo.DESCRIPTOR):
+            info = ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN:
+                return info
+    return None
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
-    if isinstance(exc, errors.KvmeshError):
-        code, detail = status_for(exc)
-    else:
+    if not isinstance(exc, errors.KvmeshError):
         log.exception("unhandled error in gRPC handler", exc_info=exc)
-        code, detail = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
-    await context.abort(code, detail)
+    status = rpc_status.to_status(status_of(exc))
+    await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

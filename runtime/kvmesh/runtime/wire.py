@@ -5,9 +5,12 @@ Both directions live here so the worker server and its clients (router, gateway)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.runtime import kv_events as kv
+from kvmesh.runtime.errors import Unimplemented
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -119,8 +122,25 @@ def stop_from_pb(st: cpb.StopConditions) -> StopParams:
     )
 
 
+def _refuse_uncarried(msg: wpb.GenerateRequest | wpb.PrefillRemoteRequest) -> None:
+    """Unimplemented for the fields an EngineRequest has no place for (no engine implements
+    them yet): refused here, where they would otherwise be dropped."""
+    if msg.media:
+        raise Unimplemented(
+            "media inputs are not supported: no kvmesh engine takes images or audio yet",
+            param="media",
+        )
+    if msg.engine_params_json:
+        raise Unimplemented(
+            "engine_params_json is not supported on requests: no kvmesh engine reads it yet",
+            param="engine_params_json",
+        )
+
+
 def request_from_pb(msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
-    """GenerateRequest -> EngineRequest; unset optionals take their semantic defaults."""
+    """GenerateRequest -> EngineRequest; unset optionals take their semantic defaults.
+    Unimplemented for fields no engine implements (media, engine_params_json)."""
+    _refuse_uncarried(msg)
     return EngineRequest(
         request_id=msg.request_id or default_id,
         prompt=list(msg.token_ids),
@@ -152,7 +172,9 @@ def prefill_request_to_pb(
 
 
 def prefill_request_from_pb(msg: wpb.PrefillRemoteRequest, default_id: str) -> EngineRequest:
-    """PrefillRemoteRequest -> EngineRequest (unset stop: the first token never ends it)."""
+    """PrefillRemoteRequest -> EngineRequest (unset stop: the first token never ends it).
+    Unimplemented for fields no engine implements (media, engine_params_json)."""
+    _refuse_uncarried(msg)
     return EngineRequest(
         request_id=msg.request_id or default_id,
         prompt=list(msg.token_ids),
@@ -493,13 +515,35 @@ def kv_item_to_pb(
     return wpb.SubscribeKvEventsResponse(event=event)
 
 
-def kv_item_from_pb(msg: wpb.SubscribeKvEventsResponse) -> kv.SnapshotChunk | kv.KvEventRecord:
-    """One stream message -> a snapshot chunk or event record."""
+_DEVICE_TIERS = (cpb.KV_TIER_UNSPECIFIED, cpb.KV_TIER_DEVICE)
+
+
+@dataclass(slots=True, frozen=True)
+class SkippedKvEvent:
+    """A KV event that a device-tier view of the cache must leave out, and why: blocks stored in
+    or removed from the HOST or DISK tier (tiered offload is not modelled yet, and taking them
+    for device blocks would send requests to a cache that does not hold them), or an event of a
+    kind this version does not know. Its id still counts in the stream's sequence."""
+
+    event_id: int
+    reason: str
+
+
+def _tier_name(tier: cpb.KvTier.ValueType) -> str:
+    return cpb.KvTier.Name(tier) if tier in cpb.KvTier.values() else str(int(tier))
+
+
+def kv_item_from_pb(
+    msg: wpb.SubscribeKvEventsResponse,
+) -> kv.SnapshotChunk | kv.KvEventRecord | SkippedKvEvent:
+    """One stream message -> a snapshot chunk or event record, in the device tier: snapshot
+    chains on other tiers are left out, events on other tiers (and of unknown kinds) become
+    SkippedKvEvent."""
     if msg.HasField("snapshot"):
         s = msg.snapshot
         return kv.SnapshotChunk(
             as_of_event_id=s.as_of_event_id,
-            chains=[stored_from_pb(c) for c in s.chains],
+            chains=[stored_from_pb(c) for c in s.chains if c.tier in _DEVICE_TIERS],
             first=s.first,
             last=s.last,
         )
@@ -507,9 +551,15 @@ def kv_item_from_pb(msg: wpb.SubscribeKvEventsResponse) -> kv.SnapshotChunk | kv
     which = e.WhichOneof("kind")
     kind: kv.KvEventKind
     if which == "stored":
+        if e.stored.tier not in _DEVICE_TIERS:
+            return SkippedKvEvent(e.event_id, f"stored on tier {_tier_name(e.stored.tier)}")
         kind = stored_from_pb(e.stored)
     elif which == "removed":
+        if e.removed.tier not in _DEVICE_TIERS:
+            return SkippedKvEvent(e.event_id, f"removed from tier {_tier_name(e.removed.tier)}")
         kind = kv.BlocksRemoved(list(e.removed.block_hashes))
-    else:
+    elif which == "cleared":
         kind = kv.AllCleared()
+    else:
+        return SkippedKvEvent(e.event_id, "unknown event kind")
     return kv.KvEventRecord(e.event_id, kind)

@@ -8,19 +8,16 @@ import importlib.util
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvmesh.sim.disagg import simulate_disaggregated
-from kvmesh.sim.replay import (
-    ModeResult,
-    ReplayConfig,
-    ReplayError,
-    load_trace,
-    prefix_hit_bound,
-    simulate,
-)
+from kvmesh.sim.config import ReplayConfig, ReplayError
+from kvmesh.sim.disagg import DisaggStats, simulate_disaggregated
+from kvmesh.sim.replay import simulate
+from kvmesh.sim.results import ModeResult
+from kvmesh.sim.trace import load_trace, prefix_hit_bound
 
 # -- output ---------------------------------------------------------------------------------
 
@@ -132,63 +129,66 @@ def _std(stream: TextIO | None) -> TextIO:
     return stream
 
 
+@contextmanager
+def _progress_bar(err: TextIO, label: str, show: bool) -> Iterator[_ProgressBar | None]:
+    bar = _ProgressBar(err, label) if show else None
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _disagg_summary(stats: DisaggStats) -> tuple[dict[str, int], str]:
+    """The `disagg` object of the JSON line, and the note under the table."""
+    local = stats.local_prefills_total
+    reasons = ", ".join(f"{n} {r.value}" for r, n in stats.local_prefills.items() if n)
+    note = (
+        f"{stats.remote_prefills} remote prefills, {local} local ({reasons or 'none'}), "
+        f"{stats.transfer_fallbacks} transfer fallbacks, "
+        f"{stats.kv_transfer_bytes / 1e9:.2f} GB of KV moved"
+    )
+    row = {
+        "remote_prefills": stats.remote_prefills,
+        "local_prefills": local,
+        "transfer_fallbacks": stats.transfer_fallbacks,
+        "kv_transfer_bytes": stats.kv_transfer_bytes,
+    }
+    return row, note
+
+
 def run_replay(
     config: ReplayConfig, *, out: TextIO | None = None, err: TextIO | None = None
 ) -> int:
-    """`kvmesh replay`: load the trace, replay it once per router mode, print the results."""
+    """`kvmesh replay`: load the trace, replay it once per router mode (and disaggregated with
+    --prefill-workers), print the results."""
     out = out if out is not None else _std(sys.stdout)
     err = err if err is not None else _std(sys.stderr)
     if config.plot and importlib.util.find_spec("matplotlib") is None:
         raise ReplayError("--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)")
     trace = load_trace(config.trace, config.limit)
     bound_blocks, bound_tokens = prefix_hit_bound(trace, config.trace_block_size)
-    show_progress = config.progress and not config.json and err.isatty()
+    show = config.progress and not config.json and err.isatty()
     results: list[ModeResult] = []
-    for mode in config.router:
-        bar = _ProgressBar(err, mode.value) if show_progress else None
-        try:
-            result = simulate(trace, config, mode, progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()
-        result.prefix_hit_rate_bound = bound_blocks
-        result.prefix_hit_rate_bound_tokens = bound_tokens
-        results.append(result)
-        if config.json:
-            out.write(json.dumps(result.to_json()) + "\n")
-            out.flush()
     notes: list[str] = []
-    if config.prefill_workers:
-        label = f"kv-disagg-{config.prefill_workers}p"
-        bar = _ProgressBar(err, label) if show_progress else None
-        try:
-            result, dstats = simulate_disaggregated(
-                trace,
-                config,
-                config.prefill_workers,
-                config.disagg_local_prefill_tokens,
-                progress=bar,
-            )
-        finally:
-            if bar is not None:
-                bar.close()
+
+    def report(result: ModeResult, extra: dict[str, Any]) -> None:
         result.prefix_hit_rate_bound = bound_blocks
         result.prefix_hit_rate_bound_tokens = bound_tokens
         results.append(result)
-        disagg = {
-            "remote_prefills": dstats.remote_prefills,
-            "local_prefills": dstats.local_prefills,
-            "transfer_fallbacks": dstats.transfer_fallbacks,
-            "kv_transfer_bytes": dstats.kv_transfer_bytes,
-        }
         if config.json:
-            out.write(json.dumps({**result.to_json(), "disagg": disagg}) + "\n")
+            out.write(json.dumps({**result.to_json(), **extra}) + "\n")
             out.flush()
-        notes.append(
-            f"{result.mode}: {dstats.remote_prefills} remote prefills, {dstats.local_prefills} "
-            f"local (short uncached part), {dstats.transfer_fallbacks} transfer fallbacks, "
-            f"{dstats.kv_transfer_bytes / 1e9:.2f} GB of KV moved"
-        )
+
+    for mode in config.router:
+        with _progress_bar(err, mode.value, show) as bar:
+            report(simulate(trace, config, mode, progress=bar), {})
+    if config.prefill_workers:
+        with _progress_bar(err, f"kv-disagg-{config.prefill_workers}p", show) as bar:
+            result, stats = simulate_disaggregated(trace, config, progress=bar)
+        row, note = _disagg_summary(stats)
+        report(result, {"disagg": row})
+        notes.append(f"{result.mode}: {note}")
     if not config.json:
         out.write(format_table(results) + "\n")
         for note in notes:

@@ -1,33 +1,37 @@
 """`kvmesh worker`: one engine behind WorkerService, until SIGINT/SIGTERM.
 
-Builds the engine named by `--engine` from its config dataclass (engines that import torch or
-an engine package do so only when asked for), wraps it in a Worker (gRPC server, health,
-reflection, discovery registration) and serves.
+Its flags are WorkerConfig's and every engine's config dataclass's (`ENTRY`). Builds the engine
+named by `--engine` from its config dataclass (engines that import torch or an engine package do
+so only when asked for), wraps it in a Worker (gRPC server, health, reflection, discovery
+registration) and serves.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.errors import Unimplemented
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import wait_for_signal
+from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
 from kvmesh.workers.config import EngineKind, WorkerConfig
 from kvmesh.workers.engine import Engine
+from kvmesh.workers.mocker.config import MockerConfig
+from kvmesh.workers.pytorch.config import TorchConfig  # imports no torch
 from kvmesh.workers.server import Worker
 
 # --- engines ----------------------------------------------------------------------------------
 
-EngineFactory = Callable[[Any, WorkerConfig, ModelDirInfo], Engine]
 
-
-def _mocker(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
-    from kvmesh.runtime.config import from_args
-    from kvmesh.workers.mocker import MockerConfig, MockerEngine
+def _mocker(engine: MockerConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+    from kvmesh.workers.mocker import MockerEngine
 
     return MockerEngine(
-        from_args(MockerConfig, ns),
+        engine,
         served_model_name=config.served_model_name or model.name,
         vocab_size=model.vocab_size,
         special_token_ids=model.special_token_ids,
@@ -37,18 +41,16 @@ def _mocker(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     )
 
 
-def _torch(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+def _torch(engine: TorchConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     # Imports torch and transformers: only when this engine is asked for.
-    from kvmesh.runtime.config import from_args
     from kvmesh.runtime.modeldir import default_model_dir
-    from kvmesh.workers.pytorch.config import TorchConfig
     from kvmesh.workers.pytorch.engine import TorchEngine
     from kvmesh.workers.pytorch.weights import create_tiny_weights, has_weights
 
     if model.path == default_model_dir().resolve() and not has_weights(model.path):
         create_tiny_weights(model.path)  # the built-in tiny model gets deterministic weights
     return TorchEngine(
-        from_args(TorchConfig, ns),
+        engine,
         model_dir=model.path,
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
@@ -56,14 +58,12 @@ def _torch(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     )
 
 
-def _vllm(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+def _vllm(engine: VllmConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     # The adapter imports vLLM only when the engine starts (kvmesh[vllm], a GPU).
-    from kvmesh.runtime.config import from_args
-    from kvmesh.workers.adapters.config import VllmConfig
     from kvmesh.workers.adapters.vllm_adapter import VllmEngine
 
     return VllmEngine(
-        from_args(VllmConfig, ns),
+        engine,
         model_path=str(model.path),
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
@@ -71,13 +71,11 @@ def _vllm(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     )
 
 
-def _sglang(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
-    from kvmesh.runtime.config import from_args
-    from kvmesh.workers.adapters.config import SglangConfig
+def _sglang(engine: SglangConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     from kvmesh.workers.adapters.sglang_adapter import SglangEngine
 
     return SglangEngine(
-        from_args(SglangConfig, ns),
+        engine,
         model_path=str(model.path),
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
@@ -86,13 +84,11 @@ def _sglang(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     )
 
 
-def _trtllm(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
-    from kvmesh.runtime.config import from_args
-    from kvmesh.workers.adapters.config import TrtllmConfig
+def _trtllm(engine: TrtllmConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     from kvmesh.workers.adapters.trtllm_adapter import TrtllmEngine
 
     return TrtllmEngine(
-        from_args(TrtllmConfig, ns),
+        engine,
         model_path=str(model.path),
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
@@ -100,38 +96,38 @@ def _trtllm(ns: Any, config: WorkerConfig, model: ModelDirInfo) -> Engine:
     )
 
 
-ENGINES: dict[EngineKind, EngineFactory] = {
-    EngineKind.MOCKER: _mocker,
-    EngineKind.TORCH: _torch,
-    EngineKind.VLLM: _vllm,
-    EngineKind.SGLANG: _sglang,
-    EngineKind.TRTLLM: _trtllm,
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine `kvmesh worker --engine` runs: its config dataclass (its flags) and its
+    factory."""
+
+    config: type[Any]
+    build: Callable[[Any, WorkerConfig, ModelDirInfo], Engine]
+
+
+ENGINES: dict[EngineKind, EngineSpec] = {
+    EngineKind.MOCKER: EngineSpec(MockerConfig, _mocker),
+    EngineKind.TORCH: EngineSpec(TorchConfig, _torch),
+    EngineKind.VLLM: EngineSpec(VllmConfig, _vllm),
+    EngineKind.SGLANG: EngineSpec(SglangConfig, _sglang),
+    EngineKind.TRTLLM: EngineSpec(TrtllmConfig, _trtllm),
 }
 
 
-def engine_arg_groups() -> list[type[Any]]:
-    """Config dataclasses whose flags `kvmesh worker` accepts besides WorkerConfig."""
-    from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
-    from kvmesh.workers.mocker import MockerConfig
-    from kvmesh.workers.pytorch.config import TorchConfig  # imports no torch
-
-    return [MockerConfig, TorchConfig, VllmConfig, SglangConfig, TrtllmConfig]
-
-
-def build_engine(config: WorkerConfig, ns: Any) -> Engine:
+def build_engine(config: WorkerConfig, ns: argparse.Namespace) -> Engine:
     """Construct the engine named by config.engine with its flags from `ns`."""
-    factory = ENGINES.get(config.engine)
-    if factory is None:
+    spec = ENGINES.get(config.engine)
+    if spec is None:
         raise Unimplemented(
             f"engine {config.engine.value!r} is not available yet; available: "
             + ", ".join(k.value for k in ENGINES)
         )
-    model = ModelDirInfo.load(resolve_model_dir(config.model))
-    return factory(ns, config, model)
+    engine = from_args(spec.config, ns)
+    return spec.build(engine, config, ModelDirInfo.load(resolve_model_dir(config.model)))
 
 
 async def serve_worker(
-    config: WorkerConfig, ns: Any, ready: Callable[[Worker], None] | None = None
+    config: WorkerConfig, ns: argparse.Namespace, ready: Callable[[Worker], None] | None = None
 ) -> None:
     """Run a worker until SIGINT/SIGTERM."""
     worker = Worker(config, build_engine(config, ns))
@@ -140,3 +136,17 @@ async def serve_worker(
         ready(worker)
     await wait_for_signal()
     await worker.stop()
+
+
+def main(ns: argparse.Namespace) -> int:
+    """`kvmesh worker`: serve until SIGINT/SIGTERM."""
+    run(serve_worker(from_args(WorkerConfig, ns), ns))
+    return 0
+
+
+ENTRY = Entry(
+    "worker",
+    "a worker process serving one engine (WorkerService)",
+    Flags.of(WorkerConfig, *(spec.config for spec in ENGINES.values())),
+    main,
+)

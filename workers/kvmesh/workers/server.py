@@ -33,12 +33,13 @@ from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import Instance, Registration, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
-from kvmesh.runtime.grpcutil import GrpcServer, status_for
+from kvmesh.runtime.grpcutil import GrpcServer, status_of
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, Role
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.disagg.release import GrpcKvReleaser
 from kvmesh.workers.engine import DisaggSettings, Engine, RequestHandle
+from kvmesh.workers.validation import validate_wire_request
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,10 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
                 await reader
 
     def engine_request(self, msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
-        """The engine's request for `msg`; refuses remote_prefill for engines that cannot
-        continue a remotely prefilled request."""
+        """The engine's request for `msg`; refuses fields the engine cannot honour (media
+        without MULTIMODAL, fields no engine implements) and remote_prefill for engines that
+        cannot continue a remotely prefilled request."""
+        validate_wire_request(msg, self.engine.info)
         req = wire.request_from_pb(msg, default_id=default_id)
         if req.remote_prefill is not None and "DISAGGREGATION" not in self.engine.info.capabilities:
             raise Unimplemented(
@@ -129,6 +132,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             )
         if self.draining:
             raise Unavailable(f"worker {self.worker_id} is draining")
+        validate_wire_request(request, self.engine.info)
         req = wire.prefill_request_from_pb(request, default_id=uuid.uuid4().hex)
         task = asyncio.current_task()
         assert task is not None
@@ -249,14 +253,15 @@ class _StreamSession:
         self.wake.set()
 
     def fail(self, request_id: str, exc: BaseException) -> None:
-        if isinstance(exc, KvmeshError):
-            code, detail = status_for(exc)
-        else:
+        if not isinstance(exc, KvmeshError):
             log.error("request %s failed", request_id, exc_info=exc)
-            code, detail = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+        status = status_of(exc)
         self.emit(
             wpb.StreamedGenerateOutput(
-                request_id=request_id, error_code=code.value[0], error_message=detail
+                request_id=request_id,
+                error_code=status.code,
+                error_message=status.message,
+                error_status=status.SerializeToString(),
             )
         )
 

@@ -1,18 +1,24 @@
 """Request validation shared by every engine adapter.
 
 Engines call `validate_request` first thing in `generate()`, so every engine rejects the same
-requests with the same messages. Errors name the offending parameter (`param=`) so the gateway can
-return OpenAI-style errors.
+requests with the same messages; the worker server calls `validate_wire_request` on each request
+message before converting it, for the contract fields that never reach an engine. Errors name the
+offending parameter (`param=`) so the gateway can return OpenAI-style errors.
+
+A request that asks for something the engine's model card does not advertise (guided decoding,
+logprobs, a LoRA adapter, media inputs) is refused with InvalidRequest, never served as if the
+field were not there.
 """
 
 from __future__ import annotations
 
 import math
 
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge
 from kvmesh.runtime.types import EngineRequest, ModelInfo
 
-__all__ = ["MAX_TOP_LOGPROBS", "validate_request"]
+__all__ = ["MAX_TOP_LOGPROBS", "validate_request", "validate_wire_request"]
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives a request may ask logprobs for (OpenAI's limit)."""
@@ -30,8 +36,11 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
     top_k >= 0; 0 <= min_p <= 1; presence/frequency penalties in [-2, 2]; repetition_penalty > 0;
     0 <= top_logprobs <= 20; logit_bias ids >= 0 with biases in [-100, 100]; max_tokens >= 1;
     0 <= min_tokens <= max_tokens; stop token ids >= 0; prompt shorter than the context length and
-    prompt + max_tokens within it. Token ids are not checked against the vocabulary (unknown here).
+    prompt + max_tokens within it; guided decoding, logprobs and a LoRA adapter only when the model
+    card advertises GUIDED_DECODING, LOGPROBS and LORA. Token ids are not checked against the
+    vocabulary (unknown here).
     """
+    _check_capabilities(request, info)
     prompt = request.prompt
     if not prompt:
         raise InvalidRequest("prompt must contain at least one token", param="prompt")
@@ -95,3 +104,33 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
             f"model's context length of {ctx}; lower max_tokens to at most {ctx - n}",
             param="max_tokens",
         )
+
+
+def _missing(info: ModelInfo, capability: str, what: str, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what} needs an engine with the {capability} capability; engine "
+        f"{info.engine or 'unknown'!r} serving {info.served_model_name!r} does not advertise it",
+        param=param,
+    )
+
+
+def _check_capabilities(request: EngineRequest, info: ModelInfo) -> None:
+    caps = info.capabilities
+    s = request.sampling
+    if s.guided is not None and "GUIDED_DECODING" not in caps:
+        raise _missing(info, "GUIDED_DECODING", "structured output", "response_format")
+    if s.top_logprobs is not None and "LOGPROBS" not in caps:
+        raise _missing(info, "LOGPROBS", "logprobs", "logprobs")
+    if request.lora_name and "LORA" not in caps:
+        raise _missing(info, "LORA", f"LoRA adapter {request.lora_name!r}", "lora_name")
+
+
+def validate_wire_request(
+    msg: wpb.GenerateRequest | wpb.PrefillRemoteRequest, info: ModelInfo
+) -> None:
+    """Raise InvalidRequest for contract fields of `msg` that `info`'s engine cannot honour and
+    that an EngineRequest does not carry: media inputs need the MULTIMODAL capability (which no
+    kvmesh engine has yet). Fields no engine implements at all are refused by
+    kvmesh.runtime.wire when it converts the message."""
+    if msg.media and "MULTIMODAL" not in info.capabilities:
+        raise _missing(info, "MULTIMODAL", "media inputs", "media")

@@ -1,4 +1,4 @@
-"""Per-request bookkeeping shared by the engines built on the batching scheduler."""
+"""Per-request bookkeeping of the async engine core (kvmesh.workers.batching.engine)."""
 
 from __future__ import annotations
 

@@ -298,15 +298,30 @@ class BatchScheduler(Generic[S, C]):
         n = len(request.prompt)
         return self.max_seq_len if max_tokens is None else min(self.max_seq_len, n + max_tokens)
 
-    def _add(
+    def add(
         self,
         request: EngineRequest,
-        now: float,
-        pin: bool,
-        first_token: int | None,
-        blocks: list[int] | None,
-        cached_tokens: int,
+        now: float = 0.0,
+        *,
+        pin: bool = False,
+        first_token: int | None = None,
+        blocks: list[int] | None = None,
+        cached_tokens: int = 0,
     ) -> None:
+        """Queue `request` (assumed to pass kvmesh.workers.validation) arriving at `now`
+        (recorded only; the torch engine leaves it 0).
+
+        `pin`: hand the request off after its first token, keeping its blocks; `first_token`:
+        continue a request prefilled elsewhere, with its prompt KV in `blocks` (or recompute it
+        when None); `cached_tokens`: the prefix-cache hits to report for such a request (see
+        "Disaggregated serving" in the module docstring).
+
+        Raises what `check` raises: InvalidRequest for a duplicate request id (and whatever the
+        engine's `_check_request` refuses), RequestTooLarge when the prompt does not leave room
+        for one token, ResourceExhausted when the prompt can never be scheduled (more blocks than
+        the pool has beyond the watermark or, without chunked prefill, more tokens than one
+        step's budget).
+        """
         self.check(request)
         rid = request.request_id
         n = len(request.prompt)

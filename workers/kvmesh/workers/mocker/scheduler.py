@@ -121,28 +121,6 @@ class MockerScheduler(BatchScheduler[_Seq, MockerConfig]):
         )
         self.sampler = TokenSampler(vocab_size, excluded_token_ids)
 
-    def add(
-        self,
-        request: EngineRequest,
-        now: float,
-        *,
-        pin: bool = False,
-        first_token: int | None = None,
-        blocks: list[int] | None = None,
-        cached_tokens: int = 0,
-    ) -> None:
-        """Queue `request` (assumed validated, see kvmesh.workers.validation).
-
-        `pin`, `first_token`, `blocks`, `cached_tokens`: disaggregated serving (see the module
-        docstring).
-
-        Raises InvalidRequest for a duplicate request id, RequestTooLarge when the prompt does not
-        leave room for one token within max_model_len, ResourceExhausted when the prompt can never
-        be scheduled (more blocks than the pool has beyond the watermark, or, without chunked
-        prefill, more tokens than one step's budget).
-        """
-        self._add(request, now, pin, first_token, blocks, cached_tokens)
-
     def _new_seq(self, request: EngineRequest, arrival: int, now: float) -> _Seq:
         seq = _Seq(request, arrival, now)
         if seq.greedy:

@@ -1,20 +1,18 @@
 """The PyTorch engine: real models from Hugging Face directories, served with continuous batching.
 
-One loop task on the event loop runs: `scheduler.schedule()` -> the forward pass and sampling
-on the engine's single executor thread (`run_in_executor`, so the gRPC server stays responsive
-while the model computes) -> `scheduler.complete()` -> the sampled tokens go to the requests'
-sinks, on the loop thread. With nothing to do it awaits an event (no busy loop).
+TorchScheduler inside the shared async engine core (kvmesh.workers.batching.engine). A step
+(`_run_step`) is `scheduler.schedule()` (event loop) -> the forward pass and sampling on the
+engine's single executor thread (`run_in_executor`, so the gRPC server stays responsive while
+the model computes) -> `scheduler.complete()` (event loop).
 
 Everything that touches the KV tensors (forwards, block export/import) runs on that one thread,
 in submission order, so a KV copy never races a forward.
 
 Disaggregated serving (kvmesh.workers.disagg): the KV cache tensor is registered with a NIXL
-agent (host memory on CPU, GPU memory on CUDA). `prefill_remote` runs the prompt as a pinned
-request (TorchScheduler `pin`) and returns a handle whose descriptors point into that tensor;
-`submit` of a request with `remote_prefill` pulls the blocks with a NIXL READ straight into free
-blocks of this engine's cache (after the forward in flight, which may still write blocks an
-abort just freed), releases them on the prefill worker, caches them, and decodes from the first
-token (TorchScheduler `first_token`/`blocks`).
+agent (host memory on CPU, GPU memory on CUDA). A prefill engine's handles point into that tensor
+(`_kv_source`) and it drives NIXL's progress while blocks are pinned; a decode engine reads the
+blocks with a NIXL READ straight into free blocks of its cache (`_read_kv`, after the forward in
+flight, which may still write blocks an abort just freed).
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import concurrent.futures
 import contextlib
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,31 +34,23 @@ from kvmesh.runtime.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvmesh.runtime.kv_events import AllCleared, CachedBlock, KvEventLog
+from kvmesh.runtime.kv_events import AllCleared, KvEventLog
 from kvmesh.runtime.types import (
-    EngineOutput,
     EngineRequest,
-    FinishReason,
     KvBlockDescriptor,
     KvLayout,
     KvTransferHandle,
-    LoadInfo,
     ModelInfo,
     PrefillResult,
-    RemotePrefill,
     Role,
-    Usage,
 )
-from kvmesh.workers.batching.requests import CancelHandle, FirstOutput, SubmittedRequest
+from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
-from kvmesh.workers.disagg.pins import PinnedTransfers
-from kvmesh.workers.engine import DisaggSettings, Engine, OutputSink, RequestHandle
 from kvmesh.workers.pytorch.config import TorchConfig
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
 from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
-from kvmesh.workers.validation import validate_request
 
 __all__ = ["TorchEngine", "kv_cache_blocks"]
 
@@ -70,17 +59,6 @@ log = logging.getLogger(__name__)
 _GIB = 1 << 30
 _CPU_DEFAULT_KV_GB = 1.0
 _CUDA_MEMORY_FRACTION = 0.9
-
-
-@dataclass(slots=True)
-class _Pulled:
-    """Blocks pulled from a prefill worker, referenced, not yet cached."""
-
-    blocks: list[int]
-    hashes: list[int]
-    num_had: int
-    """Leading blocks that were already cached here (not pulled)."""
-    nbytes: int
 
 
 def _barrier() -> None:
@@ -106,7 +84,7 @@ def kv_cache_blocks(
     return max(1, min(budget // spec.block_bytes, useful))
 
 
-class TorchEngine(Engine):
+class TorchEngine(BatchingEngine[TorchScheduler]):
     """A real inference engine over a Hugging Face causal LM (Llama, Mistral, Qwen2/3 style):
     continuous batching, paged KV cache with prefix caching, LRU eviction, preemption by
     recompute, KV events, real sampling and logprobs.
@@ -116,10 +94,12 @@ class TorchEngine(Engine):
     modified). `eos_token_ids` stop generation (from the model card); `context_length` defaults
     to the model config's; `config.max_model_len` overrides it.
 
-    Beyond the Engine contract: `cached_blocks()` / `cached_block_hashes()` (the pool's view of
-    the prefix cache), `kv_spec` (block layout), `export_blocks` / `import_blocks` (move cached
-    KV blocks between engines), and `scheduler` (the synchronous core).
+    Beyond the Engine contract: what BatchingEngine offers (`scheduler`, `cached_blocks()`, ...),
+    `kv_spec` (block layout), `kv_cache`, and `read_blocks` / `export_blocks` / `import_blocks`
+    (move cached KV blocks between engines).
     """
+
+    engine_name = "torch"
 
     def __init__(
         self,
@@ -131,6 +111,7 @@ class TorchEngine(Engine):
         context_length: int = 0,
         loaded: LoadedModel | None = None,
     ) -> None:
+        super().__init__(events=KvEventLog() if config.enable_prefix_caching else None)
         self.config = config
         self.model_dir = Path(model_dir)
         self._served_model_name = served_model_name
@@ -138,40 +119,11 @@ class TorchEngine(Engine):
         self._context_length = context_length
         self._loaded = loaded
         self._shared_model = loaded is not None
-        self._events = KvEventLog() if config.enable_prefix_caching else None
         self._runner: ModelRunner | None = None
-        self._scheduler: TorchScheduler | None = None
-        self._info: ModelInfo | None = None
-        self._requests: dict[str, SubmittedRequest] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._forward: asyncio.Future[Any] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._accepting = False
-        self._disagg = DisaggSettings()
-        self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
         self._agent: NixlKvAgent | None = None
-        self._pulls: set[asyncio.Task[None]] = set()
         self._pump: asyncio.Task[None] | None = None
-
-    # -- Engine --------------------------------------------------------------------------------
-
-    @property
-    def info(self) -> ModelInfo:
-        if self._info is None:
-            raise Unavailable("the torch engine has not been started")
-        return self._info
-
-    @property
-    def kv_events(self) -> KvEventLog | None:
-        return self._events
-
-    @property
-    def scheduler(self) -> TorchScheduler:
-        """The synchronous core (valid after start)."""
-        if self._scheduler is None:
-            raise Unavailable("the torch engine has not been started")
-        return self._scheduler
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -180,10 +132,9 @@ class TorchEngine(Engine):
             raise Unavailable("the torch engine has not been started")
         return self._runner.cache.spec
 
-    async def start(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._accepting = True
-            return
+    # -- resources and steps -------------------------------------------------------------------
+
+    async def _open(self) -> None:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, "torch-engine")
         if self._runner is None or self._scheduler is None:
@@ -191,8 +142,6 @@ class TorchEngine(Engine):
             await loop.run_in_executor(self._executor, self._setup)
         if self._disagg.role is not Role.AGGREGATED:
             self._ensure_agent()  # fail at startup, not on the first request
-        self._accepting = True
-        self._task = asyncio.create_task(self._run(), name="torch-engine-loop")
 
     def _setup(self) -> None:
         """Load the model, allocate the KV cache, build the scheduler (executor thread)."""
@@ -219,7 +168,7 @@ class TorchEngine(Engine):
         self._scheduler = sched
         self._info = ModelInfo(
             served_model_name=self._served_model_name,
-            engine="torch",
+            engine=self.engine_name,
             kv_block_size=cfg.block_size,
             kv_total_blocks=num_blocks,
             context_length=sched.max_seq_len,
@@ -227,11 +176,7 @@ class TorchEngine(Engine):
             role=self._disagg.role,
             max_num_seqs=cfg.max_num_seqs,
             eos_token_ids=self._eos,
-            capabilities=(
-                *(("KV_EVENTS",) if self._events is not None else ()),
-                "LOGPROBS",
-                *(("DISAGGREGATION",) if self._disagg.role is not Role.AGGREGATED else ()),
-            ),
+            capabilities=self._capabilities(),
         )
         log.info(
             "torch engine: %s (%s) on %s as %s, %d KV blocks of %d tokens (%.1f MiB), "
@@ -246,39 +191,12 @@ class TorchEngine(Engine):
             sched.max_seq_len,
         )
 
-    async def stop(self) -> None:
-        self._accepting = False
-        pulls = list(self._pulls)
-        for t in pulls:
-            t.cancel()
-        for t in pulls:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._pins.release_all()
+    async def _close(self) -> None:
         pump, self._pump = self._pump, None
         if pump is not None:
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
-        sched = self._scheduler
-        requests, self._requests = self._requests, {}
-        for rid, req in requests.items():
-            usage = sched.usage(rid) if sched is not None else None
-            cached = usage.cached_tokens if usage is not None else 0
-            req.sink.output(
-                EngineOutput(
-                    [],
-                    finish_reason=FinishReason.CANCELLED,
-                    usage=Usage(req.prompt_tokens, req.delivered, cached),
-                )
-            )
-        if sched is not None:
-            sched.abort_all()
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         forward, self._forward = self._forward, None
         if forward is not None:
             with contextlib.suppress(BaseException):
@@ -290,6 +208,7 @@ class TorchEngine(Engine):
         if agent is not None:
             agent.close()  # before the KV cache it registered goes away
         # Release the KV cache (and the model, if this engine loaded it); start() rebuilds them.
+        sched = self._scheduler
         if sched is not None and self._events is not None and sched.pool.num_cached:
             self._events.publish(AllCleared())
         self._runner = None
@@ -297,44 +216,19 @@ class TorchEngine(Engine):
         if not self._shared_model:
             self._loaded = None
 
-    def submit(self, request: EngineRequest, sink: OutputSink) -> RequestHandle:
-        if not self._accepting or self._scheduler is None:
-            raise Unavailable("the torch engine is not running")
-        validate_request(request, self.info)
-        rid = request.request_id
-        if rid in self._requests:
-            raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
-        if request.remote_prefill is not None:
-            return self._submit_remote(request, sink)
-        self._scheduler.add(request)
-        self._requests[rid] = SubmittedRequest(sink, len(request.prompt))
-        self._wake.set()
-        return CancelHandle(self._cancel, rid)
+    async def _run_step(self, sched: TorchScheduler) -> Sequence[SeqOutput] | None:
+        step = sched.schedule()
+        if not step.chunks:
+            return [] if step.num_preempted else None
+        runner, executor = self._runner, self._executor
+        assert runner is not None and executor is not None
+        loop = asyncio.get_running_loop()
+        self._forward = loop.run_in_executor(executor, runner.execute, step.chunks)
+        sampled = await asyncio.shield(self._forward)
+        self._forward = None
+        return sched.complete(step, sampled)
 
-    def _cancel(self, request_id: str) -> None:
-        if self._requests.pop(request_id, None) is not None and self._scheduler is not None:
-            self._scheduler.abort(request_id)
-            self._wake.set()
-
-    def load(self) -> LoadInfo:
-        if self._scheduler is None:
-            return LoadInfo()
-        return self._scheduler.load()
-
-    async def clear_kv_cache(self) -> int:
-        return self._scheduler.clear_cache() if self._scheduler is not None else 0
-
-    # -- disaggregated serving -----------------------------------------------------------------
-
-    def configure_disaggregation(self, settings: DisaggSettings) -> None:
-        self._disagg = settings
-        self._pins.default_ttl_s = settings.pin_timeout_s
-        if self._info is not None:  # already started: the card follows
-            self._info.role = settings.role
-            caps = tuple(c for c in self._info.capabilities if c != "DISAGGREGATION")
-            if settings.role is not Role.AGGREGATED:
-                caps += ("DISAGGREGATION",)
-            self._info.capabilities = caps
+    # -- KV transfer over NIXL -----------------------------------------------------------------
 
     @property
     def kv_layout(self) -> KvLayout:
@@ -375,231 +269,54 @@ class TorchEngine(Engine):
             self._agent = agent
         return self._agent
 
-    async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
-        if not self._accepting or self._scheduler is None:
-            raise Unavailable("the torch engine is not running")
-        validate_request(request, self.info)
+    def _kv_source(self) -> KvSource:
         agent = self._ensure_agent()
-        sched = self._scheduler
-        tid = self._pins.new_id()  # also the internal request id: never collides
-        internal = EngineRequest(
-            tid, request.prompt, request.sampling, request.stop, request.lora_name, request.priority
+        return KvSource(
+            self._block_address,
+            agent.name,
+            agent.metadata,
+            agent.memory_kind,
+            agent.device_id,
         )
-        sink = FirstOutput()
-        sched.add(internal, pin=True)
-        self._requests[tid] = SubmittedRequest(sink, len(request.prompt))
-        self._wake.set()
+
+    async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
+        result = await super().prefill_remote(request)
+        agent = self._agent
+        if result.remote.handle is not None and agent is not None:
+            if self._pump is None or self._pump.done():  # progress while decode workers read
+                self._pump = asyncio.create_task(agent.pump(lambda: len(self._pins) > 0))
+        return result
+
+    def _can_read_kv(self, handle: KvTransferHandle) -> bool:
         try:
-            out = await sink.future
-        except BaseException:  # cancelled (the caller went away) or the engine failed
-            self._cancel(tid)
-            if self._scheduler is sched:
-                sched.release_pinned(tid)
-            raise
-        if out.finish_reason is FinishReason.CANCELLED:
-            raise Unavailable("the torch engine stopped during the prefill")
-        assert out.usage is not None and out.token_ids
-        usage = out.usage
-        remote = RemotePrefill(
-            first_token_id=out.token_ids[0],
-            first_logprob=out.logprobs[0] if out.logprobs else None,
-            cached_tokens=usage.cached_tokens,
-        )
-        if out.finish_reason is not None:  # the first token ends the request: nothing pinned
-            return PrefillResult(remote, usage, out.finish_reason, out.stop_token_id)
-        blocks = sched.pinned[tid]
-        expires_ms = self._pins.pin(tid, tid)
-        if self._pump is None or self._pump.done():  # progress while decode workers read
-            self._pump = asyncio.create_task(agent.pump(lambda: len(self._pins) > 0))
-        layout = self.kv_layout
-        n_full = len(request.prompt) // layout.block_size
-        pool = sched.pool
-        remote.handle = KvTransferHandle(
-            transfer_id=tid,
-            layout=layout,
-            blocks=[
-                KvBlockDescriptor(
-                    (pool.hash_of(b) or 0) if i < n_full else 0,
-                    self._block_address(b),
-                    layout.block_bytes,
-                    agent.device_id,
-                )
-                for i, b in enumerate(blocks)
-            ],
-            num_computed_tokens=len(request.prompt),
-            agent_name=agent.name,
-            agent_metadata=agent.metadata,
-            memory_kind=agent.memory_kind,
-            expires_after_ms=expires_ms,
-        )
-        return PrefillResult(remote, usage)
-
-    async def release_kv(self, transfer_id: str) -> bool:
-        return self._pins.release(transfer_id)
-
-    def _release_pinned(self, key: str) -> None:
-        if self._scheduler is not None:
-            self._scheduler.release_pinned(key)
-
-    def _submit_remote(self, request: EngineRequest, sink: OutputSink) -> RequestHandle:
-        """Start a remote-prefilled request: pull its KV, then decode (a task per request)."""
-        assert self._scheduler is not None
-        self._scheduler.check(request)
-        rid = request.request_id
-        entry = SubmittedRequest(sink, len(request.prompt))
-        entry.delivered = 1  # the first token, sampled on the prefill worker
-        self._requests[rid] = entry
-        task = asyncio.create_task(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
-        self._pulls.add(task)
-        task.add_done_callback(self._pulls.discard)
-        return CancelHandle(self._cancel, rid)
-
-    async def _guard_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
-        try:
-            await self._continue_remote(request, entry)
-        except Exception as exc:  # a bug: fail the request rather than leave it hanging
-            log.exception("continuing remote prefill of %s failed", request.request_id)
-            if self._requests.get(request.request_id) is entry:
-                del self._requests[request.request_id]
-                entry.sink.fail(Unavailable(f"the torch engine failed: {exc!r}"))
-
-    async def _continue_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
-        rp = request.remote_prefill
-        assert rp is not None
-        sched = self.scheduler
-        pool = sched.pool
-        handle = rp.handle
-        blocks: list[int] | None = None
-        if handle is not None:
-            pulled = await self._pull(request, handle)
-            try:
-                confirmed = await self._disagg.release_remote(handle)
-            except Exception:
-                log.exception("releasing transfer %s failed", handle.transfer_id)
-                confirmed = False
-            except BaseException:
-                if pulled is not None:
-                    pool.release(pulled.blocks)
-                raise
-            if pulled is not None and confirmed:
-                blocks = pulled.blocks
-                n_full = len(request.prompt) // sched.block_size
-                pool.cache_full_blocks(
-                    blocks, pulled.hashes, pulled.num_had, n_full, request.prompt, request.lora_name
-                )
-                entry.kv_bytes = pulled.nbytes
-            elif pulled is not None:
-                log.warning(
-                    "transfer %s was released or expired before the pull was confirmed; "
-                    "recomputing the prompt",
-                    handle.transfer_id,
-                )
-                pool.release(pulled.blocks)
-            entry.fallback = blocks is None
-        rid = request.request_id
-        if self._requests.get(rid) is not entry or self._scheduler is not sched:
-            if blocks is not None:
-                pool.release(blocks)  # cancelled meanwhile: the pulled prefix stays cached
-            return
-        if len(request.prompt) + 1 >= sched.max_len(request):
-            # This engine's context ends right after the first token.
-            if blocks is not None:
-                pool.release(blocks)
-            del self._requests[rid]
-            entry.sink.output(
-                EngineOutput(
-                    [],
-                    finish_reason=FinishReason.LENGTH,
-                    usage=Usage(len(request.prompt), 1, rp.cached_tokens),
-                    kv_transfer_bytes=entry.kv_bytes,
-                    remote_prefill_fallback=entry.fallback,
-                )
-            )
-            return
-        try:
-            sched.add(
-                request,
-                first_token=rp.first_token_id,
-                blocks=blocks,
-                cached_tokens=rp.cached_tokens,
-            )
-        except KvmeshError as exc:
-            if blocks is not None:
-                pool.release(blocks)
-            del self._requests[rid]
-            entry.sink.fail(exc)
-            return
-        self._wake.set()
-
-    async def _pull(self, request: EngineRequest, handle: KvTransferHandle) -> _Pulled | None:
-        """Pull the prompt's blocks that are not cached here; None when the KV cannot be
-        pulled (the caller recomputes the prompt). The blocks returned are referenced."""
-        try:
-            agent = self._ensure_agent()
+            self._ensure_agent()
         except (KvmeshError, ImportError) as exc:
             log.warning("cannot pull remote KV: %s", exc)
-            return None
-        local = self.kv_layout
-        remote = handle.layout
-        sched = self.scheduler
-        pool = sched.pool
-        bs = sched.block_size
-        prompt = request.prompt
-        n = len(prompt)
-        nb = -(-n // bs)
-        if (
-            not handle.agent_name
-            or not local.compatible(remote)
-            or local.chunk_bytes != remote.chunk_bytes
-            or handle.num_computed_tokens != n
-            or len(handle.blocks) != nb
-        ):
-            log.warning("transfer %s does not fit this engine's KV layout", handle.transfer_id)
-            return None
-        hashes = sched.prefix_hashes(prompt, request.lora_name)
-        have = pool.match_prefix(hashes, n // bs)
-        need = nb - len(have)
-        if pool.num_free - pool.count_evictable(have) < need:
-            log.warning("no room for %d pulled KV blocks; recomputing the prompt", need)
-            return None
-        pool.acquire(have)
-        fresh = pool.allocate(need)
-        blocks = have + fresh
-        try:
-            if fresh:
-                await self._on_executor(_barrier)
-                nbytes = await agent.read(
-                    handle.agent_name,
-                    handle.agent_metadata,
-                    block_pieces([self._block_address(b) for b in fresh], local, agent.device_id),
-                    block_pieces(
-                        [d.address for d in handle.blocks[len(have) :]],
-                        remote,
-                        handle.blocks[0].device_id,
-                    ),
-                    remote_kind=handle.memory_kind,
-                    timeout_s=self._disagg.transfer_timeout_s,
-                )
-            else:
-                nbytes = 0
-        except BaseException as exc:
-            if self._scheduler is sched:
-                pool.release(blocks)
-            if not isinstance(exc, Exception):
-                raise
-            log.warning("pulling transfer %s failed: %s", handle.transfer_id, exc, exc_info=True)
-            return None
-        return _Pulled(blocks, hashes, len(have), nbytes)
+            return False
+        local, remote = self.kv_layout, handle.layout
+        return (
+            bool(handle.agent_name)
+            and local.compatible(remote)
+            and local.chunk_bytes == remote.chunk_bytes
+        )
+
+    async def _read_kv(
+        self, handle: KvTransferHandle, blocks: list[int], remote: Sequence[KvBlockDescriptor]
+    ) -> int:
+        if not blocks:
+            return 0
+        agent = self._ensure_agent()
+        await self._on_executor(_barrier)
+        return await agent.read(
+            handle.agent_name,
+            handle.agent_metadata,
+            block_pieces([self._block_address(b) for b in blocks], self.kv_layout, agent.device_id),
+            block_pieces([d.address for d in remote], handle.layout, handle.blocks[0].device_id),
+            remote_kind=handle.memory_kind,
+            timeout_s=self._disagg.transfer_timeout_s,
+        )
 
     # -- extras --------------------------------------------------------------------------------
-
-    def cached_blocks(self) -> dict[int, CachedBlock]:
-        """The pool's cached blocks: hash -> (parent_hash, token_ids, lora_name)."""
-        return self.scheduler.cached_blocks()
-
-    def cached_block_hashes(self) -> set[int]:
-        """Hashes of the pool's cached blocks (referenced or evictable)."""
-        return set(self.scheduler.cached_blocks())
 
     async def _on_executor(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:
@@ -689,64 +406,3 @@ class TorchEngine(Engine):
     def _write(cache: PagedKvCache, blocks: list[int], kv: torch.Tensor) -> None:
         with torch.inference_mode():
             cache.write_blocks(blocks, kv)
-
-    # -- the loop ------------------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        try:
-            await self._loop()
-        except Exception as e:  # a bug or a device error: fail every request, stop accepting
-            log.exception("torch engine loop failed")
-            self._accepting = False
-            error = Unavailable(f"the torch engine failed: {e!r}")
-            requests, self._requests = self._requests, {}
-            for req in requests.values():
-                req.sink.fail(error)
-
-    async def _loop(self) -> None:
-        sched = self.scheduler
-        runner = self._runner
-        assert runner is not None and self._executor is not None
-        executor = self._executor
-        loop = asyncio.get_running_loop()
-        wake = self._wake
-        while True:
-            if not sched.has_work:
-                wake.clear()
-                await wake.wait()
-                continue
-            step = sched.schedule()
-            if not step.chunks:
-                if not step.num_preempted:
-                    # Nothing can run until something changes (an abort, a new request).
-                    wake.clear()
-                    await wake.wait()
-                continue
-            self._forward = loop.run_in_executor(executor, runner.execute, step.chunks)
-            sampled = await asyncio.shield(self._forward)
-            self._forward = None
-            self._deliver(sched.complete(step, sampled))
-
-    def _deliver(self, outputs: Sequence[SeqOutput]) -> None:
-        requests = self._requests
-        for out in outputs:
-            req = requests.get(out.request_id)
-            if req is None:
-                continue  # cancelled while the step ran
-            req.delivered += 1
-            logprobs = [out.logprob] if out.logprob is not None else None
-            if out.finish_reason is None and not out.handoff:
-                req.sink.output(EngineOutput([out.token_id], logprobs))
-            else:
-                del requests[out.request_id]
-                req.sink.output(
-                    EngineOutput(
-                        [out.token_id],
-                        logprobs,
-                        out.finish_reason,
-                        out.usage,
-                        out.stop_token_id,
-                        req.kv_bytes,
-                        req.fallback,
-                    )
-                )

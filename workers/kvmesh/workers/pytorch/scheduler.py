@@ -107,29 +107,6 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                 f"logit_bias token ids must be < the vocabulary size {vocab}", param="logit_bias"
             )
 
-    def add(
-        self,
-        request: EngineRequest,
-        *,
-        pin: bool = False,
-        first_token: int | None = None,
-        blocks: list[int] | None = None,
-        cached_tokens: int = 0,
-    ) -> None:
-        """Queue `request` (assumed to pass kvmesh.workers.validation).
-
-        `pin`: hand the request off after its first token, keeping its blocks (see the module
-        docstring); `first_token`: continue a request prefilled elsewhere, with its prompt KV in
-        `blocks` (or recompute it when None); `cached_tokens`: the prefix-cache hits to report
-        for such a request.
-
-        Raises InvalidRequest for a duplicate id, token ids outside the vocabulary or a LoRA
-        adapter; RequestTooLarge when the prompt leaves no room for one token; ResourceExhausted
-        when the prompt can never be scheduled (more blocks than the pool has or, without chunked
-        prefill, more tokens than one step's budget).
-        """
-        self._add(request, 0.0, pin, first_token, blocks, cached_tokens)
-
     def _new_seq(self, request: EngineRequest, arrival: int, now: float) -> _Seq:
         vocab = self.vocab_size
         seq = _Seq(request, arrival)

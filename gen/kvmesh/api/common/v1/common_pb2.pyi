@@ -93,7 +93,10 @@ class _KvTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvTier.ValueTy
     """Local disk offload tier."""
 
 class KvTier(_KvTier, metaclass=_KvTierEnumTypeWrapper):
-    """Where a KV block lives in the tiered cache."""
+    """Where a KV block lives in the tiered cache. Tiered offload is not implemented yet: kvmesh
+    workers publish DEVICE blocks only, and routers leave events on the HOST and DISK tiers out of
+    their index (counted and logged), so such a block is never taken for a device-tier one.
+    """
 
 KV_TIER_UNSPECIFIED: KvTier.ValueType  # 0
 """Not stated: treat as DEVICE."""
@@ -118,13 +121,21 @@ class _EngineCapabilityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Engi
     ENGINE_CAPABILITY_GUIDED_DECODING: _EngineCapability.ValueType  # 2
     """Structured output (JSON schema, regex, grammar, choice)."""
     ENGINE_CAPABILITY_EMBEDDINGS: _EngineCapability.ValueType  # 3
-    """Pooled embeddings for /v1/embeddings."""
+    """Pooled embeddings for /v1/embeddings. No kvmesh engine has it yet: the gateway answers
+    /v1/embeddings with a 400 naming the missing capability.
+    """
     ENGINE_CAPABILITY_MULTIMODAL: _EngineCapability.ValueType  # 4
-    """Image / audio inputs."""
+    """Image / audio inputs (GenerateRequest.media). No kvmesh engine has it yet: workers refuse
+    media with INVALID_ARGUMENT, and the gateway refuses image and audio content parts.
+    """
     ENGINE_CAPABILITY_LORA: _EngineCapability.ValueType  # 5
-    """LoRA adapters selectable per request."""
+    """LoRA adapters selectable per request (GenerateRequest.lora_name). Workers without it refuse
+    a lora_name with INVALID_ARGUMENT.
+    """
     ENGINE_CAPABILITY_SPECULATIVE_DECODING: _EngineCapability.ValueType  # 6
-    """Speculative decoding (draft model or n-gram)."""
+    """Speculative decoding (draft model or n-gram). Informational: no request field depends on it,
+    and no kvmesh engine advertises it yet.
+    """
     ENGINE_CAPABILITY_DISAGGREGATION: _EngineCapability.ValueType  # 7
     """Can serve PrefillRemote and pull blocks from a prefill worker."""
     ENGINE_CAPABILITY_KV_EVENTS: _EngineCapability.ValueType  # 8
@@ -140,18 +151,93 @@ ENGINE_CAPABILITY_LOGPROBS: EngineCapability.ValueType  # 1
 ENGINE_CAPABILITY_GUIDED_DECODING: EngineCapability.ValueType  # 2
 """Structured output (JSON schema, regex, grammar, choice)."""
 ENGINE_CAPABILITY_EMBEDDINGS: EngineCapability.ValueType  # 3
-"""Pooled embeddings for /v1/embeddings."""
+"""Pooled embeddings for /v1/embeddings. No kvmesh engine has it yet: the gateway answers
+/v1/embeddings with a 400 naming the missing capability.
+"""
 ENGINE_CAPABILITY_MULTIMODAL: EngineCapability.ValueType  # 4
-"""Image / audio inputs."""
+"""Image / audio inputs (GenerateRequest.media). No kvmesh engine has it yet: workers refuse
+media with INVALID_ARGUMENT, and the gateway refuses image and audio content parts.
+"""
 ENGINE_CAPABILITY_LORA: EngineCapability.ValueType  # 5
-"""LoRA adapters selectable per request."""
+"""LoRA adapters selectable per request (GenerateRequest.lora_name). Workers without it refuse
+a lora_name with INVALID_ARGUMENT.
+"""
 ENGINE_CAPABILITY_SPECULATIVE_DECODING: EngineCapability.ValueType  # 6
-"""Speculative decoding (draft model or n-gram)."""
+"""Speculative decoding (draft model or n-gram). Informational: no request field depends on it,
+and no kvmesh engine advertises it yet.
+"""
 ENGINE_CAPABILITY_DISAGGREGATION: EngineCapability.ValueType  # 7
 """Can serve PrefillRemote and pull blocks from a prefill worker."""
 ENGINE_CAPABILITY_KV_EVENTS: EngineCapability.ValueType  # 8
 """Emits KV cache events on SubscribeKvEvents (without it routers use approximate mode)."""
 Global___EngineCapability: _TypeAlias = EngineCapability  # noqa: Y015
+
+class _ErrorReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ERROR_REASON_UNSPECIFIED: _ErrorReason.ValueType  # 0
+    """Never sent."""
+    ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 1
+    """An unexpected failure (INTERNAL)."""
+    ERROR_REASON_INVALID_REQUEST: _ErrorReason.ValueType  # 2
+    """The request is malformed, violates a limit or asks for something the engine lacks
+    (INVALID_ARGUMENT).
+    """
+    ERROR_REASON_CONTEXT_LENGTH_EXCEEDED: _ErrorReason.ValueType  # 3
+    """The prompt, or the prompt plus max_tokens, does not fit the model's context length
+    (INVALID_ARGUMENT).
+    """
+    ERROR_REASON_NOT_FOUND: _ErrorReason.ValueType  # 4
+    """Unknown model, LoRA adapter or transfer (NOT_FOUND)."""
+    ERROR_REASON_RESOURCE_EXHAUSTED: _ErrorReason.ValueType  # 5
+    """Overloaded, or the request can never fit the KV cache (RESOURCE_EXHAUSTED)."""
+    ERROR_REASON_UNAVAILABLE: _ErrorReason.ValueType  # 6
+    """No worker can take the request now: none registered, all busy, draining (UNAVAILABLE)."""
+    ERROR_REASON_UNIMPLEMENTED: _ErrorReason.ValueType  # 7
+    """The engine or component does not support the operation or a request field (UNIMPLEMENTED)."""
+    ERROR_REASON_CANCELLED: _ErrorReason.ValueType  # 8
+    """The request was cancelled (CANCELLED)."""
+    ERROR_REASON_DEADLINE_EXCEEDED: _ErrorReason.ValueType  # 9
+    """A deadline passed (DEADLINE_EXCEEDED)."""
+
+class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
+    """The kind of an error, for callers that need more than its gRPC status code. Every error a
+    kvmesh server returns carries a google.rpc.Status in the `grpc-status-details-bin` trailer (on
+    a GenerateStream, in StreamedGenerateOutput.error_status) whose details hold a
+    google.rpc.ErrorInfo with domain "kvmesh.api" and, as its reason, the name of one of these
+    values without the "ERROR_REASON_" prefix (e.g. "CONTEXT_LENGTH_EXCEEDED"); `metadata["param"]`
+    names the offending request field when there is one. Clients that read only the status code and
+    message lose nothing else.
+    """
+
+ERROR_REASON_UNSPECIFIED: ErrorReason.ValueType  # 0
+"""Never sent."""
+ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 1
+"""An unexpected failure (INTERNAL)."""
+ERROR_REASON_INVALID_REQUEST: ErrorReason.ValueType  # 2
+"""The request is malformed, violates a limit or asks for something the engine lacks
+(INVALID_ARGUMENT).
+"""
+ERROR_REASON_CONTEXT_LENGTH_EXCEEDED: ErrorReason.ValueType  # 3
+"""The prompt, or the prompt plus max_tokens, does not fit the model's context length
+(INVALID_ARGUMENT).
+"""
+ERROR_REASON_NOT_FOUND: ErrorReason.ValueType  # 4
+"""Unknown model, LoRA adapter or transfer (NOT_FOUND)."""
+ERROR_REASON_RESOURCE_EXHAUSTED: ErrorReason.ValueType  # 5
+"""Overloaded, or the request can never fit the KV cache (RESOURCE_EXHAUSTED)."""
+ERROR_REASON_UNAVAILABLE: ErrorReason.ValueType  # 6
+"""No worker can take the request now: none registered, all busy, draining (UNAVAILABLE)."""
+ERROR_REASON_UNIMPLEMENTED: ErrorReason.ValueType  # 7
+"""The engine or component does not support the operation or a request field (UNIMPLEMENTED)."""
+ERROR_REASON_CANCELLED: ErrorReason.ValueType  # 8
+"""The request was cancelled (CANCELLED)."""
+ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 9
+"""A deadline passed (DEADLINE_EXCEEDED)."""
+Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
 class SamplingOptions(_message.Message):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.api.common.v1 import common_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/api/worker/v1/worker_service.proto\x12\x14kvmesh.api.worker.v1\x1a!kvmesh/api/common/v1/common.proto\"\xda\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.kvmesh.api.common.v1.SamplingOptions\x12\x32\n\x04stop\x18\x04 \x01(\x0b\x32$.kvmesh.api.common.v1.StopConditions\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x41\n\x0eremote_prefill\x18\x06 \x01(\x0b\x32).kvmesh.api.common.v1.RemotePrefillResult\x12/\n\x05media\x18\x07 \x03(\x0b\x32 .kvmesh.api.common.v1.MediaInput\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x1a\n\x12\x65ngine_params_json\x18\t \x01(\t\"\xac\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x34\n\x08logprobs\x18\x02 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\x12\x1f\n\x17remote_prefill_fallback\x18\x07 \x01(\x08\x42\x10\n\x0e_stop_token_id\"j\n\x15GenerateStreamRequest\x12\x35\n\x05start\x18\x01 \x03(\x0b\x32&.kvmesh.api.worker.v1.StreamedGenerate\x12\x1a\n\x12\x63\x61ncel_request_ids\x18\x02 \x03(\t\"s\n\x10StreamedGenerate\x12\x36\n\x07request\x18\x01 \x01(\x0b\x32%.kvmesh.api.worker.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\"W\n\x16GenerateStreamResponse\x12=\n\x07outputs\x18\x01 \x03(\x0b\x32,.kvmesh.api.worker.v1.StreamedGenerateOutput\"\x91\x01\n\x16StreamedGenerateOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x08response\x18\x02 \x01(\x0b\x32&.kvmesh.api.worker.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\xa4\x02\n\x14PrefillRemoteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.kvmesh.api.common.v1.SamplingOptions\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12/\n\x05media\x18\x06 \x03(\x0b\x32 .kvmesh.api.common.v1.MediaInput\x12\x1a\n\x12\x65ngine_params_json\x18\x07 \x01(\t\x12\x32\n\x04stop\x18\x08 \x01(\x0b\x32$.kvmesh.api.common.v1.StopConditions\"\xe7\x01\n\x15PrefillRemoteResponse\x12\x39\n\x06result\x18\x01 \x01(\x0b\x32).kvmesh.api.common.v1.RemotePrefillResult\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"-\n\x16ReleaseKvBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"+\n\x17ReleaseKvBlocksResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"o\n\x18SubscribeKvEventsRequest\x12\"\n\x15resume_after_event_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rresume_log_id\x18\x02 \x01(\tB\x18\n\x16_resume_after_event_id\"\x91\x01\n\x19SubscribeKvEventsResponse\x12\x39\n\x08snapshot\x18\x01 \x01(\x0b\x32%.kvmesh.api.worker.v1.KvSnapshotChunkH\x00\x12.\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.KvEventH\x00\x42\t\n\x07payload\"\x8c\x01\n\x0fKvSnapshotChunk\x12\x16\n\x0e\x61s_of_event_id\x18\x01 \x01(\x04\x12\x34\n\x06\x63hains\x18\x02 \x03(\x0b\x32$.kvmesh.api.common.v1.KvBlocksStored\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\r\n\x05\x66irst\x18\x04 \x01(\x08\x12\x0e\n\x06log_id\x18\x05 \x01(\t\"\x17\n\x15GetLoadMetricsRequest\"L\n\x16GetLoadMetricsResponse\x12\x32\n\x07metrics\x18\x01 \x01(\x0b\x32!.kvmesh.api.common.v1.LoadMetrics\"/\n\x18StreamLoadMetricsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"O\n\x19StreamLoadMetricsResponse\x12\x32\n\x07metrics\x18\x01 \x01(\x0b\x32!.kvmesh.api.common.v1.LoadMetrics\"\x15\n\x13GetModelCardRequest\"X\n\x14GetModelCardResponse\x12-\n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.ModelCard\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\x15\n\x13\x43learKvCacheRequest\".\n\x14\x43learKvCacheResponse\x12\x16\n\x0e\x62locks_cleared\x18\x01 \x01(\r\"\"\n\x0c\x44rainRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"+\n\rDrainResponse\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x01 \x01(\r2\xb4\x08\n\rWorkerService\x12[\n\x08Generate\x12%.kvmesh.api.worker.v1.GenerateRequest\x1a&.kvmesh.api.worker.v1.GenerateResponse0\x01\x12o\n\x0eGenerateStream\x12+.kvmesh.api.worker.v1.GenerateStreamRequest\x1a,.kvmesh.api.worker.v1.GenerateStreamResponse(\x01\x30\x01\x12h\n\rPrefillRemote\x12*.kvmesh.api.worker.v1.PrefillRemoteRequest\x1a+.kvmesh.api.worker.v1.PrefillRemoteResponse\x12n\n\x0fReleaseKvBlocks\x12,.kvmesh.api.worker.v1.ReleaseKvBlocksRequest\x1a-.kvmesh.api.worker.v1.ReleaseKvBlocksResponse\x12v\n\x11SubscribeKvEvents\x12..kvmesh.api.worker.v1.SubscribeKvEventsRequest\x1a/.kvmesh.api.worker.v1.SubscribeKvEventsResponse0\x01\x12k\n\x0eGetLoadMetrics\x12+.kvmesh.api.worker.v1.GetLoadMetricsRequest\x1a,.kvmesh.api.worker.v1.GetLoadMetricsResponse\x12v\n\x11StreamLoadMetrics\x12..kvmesh.api.worker.v1.StreamLoadMetricsRequest\x1a/.kvmesh.api.worker.v1.StreamLoadMetricsResponse0\x01\x12\x65\n\x0cGetModelCard\x12).kvmesh.api.worker.v1.GetModelCardRequest\x1a*.kvmesh.api.worker.v1.GetModelCardResponse\x12\x65\n\x0c\x43learKvCache\x12).kvmesh.api.worker.v1.ClearKvCacheRequest\x1a*.kvmesh.api.worker.v1.ClearKvCacheResponse\x12P\n\x05\x44rain\x12\".kvmesh.api.worker.v1.DrainRequest\x1a#.kvmesh.api.worker.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/api/worker/v1/worker_service.proto\x12\x14kvmesh.api.worker.v1\x1a!kvmesh/api/common/v1/common.proto\"\xda\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.kvmesh.api.common.v1.SamplingOptions\x12\x32\n\x04stop\x18\x04 \x01(\x0b\x32$.kvmesh.api.common.v1.StopConditions\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x41\n\x0eremote_prefill\x18\x06 \x01(\x0b\x32).kvmesh.api.common.v1.RemotePrefillResult\x12/\n\x05media\x18\x07 \x03(\x0b\x32 .kvmesh.api.common.v1.MediaInput\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x1a\n\x12\x65ngine_params_json\x18\t \x01(\t\"\xac\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x34\n\x08logprobs\x18\x02 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\x12\x1f\n\x17remote_prefill_fallback\x18\x07 \x01(\x08\x42\x10\n\x0e_stop_token_id\"j\n\x15GenerateStreamRequest\x12\x35\n\x05start\x18\x01 \x03(\x0b\x32&.kvmesh.api.worker.v1.StreamedGenerate\x12\x1a\n\x12\x63\x61ncel_request_ids\x18\x02 \x03(\t\"s\n\x10StreamedGenerate\x12\x36\n\x07request\x18\x01 \x01(\x0b\x32%.kvmesh.api.worker.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\"W\n\x16GenerateStreamResponse\x12=\n\x07outputs\x18\x01 \x03(\x0b\x32,.kvmesh.api.worker.v1.StreamedGenerateOutput\"\xa7\x01\n\x16StreamedGenerateOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x08response\x18\x02 \x01(\x0b\x32&.kvmesh.api.worker.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x05 \x01(\x0c\"\xa4\x02\n\x14PrefillRemoteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.kvmesh.api.common.v1.SamplingOptions\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12/\n\x05media\x18\x06 \x03(\x0b\x32 .kvmesh.api.common.v1.MediaInput\x12\x1a\n\x12\x65ngine_params_json\x18\x07 \x01(\t\x12\x32\n\x04stop\x18\x08 \x01(\x0b\x32$.kvmesh.api.common.v1.StopConditions\"\xe7\x01\n\x15PrefillRemoteResponse\x12\x39\n\x06result\x18\x01 \x01(\x0b\x32).kvmesh.api.common.v1.RemotePrefillResult\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"-\n\x16ReleaseKvBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"+\n\x17ReleaseKvBlocksResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"o\n\x18SubscribeKvEventsRequest\x12\"\n\x15resume_after_event_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rresume_log_id\x18\x02 \x01(\tB\x18\n\x16_resume_after_event_id\"\x91\x01\n\x19SubscribeKvEventsResponse\x12\x39\n\x08snapshot\x18\x01 \x01(\x0b\x32%.kvmesh.api.worker.v1.KvSnapshotChunkH\x00\x12.\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.KvEventH\x00\x42\t\n\x07payload\"\x8c\x01\n\x0fKvSnapshotChunk\x12\x16\n\x0e\x61s_of_event_id\x18\x01 \x01(\x04\x12\x34\n\x06\x63hains\x18\x02 \x03(\x0b\x32$.kvmesh.api.common.v1.KvBlocksStored\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\r\n\x05\x66irst\x18\x04 \x01(\x08\x12\x0e\n\x06log_id\x18\x05 \x01(\t\"\x17\n\x15GetLoadMetricsRequest\"L\n\x16GetLoadMetricsResponse\x12\x32\n\x07metrics\x18\x01 \x01(\x0b\x32!.kvmesh.api.common.v1.LoadMetrics\"/\n\x18StreamLoadMetricsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"O\n\x19StreamLoadMetricsResponse\x12\x32\n\x07metrics\x18\x01 \x01(\x0b\x32!.kvmesh.api.common.v1.LoadMetrics\"\x15\n\x13GetModelCardRequest\"X\n\x14GetModelCardResponse\x12-\n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.ModelCard\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\x15\n\x13\x43learKvCacheRequest\".\n\x14\x43learKvCacheResponse\x12\x16\n\x0e\x62locks_cleared\x18\x01 \x01(\r\"\"\n\x0c\x44rainRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"+\n\rDrainResponse\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x01 \x01(\r2\xb4\x08\n\rWorkerService\x12[\n\x08Generate\x12%.kvmesh.api.worker.v1.GenerateRequest\x1a&.kvmesh.api.worker.v1.GenerateResponse0\x01\x12o\n\x0eGenerateStream\x12+.kvmesh.api.worker.v1.GenerateStreamRequest\x1a,.kvmesh.api.worker.v1.GenerateStreamResponse(\x01\x30\x01\x12h\n\rPrefillRemote\x12*.kvmesh.api.worker.v1.PrefillRemoteRequest\x1a+.kvmesh.api.worker.v1.PrefillRemoteResponse\x12n\n\x0fReleaseKvBlocks\x12,.kvmesh.api.worker.v1.ReleaseKvBlocksRequest\x1a-.kvmesh.api.worker.v1.ReleaseKvBlocksResponse\x12v\n\x11SubscribeKvEvents\x12..kvmesh.api.worker.v1.SubscribeKvEventsRequest\x1a/.kvmesh.api.worker.v1.SubscribeKvEventsResponse0\x01\x12k\n\x0eGetLoadMetrics\x12+.kvmesh.api.worker.v1.GetLoadMetricsRequest\x1a,.kvmesh.api.worker.v1.GetLoadMetricsResponse\x12v\n\x11StreamLoadMetrics\x12..kvmesh.api.worker.v1.StreamLoadMetricsRequest\x1a/.kvmesh.api.worker.v1.StreamLoadMetricsResponse0\x01\x12\x65\n\x0cGetModelCard\x12).kvmesh.api.worker.v1.GetModelCardRequest\x1a*.kvmesh.api.worker.v1.GetModelCardResponse\x12\x65\n\x0c\x43learKvCache\x12).kvmesh.api.worker.v1.ClearKvCacheRequest\x1a*.kvmesh.api.worker.v1.ClearKvCacheResponse\x12P\n\x05\x44rain\x12\".kvmesh.api.worker.v1.DrainRequest\x1a#.kvmesh.api.worker.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,41 +43,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATESTREAMRESPONSE']._serialized_start=979
   _globals['_GENERATESTREAMRESPONSE']._serialized_end=1066
   _globals['_STREAMEDGENERATEOUTPUT']._serialized_start=1069
-  _globals['_STREAMEDGENERATEOUTPUT']._serialized_end=1214
-  _globals['_PREFILLREMOTEREQUEST']._serialized_start=1217
-  _globals['_PREFILLREMOTEREQUEST']._serialized_end=1509
-  _globals['_PREFILLREMOTERESPONSE']._serialized_start=1512
-  _globals['_PREFILLREMOTERESPONSE']._serialized_end=1743
-  _globals['_RELEASEKVBLOCKSREQUEST']._serialized_start=1745
-  _globals['_RELEASEKVBLOCKSREQUEST']._serialized_end=1790
-  _globals['_RELEASEKVBLOCKSRESPONSE']._serialized_start=1792
-  _globals['_RELEASEKVBLOCKSRESPONSE']._serialized_end=1835
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=1837
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1948
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=1951
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=2096
-  _globals['_KVSNAPSHOTCHUNK']._serialized_start=2099
-  _globals['_KVSNAPSHOTCHUNK']._serialized_end=2239
-  _globals['_GETLOADMETRICSREQUEST']._serialized_start=2241
-  _globals['_GETLOADMETRICSREQUEST']._serialized_end=2264
-  _globals['_GETLOADMETRICSRESPONSE']._serialized_start=2266
-  _globals['_GETLOADMETRICSRESPONSE']._serialized_end=2342
-  _globals['_STREAMLOADMETRICSREQUEST']._serialized_start=2344
-  _globals['_STREAMLOADMETRICSREQUEST']._serialized_end=2391
-  _globals['_STREAMLOADMETRICSRESPONSE']._serialized_start=2393
-  _globals['_STREAMLOADMETRICSRESPONSE']._serialized_end=2472
-  _globals['_GETMODELCARDREQUEST']._serialized_start=2474
-  _globals['_GETMODELCARDREQUEST']._serialized_end=2495
-  _globals['_GETMODELCARDRESPONSE']._serialized_start=2497
-  _globals['_GETMODELCARDRESPONSE']._serialized_end=2585
-  _globals['_CLEARKVCACHEREQUEST']._serialized_start=2587
-  _globals['_CLEARKVCACHEREQUEST']._serialized_end=2608
-  _globals['_CLEARKVCACHERESPONSE']._serialized_start=2610
-  _globals['_CLEARKVCACHERESPONSE']._serialized_end=2656
-  _globals['_DRAINREQUEST']._serialized_start=2658
-  _globals['_DRAINREQUEST']._serialized_end=2692
-  _globals['_DRAINRESPONSE']._serialized_start=2694
-  _globals['_DRAINRESPONSE']._serialized_end=2737
-  _globals['_WORKERSERVICE']._serialized_start=2740
-  _globals['_WORKERSERVICE']._serialized_end=3816
+  _globals['_STREAMEDGENERATEOUTPUT']._serialized_end=1236
+  _globals['_PREFILLREMOTEREQUEST']._serialized_start=1239
+  _globals['_PREFILLREMOTEREQUEST']._serialized_end=1531
+  _globals['_PREFILLREMOTERESPONSE']._serialized_start=1534
+  _globals['_PREFILLREMOTERESPONSE']._serialized_end=1765
+  _globals['_RELEASEKVBLOCKSREQUEST']._serialized_start=1767
+  _globals['_RELEASEKVBLOCKSREQUEST']._serialized_end=1812
+  _globals['_RELEASEKVBLOCKSRESPONSE']._serialized_start=1814
+  _globals['_RELEASEKVBLOCKSRESPONSE']._serialized_end=1857
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=1859
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1970
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=1973
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=2118
+  _globals['_KVSNAPSHOTCHUNK']._serialized_start=2121
+  _globals['_KVSNAPSHOTCHUNK']._serialized_end=2261
+  _globals['_GETLOADMETRICSREQUEST']._serialized_start=2263
+  _globals['_GETLOADMETRICSREQUEST']._serialized_end=2286
+  _globals['_GETLOADMETRICSRESPONSE']._serialized_start=2288
+  _globals['_GETLOADMETRICSRESPONSE']._serialized_end=2364
+  _globals['_STREAMLOADMETRICSREQUEST']._serialized_start=2366
+  _globals['_STREAMLOADMETRICSREQUEST']._serialized_end=2413
+  _globals['_STREAMLOADMETRICSRESPONSE']._serialized_start=2415
+  _globals['_STREAMLOADMETRICSRESPONSE']._serialized_end=2494
+  _globals['_GETMODELCARDREQUEST']._serialized_start=2496
+  _globals['_GETMODELCARDREQUEST']._serialized_end=2517
+  _globals['_GETMODELCARDRESPONSE']._serialized_start=2519
+  _globals['_GETMODELCARDRESPONSE']._serialized_end=2607
+  _globals['_CLEARKVCACHEREQUEST']._serialized_start=2609
+  _globals['_CLEARKVCACHEREQUEST']._serialized_end=2630
+  _globals['_CLEARKVCACHERESPONSE']._serialized_start=2632
+  _globals['_CLEARKVCACHERESPONSE']._serialized_end=2678
+  _globals['_DRAINREQUEST']._serialized_start=2680
+  _globals['_DRAINREQUEST']._serialized_end=2714
+  _globals['_DRAINRESPONSE']._serialized_start=2716
+  _globals['_DRAINRESPONSE']._serialized_end=2759
+  _globals['_WORKERSERVICE']._serialized_start=2762
+  _globals['_WORKERSERVICE']._serialized_end=3838
 # @@protoc_insertion_point(module_scope)

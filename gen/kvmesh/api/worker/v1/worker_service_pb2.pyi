@@ -41,7 +41,10 @@ class GenerateRequest(_message.Message):
     priority: _builtins.int
     """Scheduling priority; lower runs first. 0: default class."""
     engine_params_json: _builtins.str
-    """Engine-specific options as a JSON object, passed through untouched. Empty: none."""
+    """Engine-specific options as a JSON object, passed through untouched. Empty: none. Reserved
+    for engine adapters that read it; no kvmesh engine does yet, so workers refuse a non-empty
+    value with UNIMPLEMENTED.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids. Must not be empty."""
@@ -65,7 +68,10 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def media(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaInput]:
-        """Non-text inputs referenced by the prompt's placeholder tokens. Empty: text only."""
+        """Non-text inputs referenced by the prompt's placeholder tokens. Empty: text only. Workers whose
+        model card lacks the MULTIMODAL capability (every kvmesh engine today) refuse a request with
+        media with INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,
@@ -249,6 +255,7 @@ class StreamedGenerateOutput(_message.Message):
     RESPONSE_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_STATUS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this output belongs to."""
     error_code: _builtins.int
@@ -257,6 +264,12 @@ class StreamedGenerateOutput(_message.Message):
     """
     error_message: _builtins.str
     """Error message when error_code is set. Empty otherwise."""
+    error_status: _builtins.bytes
+    """When error_code is set: the error as a serialized google.rpc.Status, exactly what Generate
+    would have sent in its grpc-status-details-bin trailer (code, message and an ErrorInfo whose
+    reason is a kvmesh.api.common.v1.ErrorReason name). Empty otherwise, or from a worker that
+    predates it (then only error_code and error_message tell the error).
+    """
     @_builtins.property
     def response(self) -> Global___GenerateResponse:
         """The output, exactly as Generate would stream it; a set finish_reason marks the request's
@@ -270,10 +283,11 @@ class StreamedGenerateOutput(_message.Message):
         response: Global___GenerateResponse | None = ...,
         error_code: _builtins.int = ...,
         error_message: _builtins.str = ...,
+        error_status: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "request_id", b"request_id", "response", b"response"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "error_status", b"error_status", "request_id", b"request_id", "response", b"response"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -298,9 +312,11 @@ class PrefillRemoteRequest(_message.Message):
     lora_name: _builtins.str
     """LoRA adapter. Empty: base model."""
     decode_worker_id: _builtins.str
-    """Worker id of the decode worker that will pull. Empty: unknown."""
+    """Worker id of the decode worker that will pull. Empty: unknown. Informational (logs)."""
     engine_params_json: _builtins.str
-    """Engine-specific options as a JSON object. Empty: none."""
+    """Engine-specific options as a JSON object. Empty: none. Refused with UNIMPLEMENTED when set
+    (as in GenerateRequest.engine_params_json).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids. Must not be empty."""
@@ -311,7 +327,9 @@ class PrefillRemoteRequest(_message.Message):
 
     @_builtins.property
     def media(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaInput]:
-        """Non-text inputs. Empty: text only."""
+        """Non-text inputs. Empty: text only. Refused with INVALID_ARGUMENT by workers without the
+        MULTIMODAL capability (as in GenerateRequest.media).
+        """
 
     @_builtins.property
     def stop(self) -> _common_pb2.StopConditions:

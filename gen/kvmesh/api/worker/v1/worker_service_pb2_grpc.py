@@ -29,9 +29,11 @@ class WorkerServiceStub:
     """A worker: runs one engine for one model.
 
     Errors are gRPC status codes: INVALID_ARGUMENT (bad sampling options, empty or too long
-    prompt), NOT_FOUND (unknown LoRA adapter, unknown transfer id), RESOURCE_EXHAUSTED (the
-    request can never fit in the KV cache), UNAVAILABLE (draining or shutting down),
-    UNIMPLEMENTED (an RPC the engine does not support).
+    prompt, a field that needs a capability the engine lacks), NOT_FOUND (unknown LoRA adapter,
+    unknown transfer id), RESOURCE_EXHAUSTED (the request can never fit in the KV cache),
+    UNAVAILABLE (draining or shutting down), UNIMPLEMENTED (an RPC or a request field the engine
+    does not support). Each carries a google.rpc.Status with an ErrorInfo naming its
+    kvmesh.api.common.v1.ErrorReason (a prompt over the context length is CONTEXT_LENGTH_EXCEEDED).
     """
 
     def __init__(self, channel):
@@ -96,9 +98,11 @@ class WorkerServiceServicer:
     """A worker: runs one engine for one model.
 
     Errors are gRPC status codes: INVALID_ARGUMENT (bad sampling options, empty or too long
-    prompt), NOT_FOUND (unknown LoRA adapter, unknown transfer id), RESOURCE_EXHAUSTED (the
-    request can never fit in the KV cache), UNAVAILABLE (draining or shutting down),
-    UNIMPLEMENTED (an RPC the engine does not support).
+    prompt, a field that needs a capability the engine lacks), NOT_FOUND (unknown LoRA adapter,
+    unknown transfer id), RESOURCE_EXHAUSTED (the request can never fit in the KV cache),
+    UNAVAILABLE (draining or shutting down), UNIMPLEMENTED (an RPC or a request field the engine
+    does not support). Each carries a google.rpc.Status with an ErrorInfo naming its
+    kvmesh.api.common.v1.ErrorReason (a prompt over the context length is CONTEXT_LENGTH_EXCEEDED).
     """
 
     def Generate(self, request, context):
@@ -243,9 +247,11 @@ class WorkerService:
     """A worker: runs one engine for one model.
 
     Errors are gRPC status codes: INVALID_ARGUMENT (bad sampling options, empty or too long
-    prompt), NOT_FOUND (unknown LoRA adapter, unknown transfer id), RESOURCE_EXHAUSTED (the
-    request can never fit in the KV cache), UNAVAILABLE (draining or shutting down),
-    UNIMPLEMENTED (an RPC the engine does not support).
+    prompt, a field that needs a capability the engine lacks), NOT_FOUND (unknown LoRA adapter,
+    unknown transfer id), RESOURCE_EXHAUSTED (the request can never fit in the KV cache),
+    UNAVAILABLE (draining or shutting down), UNIMPLEMENTED (an RPC or a request field the engine
+    does not support). Each carries a google.rpc.Status with an ErrorInfo naming its
+    kvmesh.api.common.v1.ErrorReason (a prompt over the context length is CONTEXT_LENGTH_EXCEEDED).
     """
 
     @staticmethod

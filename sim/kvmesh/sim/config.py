@@ -1,0 +1,124 @@
+"""Settings of `kvmesh replay`, its flags, and its error."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from kvmesh.router.backend import DisaggConfig
+from kvmesh.router.kv_scheduler import KvRouterConfig
+from kvmesh.router.routing import RouterMode
+from kvmesh.runtime.config import add_args, opt
+from kvmesh.runtime.errors import KvmeshError
+from kvmesh.workers.mocker.config import MockerConfig
+
+__all__ = ["ReplayConfig", "ReplayError", "add_replay_args"]
+
+
+class ReplayError(KvmeshError):
+    """A replay cannot run (missing or malformed trace, bad settings)."""
+
+
+@dataclass
+class ReplayConfig:
+    """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; the
+    conditional disaggregation thresholds the gateway's, a DisaggConfig, `disagg`)."""
+
+    trace: str = opt(
+        "",
+        "trace to replay (required): Mooncake JSONL, or Azure LLM inference CSV (no prefixes)",
+    )
+    workers: int = opt(4, "number of simulated mocker workers")
+    router: list[RouterMode] = opt(
+        [RouterMode.KV],
+        "routing policy; repeat (or list several) to run each and compare: "
+        "kv, round-robin, random, least-loaded",
+    )
+    speedup: float = opt(
+        1.0, "arrival timestamps are divided by this (Dynamo's arrival_speedup_ratio)"
+    )
+    limit: int = opt(0, "replay only the first N requests of the trace (0: all)")
+    trace_block_size: int = opt(512, "tokens per trace hash id (Mooncake traces: 512)")
+    router_overlap_weight: float = opt(
+        1.0, "kv: weight of blocks still to prefill against blocks decoding in the cost"
+    )
+    router_temperature: float = opt(
+        0.0, "kv: 0 picks the lowest cost (ties at random); > 0 samples softmax(-cost/T)"
+    )
+    load_interval_ms: float = opt(
+        100.0,
+        "kv: simulated interval of the workers' load metrics fed to the router (as a live "
+        "router's load stream); 0: the router only counts its own bookings",
+    )
+    seed: int = opt(0, "seed of the router's tie-breaking/sampling and of the random policy")
+    json: bool = opt(False, "print one JSON object per router mode instead of tables")
+    plot: str = opt("", "write a PNG of the TTFT CDF per router mode here (needs matplotlib)")
+    progress: bool = opt(True, "progress bar on stderr (only on a terminal, never with --json)")
+    prefill_workers: int = opt(
+        0,
+        "also replay disaggregated pools (kv routing): this many of --workers prefill, the "
+        "others decode, so aggregated and disaggregated use the same total (kvmesh.sim.disagg)",
+    )
+    mocker: MockerConfig = field(
+        default_factory=MockerConfig,
+        metadata={"help": "the simulated engine (mocker flags)", "cli": False},
+    )
+    disagg: DisaggConfig = field(
+        default_factory=DisaggConfig,
+        metadata={"help": "conditional disaggregation (the gateway's flags)", "cli": False},
+    )
+
+    def __post_init__(self) -> None:
+        modes: list[RouterMode] = []
+        for m in self.router:
+            mode = RouterMode(m)
+            if mode not in modes:
+                modes.append(mode)
+        if not modes:
+            raise ReplayError("give at least one --router mode")
+        self.router = modes
+        if self.workers < 1:
+            raise ReplayError("--workers must be >= 1")
+        if not (self.speedup > 0 and math.isfinite(self.speedup)):
+            raise ReplayError("--speedup must be a positive number")
+        if self.limit < 0:
+            raise ReplayError("--limit must be >= 0")
+        if self.trace_block_size < 1:
+            raise ReplayError("--trace-block-size must be >= 1")
+        if not self.load_interval_ms >= 0:
+            raise ReplayError("--load-interval-ms must be >= 0")
+        if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
+            raise ReplayError("--prefill-workers must be between 1 and --workers - 1")
+        try:
+            self.kv_router()
+        except ValueError as exc:
+            raise ReplayError(str(exc)) from None
+
+    def kv_router(self) -> KvRouterConfig:
+        """The KV-aware router's settings."""
+        return KvRouterConfig(
+            overlap_weight=self.router_overlap_weight,
+            temperature=self.router_temperature,
+            seed=self.seed,
+        )
+
+
+def add_replay_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvmesh replay`: ReplayConfig's, the mocker's (MockerConfig), and the
+    conditional disaggregation thresholds (DisaggConfig)."""
+    add_args(parser, ReplayConfig, skip={"router"})
+    parser.add_argument(
+        "--router",
+        dest="router",
+        action="extend",
+        nargs="+",
+        choices=[m.value for m in RouterMode],
+        default=argparse.SUPPRESS,
+        help="routing policy; repeat (--router kv --router round-robin) or list several to run "
+        "each and compare (default: kv)",
+    )
+    # The replay owns arrival speed and seeding; the engine's wall-clock speedup means nothing.
+    add_args(parser, MockerConfig, skip={"speedup_ratio", "seed"})
+    # A simulated remote prefill never fails, so it never times out either.
+    add_args(parser, DisaggConfig, skip={"disagg_prefill_timeout_s"})

@@ -1,0 +1,277 @@
+"""What a replay measured: the per-request timeline it records, and its summary.
+
+Metrics: TTFT (first token - arrival), ITL (every gap between consecutive tokens of a request,
+pooled over requests), E2E (last token - arrival), throughput over the simulated span (first
+arrival to last completion), `prefix_hit_rate` = prompt tokens the mockers served from cache /
+prompt tokens (each request's cached tokens at its first admission, the engine's own
+accounting), and `prefix_hit_rate_bound` = the trace's infinite-cache bound: leading hash ids
+seen in an earlier request / hash ids, as in `shared/ref/traces/trace_stats.json`
+(`prefix_hit_rate_bound_tokens` weighs it by tokens). Per worker: requests, prompt tokens,
+cached tokens, busy fraction (simulated step time / span), preemptions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from kvmesh.sim.config import ReplayConfig
+from kvmesh.sim.trace import Trace
+
+__all__ = ["ModeResult", "Stats", "Timeline", "WorkerResult", "WorkerTally", "summarize"]
+
+
+@dataclass(slots=True)
+class Stats:
+    """Summary of a latency sample, in milliseconds (all 0 when empty)."""
+
+    mean: float = 0.0
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+    max: float = 0.0
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Stats:
+        """Stats of a sample given in seconds (percentiles interpolated linearly)."""
+        if not seconds:
+            return cls()
+        xs = sorted(seconds)
+        return cls(
+            mean=1e3 * math.fsum(xs) / len(xs),
+            p50=1e3 * _quantile(xs, 0.5),
+            p90=1e3 * _quantile(xs, 0.9),
+            p99=1e3 * _quantile(xs, 0.99),
+            max=1e3 * xs[-1],
+        )
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of sorted `xs` (numpy's default)."""
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class WorkerResult:
+    """One simulated worker's share of the work."""
+
+    worker: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    busy_fraction: float
+    """Simulated time spent in steps / the simulated span."""
+    preemptions: int
+    steps: int
+
+
+@dataclass(slots=True)
+class ModeResult:
+    """The outcome of replaying a trace with one router mode."""
+
+    mode: str
+    trace: str
+    requests: int
+    """Requests that finished."""
+    requests_total: int
+    rejected: int
+    """Requests a worker refused at admission (prompt larger than its pool or context)."""
+    unfinished: int
+    workers: int
+    speedup: float
+    block_size: int
+    num_gpu_blocks: int
+    duration_s: float
+    """Simulated span: first arrival to last completion."""
+    throughput_rps: float
+    output_tokens_per_s: float
+    ttft_ms: Stats
+    itl_ms: Stats
+    e2e_ms: Stats
+    prefix_hit_rate: float
+    """Prompt tokens served from the workers' caches / prompt tokens (finished requests)."""
+    prefix_hit_rate_bound: float
+    """Infinite-cache bound: leading hash ids seen before / hash ids (trace_stats.json)."""
+    prefix_hit_rate_bound_tokens: float
+    """The same bound weighted by tokens."""
+    predicted_overlap_rate: float
+    """kv: leading prompt blocks the router found on its choice / prompt blocks (0 otherwise)."""
+    preemptions: int
+    steps: int
+    per_worker: list[WorkerResult]
+    imbalance: dict[str, float]
+    """max / mean over workers of requests, prompt tokens and busy fraction."""
+    wall_s: float
+    """Wall-clock seconds the simulation took (the only non-deterministic field)."""
+    ttft_s: list[float] = field(default_factory=list, repr=False)
+    """Every finished request's TTFT in seconds (for plots; not in to_json)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object `kvmesh replay --json` prints (floats rounded)."""
+        out = asdict(self)
+        del out["ttft_s"]
+        rounded: dict[str, Any] = _round(out)
+        return rounded
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 6) if abs(value) < 1 else round(value, 3)
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_round(v) for v in value]
+    return value
+
+
+class Timeline:
+    """What a replay records per request (NaN: never happened) and in total, as virtual time
+    runs."""
+
+    __slots__ = (
+        "arrival",
+        "cached",
+        "done",
+        "finished_at",
+        "first_at",
+        "itl",
+        "last_at",
+        "ntok",
+        "output_tokens",
+        "rejected",
+    )
+
+    def __init__(self, arrival: list[float]) -> None:
+        n = len(arrival)
+        self.arrival = arrival
+        self.first_at = [math.nan] * n
+        self.last_at = [0.0] * n
+        self.ntok = [0] * n
+        self.finished_at = [math.nan] * n
+        self.cached = [0] * n
+        """Prompt tokens the prefilling worker served from its cache."""
+        self.itl = array("d")
+        self.output_tokens = 0
+        self.done = 0
+        """Requests that finished."""
+        self.rejected = 0
+        """Requests a worker refused at admission."""
+
+    def token(self, i: int, now: float) -> bool:
+        """Request `i` got a token at `now`; True if it is its first."""
+        first = not self.ntok[i]
+        if first:
+            self.first_at[i] = now
+        else:
+            self.itl.append(now - self.last_at[i])
+        self.ntok[i] += 1
+        self.last_at[i] = now
+        return first
+
+    def finish(self, i: int, now: float) -> None:
+        """Request `i` finished at `now` (its last token)."""
+        self.finished_at[i] = now
+        self.output_tokens += self.ntok[i]
+        self.done += 1
+
+    @property
+    def settled(self) -> int:
+        """Requests that finished or were rejected."""
+        return self.done + self.rejected
+
+
+class WorkerTally(Protocol):
+    """What a simulated worker counted (kvmesh.sim.cluster.SimWorker)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def requests(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def busy_s(self) -> float: ...
+    @property
+    def preemptions(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+
+
+def summarize(
+    mode: str,
+    trace: Trace,
+    config: ReplayConfig,
+    workers: Sequence[WorkerTally],
+    t: Timeline,
+    predicted_overlap_rate: float,
+    t_wall: float,
+) -> ModeResult:
+    """Summarize one simulated run (aggregated or disaggregated) into a ModeResult; `t_wall`:
+    the wall clock (time.perf_counter) when it started."""
+    reqs = trace.requests
+    n_req = len(t.arrival)
+    fin = [i for i in range(n_req) if not math.isnan(t.finished_at[i])]
+    span = (max(t.finished_at[i] for i in fin) - min(t.arrival)) if fin else 0.0
+    prompt_tokens = sum(reqs[i].input_length for i in fin)
+    per_worker = [
+        WorkerResult(
+            worker=w.worker_id,
+            requests=w.requests,
+            prompt_tokens=w.prompt_tokens,
+            cached_tokens=w.cached_tokens,
+            busy_fraction=w.busy_s / span if span > 0 else 0.0,
+            preemptions=w.preemptions,
+            steps=w.steps,
+        )
+        for w in workers
+    ]
+    ttft = [t.first_at[i] - t.arrival[i] for i in fin]
+    return ModeResult(
+        mode=mode,
+        trace=trace.path,
+        requests=len(fin),
+        requests_total=n_req,
+        rejected=t.rejected,
+        unfinished=n_req - len(fin) - t.rejected,
+        workers=config.workers,
+        speedup=config.speedup,
+        block_size=config.mocker.block_size,
+        num_gpu_blocks=config.mocker.num_gpu_blocks,
+        duration_s=span,
+        throughput_rps=len(fin) / span if span > 0 else 0.0,
+        output_tokens_per_s=t.output_tokens / span if span > 0 else 0.0,
+        ttft_ms=Stats.of(ttft),
+        itl_ms=Stats.of(t.itl),
+        e2e_ms=Stats.of([t.finished_at[i] - t.arrival[i] for i in fin]),
+        prefix_hit_rate=sum(t.cached[i] for i in fin) / prompt_tokens if prompt_tokens else 0.0,
+        prefix_hit_rate_bound=0.0,
+        prefix_hit_rate_bound_tokens=0.0,
+        predicted_overlap_rate=predicted_overlap_rate,
+        preemptions=sum(w.preemptions for w in workers),
+        steps=sum(w.steps for w in workers),
+        per_worker=per_worker,
+        imbalance=_imbalance(per_worker),
+        wall_s=time.perf_counter() - t_wall,
+        ttft_s=ttft,
+    )
+
+
+def _imbalance(per_worker: list[WorkerResult]) -> dict[str, float]:
+    def ratio(values: list[float]) -> float:
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean > 0 else 0.0
+
+    return {
+        "requests_max_over_mean": ratio([float(w.requests) for w in per_worker]),
+        "prompt_tokens_max_over_mean": ratio([float(w.prompt_tokens) for w in per_worker]),
+        "busy_fraction_max_over_mean": ratio([w.busy_fraction for w in per_worker]),
+    }

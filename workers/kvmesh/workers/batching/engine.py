@@ -1,0 +1,511 @@
+"""The async engine core shared by the mocker and the torch engine, around their BatchScheduler.
+
+`BatchingEngine` implements the Engine contract (kvmesh.workers.engine) once: request
+submission and validation, the step loop, delivery to the sinks, cancellation, stop, load, the
+prefix cache and its KV events, and both sides of disaggregated serving. A subclass supplies
+its scheduler and model card and a few hooks:
+
+  `_run_step(scheduler)`  execute one step: schedule, produce the tokens (the mocker waits its
+                          timing model's duration and samples fake tokens; the torch engine runs
+                          the model on its executor thread), complete; returns the outputs, or
+                          None when nothing could be scheduled (the loop then waits for a change)
+  `kv_layout`             the block layout other workers see in this engine's transfer handles
+  `_kv_source()`          prefill side: where a decode worker reads this engine's blocks; called
+                          before the prefill, so it may raise (the torch engine without NIXL)
+  `_can_read_kv(handle)`  decode side: whether this engine can use the blocks of `handle`
+  `_read_kv(handle, blocks, remote)`
+                          decode side: move the KV of the `remote` descriptors into local
+                          `blocks`; returns the bytes moved (the mocker waits the simulated
+                          transfer time; the torch engine reads over NIXL)
+  `_open()`, `_close()`   acquire before the loop starts / release after it ended whatever the
+                          engine runs on (model, KV cache, executor, transfer agent)
+
+The loop: one task runs `_run_step` while the scheduler has work and hands each output to its
+request's sink, on the event loop thread; with nothing to do it awaits an event (no busy loop).
+
+Disaggregated serving
+  Prefill side: `prefill_remote` runs the prompt as a pinned request (BatchScheduler `pin`); its
+  blocks stay referenced under a transfer id (PinnedTransfers: freed by `release_kv` or when they
+  expire) and the handle names them by `_kv_source()`.
+  Decode side: `submit` of a request with `remote_prefill` starts a task that reserves blocks for
+  the prompt (reusing its cached prefix), reads the rest with `_read_kv`, releases the prefill
+  worker's blocks, caches the received ones when the release confirms they were still pinned
+  (else recomputes the prompt) and decodes after the first token. Every path (success, failed
+  read, cancellation, stop) releases every block it took.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from kvmesh.runtime.clock import Clock, RealClock
+from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable
+from kvmesh.runtime.kv_events import CachedBlock, KvEventLog
+from kvmesh.runtime.types import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    KvBlockDescriptor,
+    KvLayout,
+    KvTransferHandle,
+    LoadInfo,
+    ModelInfo,
+    PrefillResult,
+    RemotePrefill,
+    Role,
+    Usage,
+)
+from kvmesh.workers.batching.requests import CancelHandle, FirstOutput, SubmittedRequest
+from kvmesh.workers.batching.scheduler import BatchScheduler, SeqOutput
+from kvmesh.workers.disagg.pins import PinnedTransfers
+from kvmesh.workers.engine import DisaggSettings, Engine, OutputSink, RequestHandle
+from kvmesh.workers.validation import validate_request
+
+__all__ = ["BatchingEngine", "KvSource"]
+
+log = logging.getLogger(__name__)
+
+SchedT = TypeVar("SchedT", bound=BatchScheduler[Any, Any])
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """Where a decode worker reads a prefill engine's pinned blocks (BatchingEngine._kv_source)."""
+
+    address: Callable[[int], int]
+    """Block id -> address of the block (of its first piece, for a chunked layout)."""
+    agent_name: str = ""
+    """The transfer agent decode workers read from; empty: none (a simulated transfer)."""
+    agent_metadata: bytes = b""
+    memory_kind: str = "DRAM"
+    device_id: int = 0
+
+
+@dataclass(slots=True)
+class _Received:
+    """Blocks reserved for a remote prefill's prompt and filled with its KV, not yet cached."""
+
+    blocks: list[int]
+    hashes: list[int]
+    num_had: int
+    """Leading blocks that were already cached here (nothing moved for them)."""
+    nbytes: int
+
+
+class BatchingEngine(Engine, Generic[SchedT]):
+    """An Engine over a BatchScheduler (see the module docstring for the hooks).
+
+    A subclass sets `engine_name`, puts its scheduler in `_scheduler` and its model card in
+    `_info` (in `__init__`, or in `_open` when they need the model; the card's role is
+    `_disagg.role`, its capabilities `_capabilities()`), and implements the hooks.
+    Beyond the Engine contract: `scheduler` (the synchronous core), `cached_blocks()` /
+    `cached_block_hashes()` (the pool's view of the prefix cache), `num_pinned_transfers`.
+    """
+
+    engine_name: ClassVar[str]
+    """Names the engine in errors and logs ("the mocker engine is not running")."""
+
+    def __init__(self, *, events: KvEventLog | None, clock: Clock | None = None) -> None:
+        self._events = events
+        self._clock: Clock = clock if clock is not None else RealClock()
+        self._scheduler: SchedT | None = None
+        self._info: ModelInfo | None = None
+        self._requests: dict[str, SubmittedRequest] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._accepting = False
+        self._disagg = DisaggSettings()
+        self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
+        self._pulls: set[asyncio.Task[None]] = set()
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _run_step(self, sched: SchedT) -> Sequence[SeqOutput] | None:
+        """Run one scheduler step (schedule, compute, complete) and return its outputs; None
+        when nothing was scheduled or preempted (nothing can run until a request comes or
+        goes). Called only while `sched.has_work`; it must yield to the event loop."""
+
+    @property
+    @abc.abstractmethod
+    def kv_layout(self) -> KvLayout:
+        """This engine's KV block layout, as transfer handles describe it."""
+
+    @abc.abstractmethod
+    def _kv_source(self) -> KvSource:
+        """Prefill side: where decode workers read this engine's blocks. Raises when this engine
+        cannot serve remote prefills (checked before the prefill runs)."""
+
+    @abc.abstractmethod
+    def _can_read_kv(self, handle: KvTransferHandle) -> bool:
+        """Decode side: whether `_read_kv` can move `handle`'s blocks into this engine (its
+        prompt length and block count already match)."""
+
+    @abc.abstractmethod
+    async def _read_kv(
+        self, handle: KvTransferHandle, blocks: list[int], remote: Sequence[KvBlockDescriptor]
+    ) -> int:
+        """Decode side: move the KV of the `remote` descriptors of `handle` into local `blocks`
+        (fresh, referenced; same count, possibly none); return the bytes moved. Raise (after
+        the transfer has ended) when it failed: the prompt is recomputed."""
+
+    async def _open(self) -> None:
+        """Acquire what the engine runs on and set `_scheduler` and `_info` if not yet set
+        (start, before the loop runs)."""
+
+    async def _close(self) -> None:
+        """Release what `_open` acquired (stop, after the loop ended and every request was
+        finished)."""
+
+    # -- Engine --------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise Unavailable(f"the {self.engine_name} engine has not been started")
+        return self._info
+
+    @property
+    def kv_events(self) -> KvEventLog | None:
+        return self._events
+
+    @property
+    def scheduler(self) -> SchedT:
+        """The synchronous core (for the torch engine: while started)."""
+        if self._scheduler is None:
+            raise Unavailable(f"the {self.engine_name} engine has not been started")
+        return self._scheduler
+
+    async def start(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._accepting = True
+            return
+        await self._open()
+        self._accepting = True
+        self._task = asyncio.create_task(self._run(), name=f"{self.engine_name}-engine-loop")
+
+    async def stop(self) -> None:
+        self._accepting = False
+        pulls = list(self._pulls)
+        for t in pulls:
+            t.cancel()
+        await asyncio.gather(*pulls, return_exceptions=True)  # each frees what it took
+        self._pins.release_all()
+        sched = self._scheduler
+        requests, self._requests = self._requests, {}
+        for rid, req in requests.items():
+            usage = sched.usage(rid) if sched is not None else None
+            cached = usage.cached_tokens if usage is not None else 0
+            req.sink.output(
+                EngineOutput(
+                    [],
+                    finish_reason=FinishReason.CANCELLED,
+                    usage=Usage(req.prompt_tokens, req.delivered, cached),
+                )
+            )
+        if sched is not None:
+            sched.abort_all()
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._close()
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> RequestHandle:
+        self._accept(request)
+        rid = request.request_id
+        if rid in self._requests:
+            raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
+        if request.remote_prefill is not None:
+            return self._submit_remote(request, sink)
+        self._enqueue(request, sink)
+        return CancelHandle(self._cancel, rid)
+
+    def _accept(self, request: EngineRequest) -> SchedT:
+        """The scheduler, once the engine is known to run and `request` to be valid."""
+        sched = self._scheduler
+        if not self._accepting or sched is None:
+            raise Unavailable(f"the {self.engine_name} engine is not running")
+        validate_request(request, self.info)
+        return sched
+
+    def _enqueue(self, request: EngineRequest, sink: OutputSink, *, pin: bool = False) -> None:
+        self.scheduler.add(request, self._clock.now(), pin=pin)
+        self._requests[request.request_id] = SubmittedRequest(sink, len(request.prompt))
+        self._wake.set()
+
+    def _cancel(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is not None and self._scheduler is not None:
+            self._scheduler.abort(request_id)
+            self._wake.set()
+
+    def load(self) -> LoadInfo:
+        sched = self._scheduler
+        return sched.load() if sched is not None else LoadInfo()
+
+    async def clear_kv_cache(self) -> int:
+        sched = self._scheduler
+        return sched.clear_cache() if sched is not None else 0
+
+    def cached_blocks(self) -> dict[int, CachedBlock]:
+        """The pool's cached blocks: hash -> (parent_hash, token_ids, lora_name)."""
+        return self.scheduler.cached_blocks()
+
+    def cached_block_hashes(self) -> set[int]:
+        """Hashes of the pool's cached blocks (referenced or evictable)."""
+        return set(self.scheduler.cached_blocks())
+
+    # -- disaggregated serving: roles, prefill side ---------------------------------------------
+
+    def configure_disaggregation(self, settings: DisaggSettings) -> None:
+        self._disagg = settings
+        self._pins.default_ttl_s = settings.pin_timeout_s
+        if self._info is not None:  # the card follows (else it is built with them)
+            self._info.role = settings.role
+            self._info.capabilities = self._capabilities()
+
+    def _capabilities(self) -> tuple[str, ...]:
+        """The model card's capabilities: KV events if published, logprobs, and disaggregation
+        in a prefill or decode role."""
+        caps = ("KV_EVENTS", "LOGPROBS") if self._events is not None else ("LOGPROBS",)
+        return caps + (("DISAGGREGATION",) if self._disagg.role is not Role.AGGREGATED else ())
+
+    async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
+        sched = self._accept(request)
+        source = self._kv_source()
+        tid = self._pins.new_id()  # also the internal request id: never collides
+        internal = EngineRequest(
+            tid, request.prompt, request.sampling, request.stop, request.lora_name, request.priority
+        )
+        sink = FirstOutput()
+        self._enqueue(internal, sink, pin=True)
+        try:
+            out = await sink.future
+        except BaseException:  # cancelled (the caller went away) or the engine failed
+            self._cancel(tid)
+            if self._scheduler is sched:
+                sched.release_pinned(tid)
+            raise
+        if out.finish_reason is FinishReason.CANCELLED:
+            raise Unavailable(f"the {self.engine_name} engine stopped during the prefill")
+        assert out.usage is not None and out.token_ids
+        remote = RemotePrefill(
+            first_token_id=out.token_ids[0],
+            first_logprob=out.logprobs[0] if out.logprobs else None,
+            cached_tokens=out.usage.cached_tokens,
+        )
+        if out.finish_reason is not None:  # the first token ends the request: nothing pinned
+            return PrefillResult(remote, out.usage, out.finish_reason, out.stop_token_id)
+        blocks = sched.pinned[tid]
+        expires_ms = self._pins.pin(tid, tid)
+        layout = self.kv_layout
+        n_full = len(request.prompt) // layout.block_size
+        pool = sched.pool
+        remote.handle = KvTransferHandle(
+            transfer_id=tid,
+            layout=layout,
+            blocks=[
+                KvBlockDescriptor(
+                    (pool.hash_of(b) or 0) if i < n_full else 0,
+                    source.address(b),
+                    layout.block_bytes,
+                    source.device_id,
+                )
+                for i, b in enumerate(blocks)
+            ],
+            num_computed_tokens=len(request.prompt),
+            agent_name=source.agent_name,
+            agent_metadata=source.agent_metadata,
+            memory_kind=source.memory_kind,
+            expires_after_ms=expires_ms,
+        )
+        return PrefillResult(remote, out.usage)
+
+    async def release_kv(self, transfer_id: str) -> bool:
+        return self._pins.release(transfer_id)
+
+    @property
+    def num_pinned_transfers(self) -> int:
+        """Transfers pinned now (prefill side)."""
+        return len(self._pins)
+
+    def _release_pinned(self, key: str) -> None:
+        if self._scheduler is not None:
+            self._scheduler.release_pinned(key)
+
+    # -- disaggregated serving: decode side ------------------------------------------------------
+
+    def _submit_remote(self, request: EngineRequest, sink: OutputSink) -> RequestHandle:
+        """Start a remote-prefilled request: receive its KV, then decode (a task per request)."""
+        self.scheduler.check(request)
+        rid = request.request_id
+        entry = SubmittedRequest(sink, len(request.prompt))
+        entry.delivered = 1  # the first token, sampled on the prefill worker
+        self._requests[rid] = entry
+        task = asyncio.create_task(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
+        self._pulls.add(task)
+        task.add_done_callback(self._pulls.discard)
+        return CancelHandle(self._cancel, rid)
+
+    async def _guard_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
+        try:
+            await self._continue_remote(request, entry)
+        except Exception as exc:  # a bug: fail the request rather than leave it hanging
+            log.exception("continuing remote prefill of %s failed", request.request_id)
+            if self._requests.get(request.request_id) is entry:
+                del self._requests[request.request_id]
+                entry.sink.fail(Unavailable(f"the {self.engine_name} engine failed: {exc!r}"))
+
+    async def _continue_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
+        rp = request.remote_prefill
+        assert rp is not None
+        sched = self.scheduler
+        pool = sched.pool
+        handle = rp.handle
+        blocks: list[int] | None = None
+        if handle is not None:
+            received = await self._receive(request, handle)
+            try:
+                confirmed = await self._disagg.release_remote(handle)
+            except Exception:
+                log.exception("releasing transfer %s failed", handle.transfer_id)
+                confirmed = False
+            except BaseException:
+                if received is not None:
+                    pool.release(received.blocks)
+                raise
+            if received is not None and confirmed:
+                blocks = received.blocks
+                sched.commit_prefilled(
+                    blocks, received.hashes, received.num_had, request.prompt, request.lora_name
+                )
+                entry.kv_bytes = received.nbytes
+            elif received is not None:
+                log.warning(
+                    "transfer %s was released or expired before the pull was confirmed; "
+                    "recomputing the prompt",
+                    handle.transfer_id,
+                )
+                pool.release(received.blocks)
+            entry.fallback = blocks is None
+        rid = request.request_id
+        if self._requests.get(rid) is not entry or self._scheduler is not sched:
+            if blocks is not None:
+                pool.release(blocks)  # cancelled meanwhile: the received prefix stays cached
+            return
+        if len(request.prompt) + 1 >= sched.max_len(request):
+            # This engine's context ends right after the first token.
+            if blocks is not None:
+                pool.release(blocks)
+            del self._requests[rid]
+            entry.sink.output(
+                EngineOutput(
+                    [],
+                    finish_reason=FinishReason.LENGTH,
+                    usage=Usage(len(request.prompt), 1, rp.cached_tokens),
+                    kv_transfer_bytes=entry.kv_bytes,
+                    remote_prefill_fallback=entry.fallback,
+                )
+            )
+            return
+        try:
+            sched.add(
+                request,
+                self._clock.now(),
+                first_token=rp.first_token_id,
+                blocks=blocks,
+                cached_tokens=rp.cached_tokens,
+            )
+        except KvmeshError as exc:
+            if blocks is not None:
+                pool.release(blocks)
+            del self._requests[rid]
+            entry.sink.fail(exc)
+            return
+        self._wake.set()
+
+    async def _receive(self, request: EngineRequest, handle: KvTransferHandle) -> _Received | None:
+        """Reserve blocks for the prompt and read into them the KV it does not cache here; None
+        when the KV cannot be received (the caller recomputes the prompt). The blocks returned
+        are referenced."""
+        sched = self.scheduler
+        n = len(request.prompt)
+        if (
+            handle.num_computed_tokens != n
+            or len(handle.blocks) != -(-n // sched.block_size)
+            or not self._can_read_kv(handle)
+        ):
+            log.warning("transfer %s does not fit this engine's KV layout", handle.transfer_id)
+            return None
+        reserved = sched.reserve_prefilled(request.prompt, request.lora_name)
+        if reserved is None:
+            log.warning("no room for the KV of transfer %s; recomputing", handle.transfer_id)
+            return None
+        blocks, hashes, had = reserved
+        try:
+            nbytes = await self._read_kv(handle, blocks[had:], handle.blocks[had:])
+        except BaseException as exc:
+            if self._scheduler is sched:
+                sched.pool.release(blocks)
+            if not isinstance(exc, Exception):
+                raise
+            log.warning("pulling transfer %s failed: %s", handle.transfer_id, exc, exc_info=True)
+            return None
+        return _Received(blocks, hashes, had, nbytes)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as e:  # a bug or a device error: fail every request, stop accepting
+            log.exception("%s engine loop failed", self.engine_name)
+            self._accepting = False
+            error = Unavailable(f"the {self.engine_name} engine failed: {e!r}")
+            requests, self._requests = self._requests, {}
+            for req in requests.values():
+                req.sink.fail(error)
+
+    async def _loop(self) -> None:
+        sched = self.scheduler
+        wake = self._wake
+        while True:
+            if sched.has_work:
+                outputs = await self._run_step(sched)
+                if outputs is not None:
+                    self._deliver(outputs)
+                    continue
+            # Nothing can run until something changes (an abort, a new request).
+            wake.clear()
+            await wake.wait()
+
+    def _deliver(self, outputs: Sequence[SeqOutput]) -> None:
+        requests = self._requests
+        for out in outputs:
+            req = requests.get(out.request_id)
+            if req is None:
+                continue  # cancelled while the step ran
+            req.delivered += 1
+            logprobs = [out.logprob] if out.logprob is not None else None
+            if out.finish_reason is None and not out.handoff:
+                req.sink.output(EngineOutput([out.token_id], logprobs))
+            else:
+                del requests[out.request_id]
+                req.sink.output(
+                    EngineOutput(
+                        [out.token_id],
+                        logprobs,
+                        out.finish_reason,
+                        out.usage,
+                        out.stop_token_id,
+                        req.kv_bytes,
+                        req.fallback,
+                    )
+                )
