@@ -354,7 +354,11 @@ def main() -> None:
     p.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "bench_vllm.log"))
     a = p.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        run(a, Path(tmp))
+
+
+def run(a: argparse.Namespace, root: Path) -> None:
     from kvmesh.runtime.tinymodel import create_tiny_model
 
     model = create_vllm_tiny_model(root / MODEL, create_tiny_model(root / "tiny-llama"))

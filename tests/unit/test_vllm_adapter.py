@@ -295,6 +295,31 @@ def test_kv_events_off_and_user_endpoint() -> None:
     assert shared.kv_events_endpoint == "tcp://*:5557"
 
 
+def test_stopping_removes_the_private_event_socket_files(tmp_path: Path) -> None:
+    """The private ipc sockets of the KV event publisher are unlinked when the engine stops
+    (ZMQ leaves them behind when the engine never closes its publisher); a user's endpoint
+    is not touched."""
+    eng = VllmEngine(VllmConfig(), model_path="/m", served_model_name="m")
+    eng.engine_kwargs()
+    private = [
+        e.removeprefix("ipc://")
+        for e in (eng.kv_events_endpoint or "", eng.kv_events_replay_endpoint or "")
+    ]
+    user_path = tmp_path / "kvmesh-user-events"
+    user = VllmEngine(
+        VllmConfig(vllm_kv_events_endpoint=f"ipc://{user_path}"),
+        model_path="/m",
+        served_model_name="m",
+    )
+    user.engine_kwargs()
+    for path in [*private, str(user_path)]:
+        Path(path).touch()
+    asyncio.run(eng._stop_engine())
+    asyncio.run(user._stop_engine())
+    assert not any(os.path.exists(p) for p in private)
+    assert user_path.exists()
+
+
 def test_nixl_workers_on_one_machine_get_their_own_side_channel_port(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

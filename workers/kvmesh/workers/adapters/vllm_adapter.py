@@ -52,7 +52,10 @@ from kvmesh.runtime.types import (
 from kvmesh.workers.adapters.base import OutputDecoder, PrefillSink, StreamingAdapter, top_logprobs
 from kvmesh.workers.adapters.config import VllmConfig
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
-from kvmesh.workers.adapters.zmq_endpoints import private_ipc_endpoints
+from kvmesh.workers.adapters.zmq_endpoints import (
+    private_ipc_endpoints,
+    remove_private_ipc_files,
+)
 from kvmesh.workers.engine import DisaggSettings
 from kvmesh.workers.validation import validate_request
 
@@ -344,6 +347,7 @@ class VllmEngine(StreamingAdapter[Any]):
         if engine is not None:
             engine.shutdown()
         self.subscriber = None
+        remove_private_ipc_files(self.kv_events_endpoint, self.kv_events_replay_endpoint)
 
     def _prepare(self, request: EngineRequest) -> _VllmCall:
         return self._call(request)
