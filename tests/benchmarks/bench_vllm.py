@@ -271,9 +271,12 @@ def summary(wall: float, results: list[Result]) -> dict[str, Any]:
     }
 
 
-def torch_vs_vllm(model: Path, max_tokens: int) -> dict[str, Any]:
+def torch_vs_vllm(model: Path, max_tokens: int, threads: int) -> dict[str, Any]:
     """Engine against engine, in this process: decode tokens/s at batch 1 and 8 (greedy,
-    ignore_eos, a 64-token prompt each)."""
+    ignore_eos, a 64-token prompt each). `threads`: torch's intra-op threads for the torch
+    engine (0: torch's default); vLLM's engine core sets its own."""
+    import torch
+
     from kvmesh.runtime.modeldir import ModelDirInfo
     from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
     from kvmesh.workers.adapters.config import VllmConfig
@@ -283,6 +286,8 @@ def torch_vs_vllm(model: Path, max_tokens: int) -> dict[str, Any]:
     from kvmesh.workers.pytorch.engine import TorchEngine
 
     info = ModelDirInfo.load(model)
+    if threads:
+        torch.set_num_threads(threads)
 
     async def measure(engine: Engine) -> dict[str, float]:
         await engine.start()
@@ -351,6 +356,9 @@ def main() -> None:
         "'no-events=--vllm-kv-events false' (then --servers ... no-events)",
     )
     p.add_argument("--torch", action="store_true", help="also torch engine vs vLLM engine")
+    p.add_argument(
+        "--torch-threads", type=int, default=0, help="torch engine's torch threads (0: default)"
+    )
     p.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "bench_vllm.log"))
     a = p.parse_args()
 
@@ -403,7 +411,7 @@ def run(a: argparse.Namespace, root: Path) -> None:
             row["first_difference"] = [diff[0], x[diff[0]], y[diff[0]]]
         print(json.dumps(row), flush=True)
     if a.torch:
-        print(json.dumps(torch_vs_vllm(model, 64)), flush=True)
+        print(json.dumps(torch_vs_vllm(model, 64, a.torch_threads)), flush=True)
 
 
 if __name__ == "__main__":
