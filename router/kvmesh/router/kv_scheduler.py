@@ -13,6 +13,9 @@ on any monotonic clock, wall or virtual) holds:
 Cost of worker w for a request of T prompt tokens (block size B, w caching its first O blocks):
 
     new(w)  = T/B - O                        blocks the request would add on w
+
+(O is tier-weighted, KvIndexer.find_credits: a block w holds on its host or disk tier counts
+`host_hit_weight` / `disk_hit_weight` of a device block, what onboarding it saves.)
     cost(w) = overlap_weight * (prefill(w) + new(w)) + (decode(w) + new(w))
 
 prefill(w) is the worker's predicted blocks still to prefill and decode(w) the blocks its
@@ -58,12 +61,12 @@ import logging
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.indexer import ApproxIndex
-from kvmesh.router.kv_state import KvIndexer
+from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT, KvIndexer
 from kvmesh.runtime.errors import Unavailable
 
 __all__ = [
@@ -101,6 +104,11 @@ class KvRouterConfig:
     instead of being corrected away."""
     seed: int = 0
     """Seed of tie-breaking and sampling."""
+    host_hit_weight: float = HOST_HIT_WEIGHT
+    """What a prompt block a worker holds on its host tier counts for in the cost, a device
+    block counting 1 (1 - onboarding cost / recompute cost)."""
+    disk_hit_weight: float = DISK_HIT_WEIGHT
+    """The same for a block a worker holds only on its disk tier."""
 
     def __post_init__(self) -> None:
         if not self.overlap_weight >= 0:
@@ -115,6 +123,8 @@ class KvRouterConfig:
             raise ValueError("approx_ttl_s and load_max_age_s must be > 0")
         if not self.load_settle_s >= 0:
             raise ValueError("load_settle_s must be >= 0")
+        if not (0 <= self.host_hit_weight <= 1 and 0 <= self.disk_hit_weight <= 1):
+            raise ValueError("host_hit_weight and disk_hit_weight must be in [0, 1]")
 
 
 @dataclass(slots=True, frozen=True)
@@ -196,7 +206,8 @@ class Selection:
 
     worker_id: str
     overlap_blocks: int
-    """Leading prompt blocks the worker holds (exact or approximate index)."""
+    """Leading prompt blocks the worker holds (exact or approximate index; blocks on its host or
+    disk tier count by their weight, rounded down)."""
     prompt_blocks: int
     """Full blocks in the prompt."""
     prompt_tokens: int
@@ -244,7 +255,14 @@ class KvScheduler:
         router_id: str = "",
     ) -> None:
         self.config = config if config is not None else KvRouterConfig()
-        self.indexer = indexer if indexer is not None else KvIndexer()
+        self.indexer = (
+            indexer
+            if indexer is not None
+            else KvIndexer(
+                host_hit_weight=self.config.host_hit_weight,
+                disk_hit_weight=self.config.disk_hit_weight,
+            )
+        )
         self.approx: ApproxIndex[str] = ApproxIndex(self.config.approx_ttl_s)
         self.router_id = router_id
         self._workers: dict[str, WorkerLoad] = {}
@@ -361,9 +379,9 @@ class KvScheduler:
         n_tokens = len(token_ids)
         need_exact = any(w.kv_events for w in ready)
         need_approx = not all(w.kv_events for w in ready)
-        by_size: dict[int, tuple[list[int], dict[str, int], dict[str, int]]] = {}
+        by_size: dict[int, tuple[list[int], Mapping[str, float], dict[str, int]]] = {}
         costs: dict[str, float] = {}
-        overlaps: dict[str, int] = {}
+        overlaps: dict[str, float] = {}
         weight = cfg.overlap_weight
         max_age = cfg.load_max_age_s
         for w in ready:
@@ -371,7 +389,7 @@ class KvScheduler:
             found = by_size.get(bs)
             if found is None:
                 hashes = block_hashes(token_ids, bs, lora_name)
-                exact = self.indexer.find_matches(hashes) if hashes and need_exact else {}
+                exact = self.indexer.find_credits(hashes) if hashes and need_exact else {}
                 approx = self.approx.find_matches(hashes, now) if hashes and need_approx else {}
                 found = by_size[bs] = (hashes, exact, approx)
             wid = w.worker_id
@@ -388,7 +406,7 @@ class KvScheduler:
         hashes = by_size[load.block_size][0]
         return Selection(
             worker_id=chosen,
-            overlap_blocks=overlaps[chosen],
+            overlap_blocks=int(overlaps[chosen]),
             prompt_blocks=len(hashes),
             prompt_tokens=n_tokens,
             block_size=load.block_size,

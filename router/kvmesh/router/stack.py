@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kvmesh.router.backend import DisaggConfig
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_scheduler import KvRouterConfig
+from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router, RouterMode, SimpleRouter
 from kvmesh.router.service import RemoteRouter
@@ -47,6 +48,14 @@ class MeshConfig(DisaggConfig):
         120.0, "kv, engines without KV events: seconds a routed prompt counts as cached"
     )
     router_seed: int = opt(0, "seed of the router's tie-breaking and sampling")
+    router_host_hit_weight: float = opt(
+        HOST_HIT_WEIGHT,
+        "kv: what a prompt block on a worker's host KV tier counts for in the cost, a device "
+        "block counting 1 (the share of recompute that onboarding it saves)",
+    )
+    router_disk_hit_weight: float = opt(
+        DISK_HIT_WEIGHT, "kv: the same for a block only on a worker's disk KV tier"
+    )
     router_peers: list[str] = opt(
         [], "kv: host:port of peer `kvmesh router` replicas to share predicted load with"
     )
@@ -68,6 +77,8 @@ def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
             busy_waiting_requests=mesh.router_busy_waiting,
             approx_ttl_s=mesh.router_approx_ttl_s,
             seed=mesh.router_seed,
+            host_hit_weight=mesh.router_host_hit_weight,
+            disk_hit_weight=mesh.router_disk_hit_weight,
         )
         router = KvRouter(pool, config, peers=mesh.router_peers)
     else:
