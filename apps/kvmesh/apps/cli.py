@@ -1,4 +1,4 @@
-"""The `kvmesh` command: up, frontend, router, worker, model, bench, replay.
+"""The `kvmesh` command: up, frontend, router, worker, model, bench, replay, workload.
 
 Parsing happens in main() only. Each process (up, frontend, router, worker) has one entry point
 in its component (`ENTRY`: its name, the config dataclasses its flags come from, and the function
@@ -68,10 +68,17 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
     return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg))
 
 
+def _cmd_workload(ns: argparse.Namespace) -> int:
+    from kvmesh.sim.workloads import run_workload
+
+    return run_workload(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (built on demand, never at import time)."""
     from kvmesh.apps.bench import BenchConfig
     from kvmesh.sim.config import add_replay_args
+    from kvmesh.sim.workloads import WorkloadConfig
 
     parser = argparse.ArgumentParser(prog="kvmesh", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
@@ -114,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_replay,
     )
     add_replay_args(replay)
+
+    workload = command(
+        "workload",
+        "write a generated trace with known prefix sharing (Mooncake JSONL) for kvmesh replay",
+        _cmd_workload,
+    )
+    add_args(workload, WorkloadConfig)
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.backend import DisaggConfig
+from kvmesh.router.kv_policy import DEFAULT_ITL_PENALTY_CAP_MS, DEFAULT_ITL_WEIGHT, KvPolicyKind
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.pool import WorkerPool
@@ -47,6 +48,27 @@ class MeshConfig(DisaggConfig):
         120.0, "kv, engines without KV events: seconds a routed prompt counts as cached"
     )
     router_seed: int = opt(0, "seed of the router's tie-breaking and sampling")
+    router_policy: KvPolicyKind = opt(
+        KvPolicyKind.TTFT,
+        "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
+        "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
+    )
+    router_itl_weight: float = opt(
+        DEFAULT_ITL_WEIGHT,
+        "kv ttft: weight of the ITL penalty (x expected output tokens x ms of predicted ITL "
+        "above the best worker's)",
+    )
+    router_itl_penalty_cap_ms: float = opt(
+        DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
+    )
+    router_chunk_tokens: int = opt(
+        8192, "kv ttft: the engines' prefill token budget per step (max_num_batched_tokens)"
+    )
+    router_timing_profile: str = opt(
+        "",
+        "kv ttft: the engines' step timing (JSON table, see kvmesh.runtime.timing); empty: the "
+        "mocker's model",
+    )
     router_peers: list[str] = opt(
         [], "kv: host:port of peer `kvmesh router` replicas to share predicted load with"
     )
@@ -68,6 +90,11 @@ def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
             busy_waiting_requests=mesh.router_busy_waiting,
             approx_ttl_s=mesh.router_approx_ttl_s,
             seed=mesh.router_seed,
+            policy=mesh.router_policy,
+            itl_weight=mesh.router_itl_weight,
+            itl_penalty_cap_ms=mesh.router_itl_penalty_cap_ms,
+            chunk_tokens=mesh.router_chunk_tokens,
+            timing_profile=mesh.router_timing_profile,
         )
         router = KvRouter(pool, config, peers=mesh.router_peers)
     else:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvmesh.router.backend import DisaggConfig
+from kvmesh.router.kv_policy import DEFAULT_ITL_PENALTY_CAP_MS, DEFAULT_ITL_WEIGHT, KvPolicyKind
 from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.routing import RouterMode
 from kvmesh.runtime.config import add_args, opt
@@ -45,6 +46,19 @@ class ReplayConfig:
     )
     router_temperature: float = opt(
         0.0, "kv: 0 picks the lowest cost (ties at random); > 0 samples softmax(-cost/T)"
+    )
+    router_policy: KvPolicyKind = opt(
+        KvPolicyKind.TTFT,
+        "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
+        "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
+    )
+    router_itl_weight: float = opt(
+        DEFAULT_ITL_WEIGHT,
+        "kv ttft: weight of the ITL penalty (x expected output tokens x ms of predicted ITL "
+        "above the best worker's)",
+    )
+    router_itl_penalty_cap_ms: float = opt(
+        DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
     )
     load_interval_ms: float = opt(
         100.0,
@@ -101,6 +115,11 @@ class ReplayConfig:
             overlap_weight=self.router_overlap_weight,
             temperature=self.router_temperature,
             seed=self.seed,
+            policy=self.router_policy,
+            itl_weight=self.router_itl_weight,
+            itl_penalty_cap_ms=self.router_itl_penalty_cap_ms,
+            chunk_tokens=self.mocker.max_num_batched_tokens,
+            timing_profile=self.mocker.timing_profile,
         )
 
 

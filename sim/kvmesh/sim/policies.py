@@ -118,6 +118,7 @@ class KvPolicy:
                 block_size=mocker.block_size,
                 kv_total_blocks=mocker.num_gpu_blocks,
                 kv_events=mocker.enable_prefix_caching,
+                max_num_seqs=mocker.max_num_seqs,
             )
         self.worker_ids = worker_ids
         self.index_of = {w: i for i, w in enumerate(worker_ids)}
@@ -133,7 +134,9 @@ class KvPolicy:
         expected_output_tokens: int = 0,
     ) -> Route:
         ids = None if candidates is None else [self.worker_ids[c] for c in candidates]
-        sel = self.sched.select(prompt, now, candidates=ids)
+        sel = self.sched.select(
+            prompt, now, candidates=ids, expected_output_tokens=expected_output_tokens
+        )
         self.sched.book(request_id, sel, now, expected_output_tokens=expected_output_tokens)
         worker = self.index_of[sel.worker_id]
         self.bookings.book(request_id, worker)

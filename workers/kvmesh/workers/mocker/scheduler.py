@@ -46,11 +46,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.timing import TimingModel, load_timing
 from kvmesh.runtime.types import EngineRequest, TokenLogprob
 from kvmesh.workers.batching.scheduler import BatchScheduler, Seq, SeqOutput, SeqStatus
 from kvmesh.workers.mocker.config import MockerConfig
 from kvmesh.workers.mocker.sampling import TokenSampler
-from kvmesh.workers.mocker.timing import TimingModel, load_timing
 
 __all__ = ["MockerScheduler", "SeqOutput", "SeqStatus", "StepResult"]
 
