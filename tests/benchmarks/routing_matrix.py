@@ -23,7 +23,7 @@ Policies: `kv` (kvmesh's default KV routing: the ttft policy with its defaults),
 runs: its KV router is not deterministic) when its venv exists (--dynamo-python).
 
 `--cv` chooses the ttft policy's ITL-penalty defaults by leave-one-workload-out cross-validation
-over the CV cells (every workload, steady arrivals, 4 workers, three loads, 250 requests per
+over the CV cells (every workload, steady arrivals, 4 workers, three loads, 500 requests per
 worker): for each held-out workload, the grid point with the best score on the other
 workloads' cells is scored on the held-out one. Score of a cell: geometric mean of TTFT mean and
 p99, each relative to round-robin's in the same cell (lower is better).
@@ -59,7 +59,8 @@ from kvmesh.sim.trace import load_trace, write_trace
 from kvmesh.sim.workloads import ArrivalKind, WorkloadConfig, WorkloadKind, generate, sharing
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared"
+SHARED = Path(os.environ.get("KVMESH_SHARED", ROOT.parent / "shared"))
+"""The shared folder (ref/traces); KVMESH_SHARED overrides it (e.g. running from a copy)."""
 SYNTHETIC = SHARED / "ref" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 WORKLOADS = {
@@ -84,14 +85,16 @@ overload, round-robin's queues grow through the trace."""
 ARRIVALS = ("steady", "bursty")
 WORKERS = (2, 4, 8, 16)
 REQUESTS_PER_WORKER = 500
-CV_REQUESTS_PER_WORKER = 250
+CV_REQUESTS_PER_WORKER = 500
+"""The CV cells have the matrix's requests per worker (fewer would miss the regimes where request
+slots run short); the synthetic trace's first 2,000."""
 SYNTHETIC_REQUESTS = 3993
 BURST_S = 5.0
 """Bursty arrivals: mean burst length in simulated seconds (3x the mean rate; lulls at 1/3 of
 it last 3x as long), whatever the cell's speedup."""
 
 GRID = {
-    "router_itl_weight": [0.0, 5.0, 10.0, 20.0, 40.0],
+    "router_itl_weight": [0.0, 2.0, 5.0, 10.0, 20.0, 40.0],
     "router_itl_penalty_cap_ms": [100.0, 300.0, 1000.0],
 }
 """The ttft policy's ITL penalty: weight (x expected output tokens x ms of ITL above the best
@@ -163,11 +166,10 @@ def matrix_cells(workloads: Iterable[str], workers: Iterable[int]) -> list[Cell]
 
 
 def cv_cells() -> list[Cell]:
-    cells = []
-    for w, load in itertools.product(WORKLOADS, ("light", "moderate", "overload")):
-        requests = 1000 if w == "synthetic" else CV_REQUESTS_PER_WORKER * 4
-        cells.append(Cell(w, "steady", 4, load, requests))
-    return cells
+    return [
+        Cell(w, "steady", 4, load, CV_REQUESTS_PER_WORKER * 4)
+        for w, load in itertools.product(WORKLOADS, ("light", "moderate", "overload"))
+    ]
 
 
 # -- kvmesh runs ------------------------------------------------------------------------------

@@ -146,7 +146,8 @@ def test_completion_rate_is_measured_between_load_samples() -> None:
 
 def test_the_itl_penalty_is_bounded() -> None:
     """w1 holds the prompt but decodes a lot: with no penalty the cache wins; a penalty that
-    outweighs the prefill it saves sends the request to w0; a cap below that saving keeps it."""
+    outweighs the prefill it saves sends the request to w0, scaled by the share of w1's request
+    slots in use; a cap below that saving keeps it on w1."""
     prompt = list(range(1600))
     decoding = 100_000  # tokens decoding on w1: u = 0.095 of 65,536 blocks x 16
     capacity = 65536 * BS
@@ -163,9 +164,11 @@ def test_the_itl_penalty_is_bounded() -> None:
         return sched.select(prompt, 0.0, expected_output_tokens=500).worker_id
 
     assert pick() == "w1"
-    weight = 2 * saving / (500 * itl_gap)  # the penalty is twice what the cache saves
-    assert pick(itl_weight=weight, itl_penalty_cap_ms=1e6) == "w0"
-    assert pick(itl_weight=weight, itl_penalty_cap_ms=saving / 2) == "w1"
+    # w1 has 1 of its 4 request slots taken: the penalty counts a quarter
+    weight = 2 * saving / (500 * itl_gap)  # twice what the cache saves, a half at 1/4 slots
+    assert pick(itl_weight=weight, itl_penalty_cap_ms=1e6) == "w1"
+    assert pick(itl_weight=4 * weight, itl_penalty_cap_ms=1e6) == "w0"
+    assert pick(itl_weight=4 * weight, itl_penalty_cap_ms=2 * saving) == "w1"  # capped
 
 
 def test_bad_settings_are_refused() -> None:

@@ -25,11 +25,17 @@ table), and adds a bounded penalty for the inter-token latency it would decode a
              + steps * decode_ms(u)                    each of those steps also decodes the
                                                        running batch, u = decode / capacity
     itl    = decode_ms((decode + prompt) / capacity)   the step time it would then decode at
-    score  = ttft + min(itl_weight * (itl - best itl over the candidates), itl_penalty_cap_ms)
+    score  = ttft + used * min(w * output * (itl - best itl), itl_penalty_cap_ms)
 
-The lowest score wins (ties and temperature sampling: KvScheduler._choose). The penalty is
-relative to the best candidate, so it never adds anything when the fleet decodes evenly, and it
-is capped, so a lightly loaded worker's TTFT advantage is never traded away whole for ITL.
+`output` is the request's expected output tokens (its max_tokens; the mean of past requests when
+unknown), `w` the `itl_weight`, `best itl` the lowest over the candidates, and `used` the
+fraction of the worker's request slots taken (requests running or waiting / max_num_seqs,
+capped at 1; 1 when the engine does not say): decode speed matters to everyone's TTFT when
+request slots run short, because then a new request waits for running ones to finish, which
+they do at the pace of the decode steps. The lowest score wins (ties and temperature sampling:
+KvScheduler._choose). The penalty is relative to the best candidate, so it adds nothing when the
+fleet decodes evenly; it fades out on workers with free slots, and it is capped, so a worker's
+TTFT advantage is never traded away whole for ITL.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ __all__ = [
     "TtftPrediction",
     "TtftPredictor",
     "cost_score",
+    "itl_penalized",
 ]
 
 DEFAULT_ITL_WEIGHT = 0.0
@@ -63,6 +70,20 @@ class KvPolicyKind(enum.Enum):
     """Predicted time to first token plus a bounded ITL penalty (TtftPredictor): the default."""
     COST = "cost"
     """The linear cost over blocks to prefill and blocks decoding (cost_score)."""
+
+
+def itl_penalized(
+    prediction: TtftPrediction,
+    *,
+    best_itl_ms: float,
+    weight: float,
+    cap_ms: float,
+    slots_used: float,
+) -> float:
+    """The ttft policy's score: predicted TTFT plus the bounded ITL penalty (module doc);
+    `weight` is itl_weight times the request's expected output tokens."""
+    penalty = min(weight * (prediction.itl_ms - best_itl_ms), cap_ms)
+    return prediction.ttft_ms + min(1.0, max(0.0, slots_used)) * penalty
 
 
 def cost_score(

@@ -69,6 +69,7 @@ from kvmesh.router.kv_policy import (
     KvPolicyKind,
     TtftPredictor,
     cost_score,
+    itl_penalized,
 )
 from kvmesh.router.kv_state import KvIndexer
 from kvmesh.runtime.errors import Unavailable
@@ -534,7 +535,14 @@ class KvScheduler:
             return {wid: p.ttft_ms for wid, p in preds.items()}
         best_itl = min(p.itl_ms for p in preds.values())
         return {
-            wid: p.ttft_ms + min(weight * (p.itl_ms - best_itl), cap) for wid, p in preds.items()
+            w.worker_id: itl_penalized(
+                preds[w.worker_id],
+                best_itl_ms=best_itl,
+                weight=weight,
+                cap_ms=cap,
+                slots_used=w.requests(now, max_age) / w.max_num_seqs if w.max_num_seqs else 1.0,
+            )
+            for w in ready
         }
 
     def _choose(self, costs: dict[str, float]) -> str:
