@@ -21,13 +21,14 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from kvmesh.frontend.app import ROUTES
 from kvmesh.frontend.openapi import openapi_document
 from tests.fake_gateway import RunningGateway
 
 pytestmark = pytest.mark.integration
 
-schema = schemathesis.openapi.from_dict(openapi_document())
-smoke_schema = schemathesis.openapi.from_dict(openapi_document())
+schema = schemathesis.openapi.from_dict(openapi_document(ROUTES))
+smoke_schema = schemathesis.openapi.from_dict(openapi_document(ROUTES))
 smoke_schema.config.phases.coverage.enabled = False  # boundary cases: the thorough run's job
 CHECKS = [
     not_a_server_error,

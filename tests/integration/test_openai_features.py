@@ -476,5 +476,5 @@ async def test_openapi_document(gw: Gateway) -> None:
         "/v2/health/ready",
     ):
         assert path in doc["paths"], path
-    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    chat = doc["components"]["schemas"]["CreateChatCompletionRequest"]
     assert {"tools", "tool_choice", "response_format", "seed", "n"} <= set(chat["properties"])

@@ -8,15 +8,17 @@ from typing import Any
 import orjson
 import pytest
 
-from kvmesh.frontend.protocol import (
-    DONE_EVENT,
-    ChatChunkEncoder,
+from kvmesh.frontend.dataplane import (
     ChoiceDelta,
     ChoiceResult,
     CompletionResult,
-    TextChunkEncoder,
     TokenLogprobInfo,
     UsageInfo,
+)
+from kvmesh.frontend.protocol import (
+    DONE_EVENT,
+    ChatChunkEncoder,
+    TextChunkEncoder,
     encode_error_event,
     encode_result,
     parse_chat_request,

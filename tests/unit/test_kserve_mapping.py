@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from kvmesh.frontend import kserve
+from kvmesh.frontend.dataplane import ChoiceDelta, ChoiceResult, CompletionResult, UsageInfo
 from kvmesh.frontend.kserve import InferEncoder, InferRequest, Tensor, to_generation
 from kvmesh.frontend.kserve_http import decode_generate, decode_infer, encode_infer
-from kvmesh.frontend.protocol import ChoiceDelta, ChoiceResult, CompletionResult, UsageInfo
+from kvmesh.frontend.protocol import SamplingParameters
 from kvmesh.runtime.errors import InvalidRequest, NotFound
 
 pytestmark = pytest.mark.unit
@@ -225,3 +226,73 @@ def test_generate_extension_body() -> None:
     assert (o.max_tokens, o.temperature, o.top_k, o.stop) == (3, 0.5, 2, ("a", "b"))
     with pytest.raises(InvalidRequest):
         decode_generate(b'{"text_input": {"nested": 1}}', "m", "")
+
+
+def _prompt_and(*inputs: Tensor, **params: Any) -> InferRequest:
+    return req(text("Hi"), *inputs, **params)
+
+
+@pytest.mark.parametrize(
+    ("request_", "param", "message"),
+    [
+        (
+            _prompt_and(Tensor("temperature", "FP32", [1], [3.0])),
+            "temperature",
+            "'temperature' must be between 0.0 and 2.0, got 3.0",
+        ),
+        (
+            _prompt_and(random_seed=2**64 - 1),
+            "seed",
+            "'seed' must be between -9223372036854775808 and 9223372036854775807, "
+            "got 18446744073709551615",
+        ),
+        (
+            _prompt_and(Tensor("stop", "BYTES", [5], [b"a", b"b", b"c", b"d", b"e"])),
+            "stop",
+            "'stop' accepts at most 4 strings, got 5",
+        ),
+        (
+            _prompt_and(sampling_parameters='{"guided_choice": []}'),
+            "guided_choice",
+            "'guided_choice' must be a non-empty list of non-empty strings",
+        ),
+        (
+            _prompt_and(sampling_parameters='{"temperature": "hot"}'),
+            "temperature",
+            "'temperature' must be a number",
+        ),
+        (
+            _prompt_and(Tensor("min_tokens", "INT32", [1], [9]), max_tokens=3),
+            "min_tokens",
+            "'min_tokens' (9) must not exceed 'max_tokens' (3)",
+        ),
+        (
+            _prompt_and(Tensor("max_tokens", "BYTES", [1], [b"99999999999999999999999"])),
+            None,
+            "inputs hold values that cannot be used",
+        ),
+    ],
+)
+def test_sampling_values_are_checked_as_in_openai_bodies(
+    request_: InferRequest, param: str | None, message: str
+) -> None:
+    """Same checks, same messages as an OpenAI body (kvmesh.frontend.protocol)."""
+    with pytest.raises(InvalidRequest) as info:
+        to_generation(request_, allow_stream=False)
+    assert (info.value.param, info.value.message) == (param, message)
+
+
+def test_a_tensor_overrides_a_bad_sampling_parameter() -> None:
+    """sampling_parameters < request parameters < input tensors, before anything is checked."""
+    call = to_generation(
+        _prompt_and(
+            Tensor("temperature", "FP32", [1], [0.5]),
+            sampling_parameters='{"temperature": "hot", "top_k": 3}',
+        ),
+        allow_stream=False,
+    )
+    assert (call.request.options.temperature, call.request.options.top_k) == (0.5, 3)
+
+
+def test_sampling_keys_are_sampling_parameters() -> None:
+    assert set(SamplingParameters.__struct_fields__) >= kserve.SAMPLING_KEYS

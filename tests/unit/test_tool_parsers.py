@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.frontend.protocol import ToolCall
+from kvmesh.frontend.dataplane import ToolCall
 from kvmesh.frontend.tokenizer import Tokenizer
 from kvmesh.frontend.tool_parsers import (
     TOOL_PARSERS,

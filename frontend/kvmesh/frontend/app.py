@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP transport (aiohttp).
 
-Each route parses the request into a typed message (kvmesh.frontend.protocol), calls ONE
-method of OpenAIService, and encodes the result: a JSON body, or Server-Sent Events for
-streams. Errors are OpenAI-shaped JSON everywhere, including unknown paths (404), wrong
-methods (405) and oversized bodies (413). After a stream has started, an error is sent as
-`data: {"error": {...}}` followed by `data: [DONE]`. The KServe v2 REST routes
-(kvmesh.frontend.kserve_http, under /v2) share the app and the service but answer with the
-protocol's own `{"error": "..."}`. GET /openapi.json describes every route
-(kvmesh.frontend.openapi).
+Each route decodes the request into a typed request of kvmesh.frontend.dataplane (with
+kvmesh.frontend.protocol), calls ONE method of OpenAIService, and encodes the result: a JSON
+body, or Server-Sent Events for streams. Errors are OpenAI-shaped JSON everywhere, including
+unknown paths (404), wrong methods (405) and oversized bodies (413). After a stream has
+started, an error is sent as `data: {"error": {...}}` followed by `data: [DONE]`. The KServe v2
+REST routes (kvmesh.frontend.kserve_http, under /v2) share the app and the service but answer
+with the protocol's own `{"error": "..."}`. `ROUTES` is the route table: it registers the
+handlers, and GET /openapi.json is generated from it (kvmesh.frontend.openapi).
 
 Performance notes: no middlewares (each costs a call per request), no access log, pre-encoded
 SSE fragments, the last event of a stream coalesced with `[DONE]` and the chunked-encoding
@@ -20,26 +20,35 @@ the backend iterators and so cancels the requests on the workers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
 from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
 from kvmesh.frontend.errors import error_body, error_from_exception
-from kvmesh.frontend.kserve_http import KServeRoutes
+from kvmesh.frontend.kserve_http import KSERVE_ROUTES, KServeRoutes
 from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kvmesh.frontend.openapi import openapi_document
+from kvmesh.frontend.openapi import JSON, SSE, Reply, Route, openapi_document
 from kvmesh.frontend.protocol import (
     DONE_EVENT,
     ChatChunkEncoder,
-    ChatCompletionRequest,
-    CompletionRequest,
-    CompletionResult,
+    CreateChatCompletionRequest,
+    CreateChatCompletionResponse,
+    CreateCompletionRequest,
+    CreateCompletionResponse,
+    CreateEmbeddingRequest,
+    CreateEmbeddingResponse,
+    ErrorResponse,
+    ListModelsResponse,
+    Model,
     ParsedChatChunkEncoder,
     TextChunkEncoder,
     encode_embeddings,
@@ -54,7 +63,7 @@ from kvmesh.frontend.protocol import (
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.tracing import TraceContext
 
-__all__ = ["CONFIG_KEY", "SERVICE_KEY", "build_app", "serve_http"]
+__all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "build_app", "serve_http"]
 
 SERVICE_KEY = web.AppKey("kvmesh_openai_service", OpenAIService)
 """Where build_app stores the service in the Application."""
@@ -64,11 +73,11 @@ CONFIG_KEY = web.AppKey("kvmesh_frontend_config", FrontendConfig)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
-_JSON = "application/json"
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_SSE_HEADERS = {"Content-Type": SSE, "Cache-Control": "no-cache"}
 _CLIENT_CLOSED = 499
 
 Req = TypeVar("Req", ChatCompletionRequest, CompletionRequest)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class _EventStreamResponse(web.StreamResponse):
@@ -148,7 +157,7 @@ def _write_now(writer: StreamWriter, data: bytes) -> None:
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
+    return web.Response(status=status, body=body, content_type=JSON, headers=headers)
 
 
 class _Routes:
@@ -313,16 +322,16 @@ class _Routes:
     async def health(self, request: web.Request) -> web.Response:
         service = self.service
         if service.ready():
-            return _json_response(200, b'{"status":"ok"}')
+            return _json_response(200, _OK)
         state = "draining" if service.draining else "no ready worker"
-        return _json_response(503, orjson.dumps({"status": state}))
+        return _json_response(503, msgspec.json.encode(Health(state)))
 
     async def live(self, request: web.Request) -> web.Response:
-        return _json_response(200, b'{"status":"alive"}')
+        return _json_response(200, _ALIVE)
 
     async def openapi(self, request: web.Request) -> web.Response:
         if self._openapi is None:
-            self._openapi = orjson.dumps(openapi_document())
+            self._openapi = orjson.dumps(openapi_document(ROUTES))
         return _json_response(200, self._openapi)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
@@ -348,6 +357,64 @@ def _allowed_methods(request: web.Request) -> list[str]:
     return sorted(r.method for r in resource if r.method != "*")
 
 
+class Health(msgspec.Struct):
+    """Gateway health: "ok" / "alive", or why it is not ready."""
+
+    status: str
+
+
+_OK = msgspec.json.encode(Health("ok"))
+_ALIVE = msgspec.json.encode(Health("alive"))
+_ERRORS = {
+    400: "Invalid request, or prompt (plus max_tokens) over the context window",
+    404: "Unknown model or route",
+    413: "Request body too large",
+    429: "Overloaded",
+    501: "Not implemented by the backend",
+    503: "No worker available, or draining",
+}
+
+
+def _replies(ok: Reply, *errors: int) -> dict[int, Reply]:
+    return {200: ok, **{s: Reply(ErrorResponse, _ERRORS[s]) for s in errors}}
+
+
+_GENERATION_ERRORS = (400, 404, 413, 429, 503)
+_CHAT = Reply(
+    CreateChatCompletionResponse, "A chat.completion, or chat.completion.chunk events", (JSON, SSE)
+)
+_TEXT = Reply(CreateCompletionResponse, "A text_completion, or text_completion events", (JSON, SSE))
+_HEALTH = {200: Reply(Health, "Ready"), 503: Reply(Health, "Not ready")}
+OPENAI_ROUTES: tuple[Route, ...] = (
+    Route(CHAT_PATH, "POST", _Routes.chat, "Chat completion (stream: Server-Sent Events)",
+          _replies(_CHAT, *_GENERATION_ERRORS), CreateChatCompletionRequest),
+    Route(COMPLETIONS_PATH, "POST", _Routes.completions,
+          "Text completion (stream: Server-Sent Events)",
+          _replies(_TEXT, *_GENERATION_ERRORS), CreateCompletionRequest),
+    Route(EMBEDDINGS_PATH, "POST", _Routes.embeddings,
+          "Embeddings (engines with the EMBEDDINGS capability)",
+          _replies(Reply(CreateEmbeddingResponse, "One vector per input"), *_GENERATION_ERRORS,
+                   501),
+          CreateEmbeddingRequest),
+    Route("/v1/models", "GET", _Routes.models, "Models served now",
+          _replies(Reply(ListModelsResponse, "Model list"))),
+    Route("/v1/models/{model}", "GET", _Routes.model, "One model",
+          _replies(Reply(Model, "The model"), 404)),
+    Route("/health", "GET", _Routes.health, "Readiness", _HEALTH),
+    Route("/live", "GET", _Routes.live, "Liveness", {200: Reply(Health, "Alive")}),
+    Route("/metrics", "GET", _Routes.metrics_text, "Prometheus metrics",
+          {200: Reply(str, "Text exposition", ("text/plain",))}),
+    Route("/openapi.json", "GET", _Routes.openapi, "This document",
+          {200: Reply(dict[str, Any], "OpenAPI 3.1")}),
+)  # fmt: skip
+ROUTES: tuple[Route, ...] = (*OPENAI_ROUTES, *KSERVE_ROUTES)
+"""Every route of the gateway, in registration order (see build_app)."""
+
+
+def _bound(routes: Sequence[Route], owner: object) -> list[tuple[Route, Handler]]:
+    return [(r, functools.partial(r.handler, owner)) for r in routes]
+
+
 def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> web.Application:
     """The aiohttp Application serving `service` (config defaults to `service.config`)."""
     config = config if config is not None else service.config
@@ -355,22 +422,11 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
     app[SERVICE_KEY] = service
     app[CONFIG_KEY] = config
     routes = _Routes(service)
-    table: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
-        (CHAT_PATH, "POST", routes.chat),
-        (COMPLETIONS_PATH, "POST", routes.completions),
-        (EMBEDDINGS_PATH, "POST", routes.embeddings),
-        ("/v1/models", "GET", routes.models),
-        ("/v1/models/{model}", "GET", routes.model),
-        ("/health", "GET", routes.health),
-        ("/live", "GET", routes.live),
-        ("/metrics", "GET", routes.metrics_text),
-        ("/openapi.json", "GET", routes.openapi),
-        *KServeRoutes(service).table(),
-    ]
-    for path, method, handler in table:
-        resource = app.router.add_resource(path)
-        resource.add_route(method, handler)
-        if method == "GET":
+    table = _bound(OPENAI_ROUTES, routes) + _bound(KSERVE_ROUTES, KServeRoutes(service))
+    for route, handler in table:
+        resource = app.router.add_resource(route.path)
+        resource.add_route(route.method, handler)
+        if route.method == "GET":
             resource.add_route("HEAD", handler)
         resource.add_route("*", routes.method_not_allowed)
     # [\s\S]: also paths with a (percent-encoded) newline, which "." does not match.

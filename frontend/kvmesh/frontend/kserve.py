@@ -1,9 +1,11 @@
-"""KServe v2 (Open Inference Protocol) inference requests <-> OpenAI text completions.
+"""KServe v2 (Open Inference Protocol) inference requests <-> the typed data plane.
 
 Both KServe transports (the gRPC servicer in kvmesh.frontend.kserve_grpc and the REST routes in
-kvmesh.frontend.app) decode their wire format into the typed `InferRequest` / `Tensor` here,
-turn it into a `CompletionRequest` for `OpenAIService.completion` with `to_generation`, and
-encode the service's deltas or result with `InferEncoder` into `InferResponse`s.
+kvmesh.frontend.kserve_http) decode their wire format into the typed `InferRequest` / `Tensor`
+here; `to_generation` maps it to the data plane's `CompletionRequest`
+(kvmesh.frontend.dataplane) for `OpenAIService.completion`, and `InferEncoder` turns the
+service's deltas or result into `InferResponse`s. Sampling values are checked by the same code
+as an OpenAI body's (kvmesh.frontend.protocol.generation_options), with the same messages.
 
 LLM tensor convention (as Triton's vLLM / TRT-LLM backends and Dynamo use it):
 
@@ -38,17 +40,13 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
+from msgspec import Struct, field
 
-from kvmesh.frontend.protocol import (
-    ChoiceDelta,
-    CompletionRequest,
-    CompletionResult,
-    parse_completion_request,
-)
+from kvmesh.frontend.dataplane import ChoiceDelta, CompletionRequest, CompletionResult
+from kvmesh.frontend.protocol import generation_options, token_ids
 from kvmesh.runtime import __version__
 from kvmesh.runtime.errors import InvalidRequest, NotFound
 from kvmesh.runtime.types import ModelInfo
@@ -56,13 +54,19 @@ from kvmesh.runtime.types import ModelInfo
 __all__ = [
     "DATATYPES",
     "EXTENSIONS",
+    "INPUT_TYPES",
+    "OUTPUT_TYPES",
+    "SERVER_METADATA",
     "SERVER_NAME",
     "GenerationCall",
     "InferEncoder",
     "InferRequest",
     "InferResponse",
+    "ModelMetadataResponse",
     "ParamValue",
+    "ServerMetadataResponse",
     "Tensor",
+    "TensorMetadata",
     "check_version",
     "decode_bytes_tensor",
     "decode_raw",
@@ -99,15 +103,12 @@ _RAW_FORMATS = {
 }
 DATATYPES = frozenset([*_RAW_FORMATS, "BYTES", "BF16"])
 """Every datatype name of the protocol."""
-_INT_TYPES = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"})
-_FLOAT_TYPES = frozenset({"FP16", "FP32", "FP64"})
 _ID_TYPES = frozenset({"INT32", "INT64", "UINT32", "UINT64"})
 MAX_ELEMENTS = 1 << 24
 """Largest tensor (elements) accepted."""
 
 
-@dataclass(slots=True)
-class Tensor:
+class Tensor(Struct):
     """A decoded tensor: `data` is flat, row-major; bytes for BYTES, bool / int / float
     otherwise."""
 
@@ -117,8 +118,7 @@ class Tensor:
     data: list[Any]
 
 
-@dataclass(slots=True)
-class InferRequest:
+class InferRequest(Struct):
     """A decoded ModelInferRequest (either transport)."""
 
     model: str
@@ -130,8 +130,7 @@ class InferRequest:
     """Requested output names in order; empty: the default outputs."""
 
 
-@dataclass(slots=True)
-class InferResponse:
+class InferResponse(Struct):
     """A ModelInferResponse to encode (either transport)."""
 
     model: str
@@ -213,8 +212,9 @@ def encode_raw(tensor: Tensor) -> bytes:
 # --------------------------------------------------------------------------------------------
 # Requests -> CompletionRequest
 
-_SCALARS: dict[str, tuple[str, str]] = {
-    # input / parameter name -> (kind, OpenAI completion field)
+ScalarKind = Literal["int", "float", "bool"]
+_SCALARS: dict[str, tuple[ScalarKind, str]] = {
+    # input / parameter name -> (kind, SamplingParameters field)
     "max_tokens": ("int", "max_tokens"),
     "min_tokens": ("int", "min_tokens"),
     "min_length": ("int", "min_tokens"),
@@ -243,12 +243,30 @@ _FLAGS = frozenset(
     }
 )
 _PROMPTS = frozenset({"text_input", "input_ids"})
-_OTHER_INPUTS = frozenset({"stop", "stop_words", "sampling_parameters", "beam_width"})
-INPUT_NAMES = frozenset(_SCALARS) | _FLAGS | _PROMPTS | _OTHER_INPUTS
-"""Input tensor names the LLM models accept."""
+_KIND_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
+INPUT_TYPES: dict[str, Any] = {
+    "text_input": str,
+    "input_ids": list[int],
+    **{name: _KIND_TYPES[kind] for name, (kind, _) in _SCALARS.items()},
+    **dict.fromkeys(sorted(_FLAGS), bool),
+    "stop": str | list[str],
+    "stop_words": str | list[str],
+    "sampling_parameters": str,
+    "beam_width": int,
+}
+"""Input tensors the LLM models accept, with their JSON type in the generate extension."""
+INPUT_NAMES = frozenset(INPUT_TYPES)
+OUTPUT_TYPES: dict[str, Any] = {
+    "text_output": str,
+    "finish_reason": str,
+    "num_input_tokens": int,
+    "num_output_tokens": int,
+    "output_ids": list[int],
+}
+"""Output tensors, with their JSON type in the generate extension."""
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
 OPTIONAL_OUTPUTS = ("output_ids",)
-_SAMPLING_KEYS = frozenset(
+SAMPLING_KEYS = frozenset(
     {
         "max_tokens",
         "min_tokens",
@@ -273,10 +291,10 @@ _SAMPLING_KEYS = frozenset(
         "best_of",
     }
 )
+"""The vLLM sampling parameters `sampling_parameters` may hold (SamplingParameters fields)."""
 
 
-@dataclass(slots=True)
-class GenerationCall:
+class GenerationCall(Struct):
     """What a KServe inference request asks of the service, and how to answer it."""
 
     request: CompletionRequest
@@ -386,7 +404,7 @@ def _sampling_parameters(value: Any) -> dict[str, Any]:
         raise InvalidRequest(
             "'sampling_parameters' must be a JSON object", param="sampling_parameters"
         )
-    unknown = sorted(k for k in params if k not in _SAMPLING_KEYS)
+    unknown = sorted(k for k in params if k not in SAMPLING_KEYS)
     if unknown:
         raise InvalidRequest(
             f"unsupported sampling parameter(s): {', '.join(map(repr, unknown))}",
@@ -400,15 +418,15 @@ def _sampling_parameters(value: Any) -> dict[str, Any]:
     return params
 
 
-def _apply(body: dict[str, Any], flags: dict[str, bool], name: str, value: Any) -> None:
-    """Set one named value (tensor element or parameter) on the completion body / flags."""
+def _apply(fields: dict[str, Any], flags: dict[str, bool], name: str, value: Any) -> None:
+    """Set one named value (tensor element or parameter) on the sampling fields / flags."""
     if name in _SCALARS:
         kind, key = _SCALARS[name]
-        body[key] = _convert(value, kind, name)
+        fields[key] = _convert(value, kind, name)
     elif name in _FLAGS:
         flags[name] = bool(_convert(value, "bool", name))
     elif name in ("stop", "stop_words"):
-        body["stop"] = _stop_list(value, name)
+        fields["stop"] = _stop_list(value, name)
     elif name == "beam_width":
         if _convert(value, "int", name) != 1:
             raise InvalidRequest("only beam_width 1 is supported", param="beam_width")
@@ -419,7 +437,8 @@ def to_generation(req: InferRequest, *, allow_stream: bool) -> GenerationCall:
     if not req.model:
         raise InvalidRequest("model_name is required", param="model")
     check_version(req.model, req.version)
-    body: dict[str, Any] = {"model": req.model}
+    fields: dict[str, Any] = {}
+    """SamplingParameters fields: sampling_parameters < request parameters < input tensors."""
     flags: dict[str, bool] = {}
     seen: set[str] = set()
     for tensor in req.inputs:
@@ -431,15 +450,14 @@ def to_generation(req: InferRequest, *, allow_stream: bool) -> GenerationCall:
                 f"unexpected input '{tensor.name}' (this model takes text_input or input_ids, "
                 "plus optional sampling inputs)"
             )
-    # Precedence: sampling_parameters < request parameters < input tensors.
     sampling = next((t for t in req.inputs if t.name == "sampling_parameters"), None)
     if sampling is not None:
-        body.update(_sampling_parameters(_one(sampling)))
+        fields.update(_sampling_parameters(_one(sampling)))
     elif "sampling_parameters" in req.parameters:
-        body.update(_sampling_parameters(req.parameters["sampling_parameters"]))
+        fields.update(_sampling_parameters(req.parameters["sampling_parameters"]))
     for name, value in req.parameters.items():
         if name in INPUT_NAMES and name not in _PROMPTS and name != "sampling_parameters":
-            _apply(body, flags, name, value)
+            _apply(fields, flags, name, value)
     prompt: Tensor | None = None
     for tensor in req.inputs:
         name = tensor.name
@@ -450,24 +468,26 @@ def to_generation(req: InferRequest, *, allow_stream: bool) -> GenerationCall:
                 raise InvalidRequest("give either text_input or input_ids, not both")
             prompt = tensor
         elif name in ("stop", "stop_words"):
-            body["stop"] = [_text(v, name) for v in tensor.data]
+            fields["stop"] = [_text(v, name) for v in tensor.data]
         else:
-            _apply(body, flags, name, _one(tensor))
+            _apply(fields, flags, name, _one(tensor))
     if prompt is None:
         raise InvalidRequest("missing input 'text_input' (or 'input_ids')")
+    prompts: list[str | list[int]]
     if prompt.name == "text_input":
         if prompt.datatype != "BYTES":
             raise InvalidRequest("input 'text_input' must have datatype BYTES")
-        body["prompt"] = _text(_one(prompt), "text_input")
-        if not body["prompt"]:
+        text = _text(_one(prompt), "text_input")
+        if not text:
             raise InvalidRequest("input 'text_input' is empty", param="prompt")
+        prompts = [text]
         ids_datatype = "INT32"
     else:
         if prompt.datatype not in _ID_TYPES:
             raise InvalidRequest("input 'input_ids' must have an integer datatype")
         if not prompt.data:
             raise InvalidRequest("input 'input_ids' is empty", param="prompt")
-        body["prompt"] = prompt.data
+        prompts = [prompt.data]
         ids_datatype = prompt.datatype
     stream = flags.get("stream", flags.get("streaming", False))
     if stream and not allow_stream:
@@ -475,16 +495,16 @@ def to_generation(req: InferRequest, *, allow_stream: bool) -> GenerationCall:
             "streaming needs the ModelStreamInfer RPC (or REST generate_stream); "
             "ModelInfer returns one response per request"
         )
-    body["echo"] = not flags.get("exclude_input_in_output", True)
-    if body["echo"] and stream:
-        body["echo"] = False  # streamed responses carry only new text
-    try:
-        request = parse_completion_request(orjson.dumps(body))
-    except orjson.JSONEncodeError:
-        raise InvalidRequest("inputs hold values that cannot be used") from None
-    request.stream = stream
+    # Streamed responses carry only new text: the prompt is echoed in unary ones only.
+    echo = not flags.get("exclude_input_in_output", True) and not stream
+    if any(isinstance(v, int) and not -(2**63) <= v < 2**64 for v in fields.values()):
+        raise InvalidRequest("inputs hold values that cannot be used")  # past int64 / uint64
+    if prompt.name == "input_ids":
+        token_ids(prompt.data, "prompt")
+    options = generation_options(fields)
     outputs = _outputs(req.outputs, flags, prompt.name == "input_ids")
-    request.options.return_token_ids = "output_ids" in outputs
+    options.return_token_ids = "output_ids" in outputs
+    request = CompletionRequest(req.model, prompts, options, stream=stream, echo=echo)
     empty_final = req.parameters.get("triton_enable_empty_final_response") is True
     return GenerationCall(
         request, stream, outputs, ids_datatype, len(prompt.shape) > 1, empty_final
@@ -589,38 +609,69 @@ class InferEncoder:
 # Metadata
 
 
-def model_metadata(info: ModelInfo, name: str) -> dict[str, Any]:
-    """ModelMetadata of an LLM (REST JSON shape; the gRPC servicer converts it)."""
-    return {
-        "name": name,
-        "versions": [MODEL_VERSION],
-        "platform": "kvmesh",
-        "inputs": [
-            {"name": "text_input", "datatype": "BYTES", "shape": [1]},
-            {"name": "input_ids", "datatype": "INT64", "shape": [-1]},
-            {"name": "stream", "datatype": "BOOL", "shape": [1]},
-            {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1]},
-            {"name": "max_tokens", "datatype": "INT32", "shape": [1]},
-            {"name": "temperature", "datatype": "FP32", "shape": [1]},
-            {"name": "top_p", "datatype": "FP32", "shape": [1]},
-            {"name": "top_k", "datatype": "INT32", "shape": [1]},
-            {"name": "seed", "datatype": "INT64", "shape": [1]},
-            {"name": "stop", "datatype": "BYTES", "shape": [-1]},
-            {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": [1]},
+class TensorMetadata(Struct):
+    """A tensor of a model's metadata (-1: a dimension of any size)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadataResponse(Struct):
+    """A model's metadata (both transports: REST JSON, and the gRPC message)."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+    properties: dict[str, str]
+
+
+class ServerMetadataResponse(Struct):
+    """The server's name, version and protocol extensions."""
+
+    name: str
+    version: str
+    extensions: list[str]
+
+
+SERVER_METADATA = ServerMetadataResponse(SERVER_NAME, SERVER_VERSION, list(EXTENSIONS))
+_T = TensorMetadata
+
+
+def model_metadata(info: ModelInfo, name: str) -> ModelMetadataResponse:
+    """ModelMetadata of an LLM."""
+    return ModelMetadataResponse(
+        name,
+        [MODEL_VERSION],
+        "kvmesh",
+        [
+            _T("text_input", "BYTES", [1]),
+            _T("input_ids", "INT64", [-1]),
+            _T("stream", "BOOL", [1]),
+            _T("sampling_parameters", "BYTES", [1]),
+            _T("max_tokens", "INT32", [1]),
+            _T("temperature", "FP32", [1]),
+            _T("top_p", "FP32", [1]),
+            _T("top_k", "INT32", [1]),
+            _T("seed", "INT64", [1]),
+            _T("stop", "BYTES", [-1]),
+            _T("exclude_input_in_output", "BOOL", [1]),
         ],
-        "outputs": [
-            {"name": "text_output", "datatype": "BYTES", "shape": [-1]},
-            {"name": "finish_reason", "datatype": "BYTES", "shape": [-1]},
-            {"name": "num_input_tokens", "datatype": "UINT32", "shape": [1]},
-            {"name": "num_output_tokens", "datatype": "UINT32", "shape": [1]},
-            {"name": "output_ids", "datatype": "INT64", "shape": [-1]},
+        [
+            _T("text_output", "BYTES", [-1]),
+            _T("finish_reason", "BYTES", [-1]),
+            _T("num_input_tokens", "UINT32", [1]),
+            _T("num_output_tokens", "UINT32", [1]),
+            _T("output_ids", "INT64", [-1]),
         ],
-        "properties": {
+        {
             "engine": info.engine,
             "context_length": str(info.context_length),
             "served_model_name": info.served_model_name,
         },
-    }
+    )
 
 
 def model_config(info: ModelInfo, name: str) -> dict[str, Any]:
@@ -633,20 +684,16 @@ def model_config(info: ModelInfo, name: str) -> dict[str, Any]:
         "max_batch_size": 0,
         "input": [
             {
-                "name": t["name"],
-                "data_type": _config_type(t["datatype"]),
-                "dims": t["shape"],
-                "optional": t["name"] != "text_input",
+                "name": t.name,
+                "data_type": _config_type(t.datatype),
+                "dims": t.shape,
+                "optional": t.name != "text_input",
             }
-            for t in meta["inputs"]
+            for t in meta.inputs
         ],
         "output": [
-            {
-                "name": t["name"],
-                "data_type": _config_type(t["datatype"]),
-                "dims": t["shape"],
-            }
-            for t in meta["outputs"]
+            {"name": t.name, "data_type": _config_type(t.datatype), "dims": t.shape}
+            for t in meta.outputs
         ],
         "model_transaction_policy": {"decoupled": True},
     }

@@ -29,8 +29,8 @@ import grpc
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2 as pb
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from kvmesh.frontend import kserve
+from kvmesh.frontend.dataplane import CompletionResult
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
-from kvmesh.frontend.protocol import CompletionResult
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound, RequestTooLarge
 from kvmesh.runtime.grpcutil import GrpcServer, status_for
@@ -159,19 +159,15 @@ def encode_response(resp: InferResponse) -> pb.ModelInferResponse:
     return msg
 
 
-def _metadata_pb(meta: dict[str, Any]) -> pb.ModelMetadataResponse:
+def _metadata_pb(meta: kserve.ModelMetadataResponse) -> pb.ModelMetadataResponse:
     tm = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
-        name=meta["name"],
-        versions=meta["versions"],
-        platform=meta["platform"],
-        inputs=[
-            tm(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["inputs"]
-        ],
-        outputs=[
-            tm(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["outputs"]
-        ],
-        properties=meta["properties"],
+        name=meta.name,
+        versions=meta.versions,
+        platform=meta.platform,
+        inputs=[tm(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.inputs],
+        outputs=[tm(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.outputs],
+        properties=meta.properties,
     )
 
 
@@ -236,8 +232,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
+        meta = kserve.SERVER_METADATA
         return pb.ServerMetadataResponse(
-            name=kserve.SERVER_NAME, version=kserve.SERVER_VERSION, extensions=kserve.EXTENSIONS
+            name=meta.name, version=meta.version, extensions=meta.extensions
         )
 
     async def ModelMetadata(

@@ -1,6 +1,6 @@
 """KServe v2 REST transport (Open Inference Protocol over HTTP), on the gateway's HTTP port.
 
-Routes (each also under /v2/models/{name}/versions/{version}/...):
+Routes (`KSERVE_ROUTES`; each model route also under /v2/models/{name}/versions/{version}/...):
 
 - GET  /v2/health/live, /v2/health/ready       server liveness / readiness (200, else 503)
 - GET  /v2                                      server metadata
@@ -14,49 +14,161 @@ Routes (each also under /v2/models/{name}/versions/{version}/...):
 - POST /v2/repository/index                     the models served (Triton)
 
 Thin like the other transports: decode into kvmesh.frontend.kserve's typed messages, call
-`OpenAIService.completion` (or ready / model_info), encode. Errors are the protocol's
-`{"error": "<message>"}` with the HTTP status of the domain exception.
+`OpenAIService.completion` (or ready / model_info), encode. Infer bodies are declared as msgspec
+Structs (`InferenceRequest`, ...) and decoded by kvmesh.frontend.decoding, like the OpenAI
+bodies; the generate extension's body is one key per input tensor (`GenerateRequest` is built
+from kvmesh.frontend.kserve.INPUT_TYPES). Errors are the protocol's `{"error": "<message>"}`
+with the HTTP status of the domain exception.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
-import orjson
+import msgspec
 from aiohttp import web
+from msgspec import Meta, Struct
 
 from kvmesh.frontend import kserve
+from kvmesh.frontend.dataplane import CompletionResult
+from kvmesh.frontend.decoding import Refusals, decode, load_object
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
-from kvmesh.frontend.protocol import CompletionResult
+from kvmesh.frontend.openapi import JSON, SSE, Reply, Route
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound
 from kvmesh.runtime.tracing import TraceContext
 
-__all__ = ["KServeRoutes"]
+__all__ = ["KSERVE_ROUTES", "KServeRoutes"]
 
 _log = logging.getLogger("kvmesh.frontend.kserve")
-_JSON = "application/json"
 HEADER_LENGTH = "Inference-Header-Content-Length"
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_SSE_HEADERS = {"Content-Type": SSE, "Cache-Control": "no-cache"}
+_encode = msgspec.json.encode
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# --------------------------------------------------------------------------------------------
+# Schemas
+
+Parameters = dict[str, ParamValue | None]
+"""Request parameters (null values are dropped)."""
 
 
-def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON, headers=headers)
+class RequestInput(Struct):
+    """An input tensor. Its elements are `data` (nested or flat, row-major), or follow the JSON
+    header in binary when `parameters.binary_data_size` is set."""
+
+    name: str
+    datatype: Annotated[str, Meta(extra_json_schema={"enum": sorted(kserve.DATATYPES)})]
+    shape: list[int]
+    parameters: Parameters | None = None
+    data: Any = None
 
 
-def _error(exc: BaseException) -> tuple[int, dict[str, str]]:
-    if isinstance(exc, KvmeshError):
-        return exc.http_status, {"error": exc.message}
-    _log.error("internal error in a KServe REST request", exc_info=exc)
-    return 500, {"error": "internal error"}
+class RequestOutput(Struct):
+    """A requested output (`parameters.binary_data`: return it in binary)."""
 
+    name: str
+    parameters: Parameters | None = None
+
+
+class InferenceRequest(Struct, kw_only=True):
+    """POST /v2/models/{model}/infer."""
+
+    id: str = ""
+    parameters: Parameters | None = None
+    inputs: list[RequestInput]
+    outputs: list[RequestOutput] | None = None
+
+
+class ResponseOutput(Struct, omit_defaults=True):
+    """An output tensor: `data`, or `parameters.binary_data_size` bytes after the JSON."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: dict[str, ParamValue] | None = None
+    data: list[Any] | None = None
+
+
+class InferenceResponse(Struct, kw_only=True, omit_defaults=True):
+    """The outputs of an inference."""
+
+    model_name: str
+    model_version: str
+    id: str = ""
+    parameters: dict[str, ParamValue] | None = None
+    outputs: list[ResponseOutput]
+
+
+class InferenceErrorResponse(Struct):
+    """The body of every KServe error."""
+
+    error: str
+
+
+class Live(Struct):
+    """Server liveness."""
+
+    live: bool
+
+
+class Ready(Struct):
+    """Server readiness."""
+
+    ready: bool
+
+
+class ModelReady(Struct):
+    """Model readiness."""
+
+    name: str
+    ready: bool
+
+
+class RepositoryModel(Struct):
+    """A model of the repository index."""
+
+    name: str
+    version: str
+    state: str
+
+
+GenerateRequest = msgspec.defstruct(
+    "GenerateRequest",
+    [
+        ("id", str, ""),
+        ("parameters", Parameters | None, None),
+        *((name, tp | None, None) for name, tp in kserve.INPUT_TYPES.items()),
+    ],
+    kw_only=True,
+)
+"""Triton generate extension: one key per input tensor (text_input or input_ids required)."""
+GenerateResponse = msgspec.defstruct(
+    "GenerateResponse",
+    [
+        ("model_name", str),
+        ("model_version", str),
+        ("id", str, ""),
+        *((name, tp | None, None) for name, tp in kserve.OUTPUT_TYPES.items()),
+        ("parameters", dict[str, ParamValue] | None, None),
+    ],
+    kw_only=True,
+)
+"""Triton generate extension: one key per output tensor (a scalar when it has one element)."""
 
 # --------------------------------------------------------------------------------------------
 # JSON <-> typed messages
+
+
+def _error(exc: BaseException) -> tuple[int, InferenceErrorResponse]:
+    if isinstance(exc, KvmeshError):
+        return exc.http_status, InferenceErrorResponse(exc.message)
+    _log.error("internal error in a KServe REST request", exc_info=exc)
+    return 500, InferenceErrorResponse("internal error")
+
+
+def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=_encode(body), content_type=JSON, headers=headers)
 
 
 def _flatten(data: Any, out: list[Any]) -> None:
@@ -102,6 +214,85 @@ def _params(raw: Any, where: str) -> dict[str, ParamValue]:
     return out
 
 
+def _inputs_error(value: Any) -> None:
+    """The first problem of an `inputs` list msgspec refused."""
+    if not isinstance(value, list) or not all(isinstance(i, dict) for i in value):
+        raise InvalidRequest("'inputs' must be a list of tensor objects")
+    for item in value:
+        name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
+        if not isinstance(name, str) or not isinstance(datatype, str):
+            raise InvalidRequest("every input needs a string 'name' and 'datatype'")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            raise InvalidRequest(f"input '{name}' needs a 'shape' list of integers")
+        _params(item.get("parameters"), f"input '{name}'")
+
+
+def _outputs_error(value: Any) -> None:
+    """The first problem of an `outputs` list msgspec refused."""
+    if not isinstance(value, list) or not all(isinstance(o, dict) for o in value):
+        raise InvalidRequest("'outputs' must be a list of objects")
+    for out in value:
+        name = out.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest("every requested output needs a string 'name'")
+        _params(out.get("parameters"), f"output '{name}'")
+
+
+def _id_error(value: Any) -> None:
+    raise InvalidRequest("'id' must be a string")
+
+
+_REFUSALS: Refusals = {
+    "inputs": _inputs_error,
+    "id": _id_error,
+    "parameters": lambda v: _params(v, "request"),
+    "outputs": _outputs_error,
+}
+
+
+def _infer(
+    b: InferenceRequest, binary: bytes, model: str, version: str
+) -> tuple[InferRequest, bool, set[str]]:
+    raw_inputs = b.inputs
+    request_id = b.id
+    inputs: list[Tensor] = []
+    offset = 0
+    for item in raw_inputs:
+        name, datatype, shape = item.name, item.datatype, item.shape
+        raw_size = _params(item.parameters, f"input '{name}'").get("binary_data_size")
+        if raw_size is not None:
+            if isinstance(raw_size, bool) or not isinstance(raw_size, int) or raw_size < 0:
+                raise InvalidRequest(f"input '{name}' has an invalid binary_data_size")
+            if offset + raw_size > len(binary):
+                raise InvalidRequest(f"binary data of input '{name}' is missing")
+            elements = kserve.decode_raw(datatype, binary[offset : offset + raw_size], shape, name)
+            offset += raw_size
+        else:
+            flat: list[Any] = []
+            _flatten(item.data, flat)
+            count = kserve.element_count(shape, name)
+            if len(flat) != count:
+                raise InvalidRequest(
+                    f"input '{name}' has {len(flat)} elements but its shape {shape} needs {count}"
+                )
+            elements = _check_elements(name, datatype, flat)
+        inputs.append(Tensor(name, datatype, shape, elements))
+    request_params = _params(b.parameters, "request")
+    outputs: list[str] = []
+    binary_outputs: set[str] = set()
+    for out in b.outputs or ():
+        outputs.append(out.name)
+        if _params(out.parameters, f"output '{out.name}'").get("binary_data") is True:
+            binary_outputs.add(out.name)
+    return (
+        InferRequest(model, version, request_id, request_params, inputs, outputs),
+        request_params.get("binary_data_output") is True,
+        binary_outputs,
+    )
+
+
 def decode_infer(
     body: bytes, header_length: str | None, model: str, version: str
 ) -> tuple[InferRequest, bool, set[str]]:
@@ -115,66 +306,11 @@ def decode_infer(
         if not 0 <= size <= len(body):
             raise InvalidRequest(f"{HEADER_LENGTH} is out of range")
         body, binary = body[:size], body[size:]
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    raw_inputs = data.get("inputs")
-    if not isinstance(raw_inputs, list) or not all(isinstance(i, dict) for i in raw_inputs):
-        raise InvalidRequest("'inputs' must be a list of tensor objects")
-    request_id = data.get("id", "")
-    if not isinstance(request_id, str):
-        raise InvalidRequest("'id' must be a string")
-    inputs: list[Tensor] = []
-    offset = 0
-    for item in raw_inputs:
-        name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
-        if not isinstance(name, str) or not isinstance(datatype, str):
-            raise InvalidRequest("every input needs a string 'name' and 'datatype'")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) for d in shape
-        ):
-            raise InvalidRequest(f"input '{name}' needs a 'shape' list of integers")
-        params = _params(item.get("parameters"), f"input '{name}'")
-        raw_size = params.get("binary_data_size")
-        if raw_size is not None:
-            if isinstance(raw_size, bool) or not isinstance(raw_size, int) or raw_size < 0:
-                raise InvalidRequest(f"input '{name}' has an invalid binary_data_size")
-            size = raw_size
-            if offset + size > len(binary):
-                raise InvalidRequest(f"binary data of input '{name}' is missing")
-            elements = kserve.decode_raw(datatype, binary[offset : offset + size], shape, name)
-            offset += size
-        else:
-            flat: list[Any] = []
-            _flatten(item.get("data"), flat)
-            count = kserve.element_count(shape, name)
-            if len(flat) != count:
-                raise InvalidRequest(
-                    f"input '{name}' has {len(flat)} elements but its shape {shape} needs {count}"
-                )
-            elements = _check_elements(name, datatype, flat)
-        inputs.append(Tensor(name, datatype, shape, elements))
-    request_params = _params(data.get("parameters"), "request")
-    outputs: list[str] = []
-    binary_outputs: set[str] = set()
-    raw_outputs = data.get("outputs")
-    if raw_outputs is not None:
-        if not isinstance(raw_outputs, list) or not all(isinstance(o, dict) for o in raw_outputs):
-            raise InvalidRequest("'outputs' must be a list of objects")
-        for out in raw_outputs:
-            name = out.get("name")
-            if not isinstance(name, str):
-                raise InvalidRequest("every requested output needs a string 'name'")
-            outputs.append(name)
-            if _params(out.get("parameters"), f"output '{name}'").get("binary_data") is True:
-                binary_outputs.add(name)
-    return (
-        InferRequest(model, version, request_id, request_params, inputs, outputs),
-        request_params.get("binary_data_output") is True,
-        binary_outputs,
+    return decode(
+        InferenceRequest,
+        load_object(body),
+        lambda b: _infer(b, binary, model, version),
+        _REFUSALS,
     )
 
 
@@ -188,28 +324,26 @@ def encode_infer(
     resp: InferResponse, binary_all: bool, binary_outputs: set[str]
 ) -> tuple[bytes, int | None]:
     """(body, JSON header length or None) of a REST infer response."""
-    outputs: list[dict[str, Any]] = []
+    outputs: list[ResponseOutput] = []
     tail: list[bytes] = []
     for tensor in resp.outputs:
-        out: dict[str, Any] = {
-            "name": tensor.name,
-            "datatype": tensor.datatype,
-            "shape": tensor.shape,
-        }
+        out = ResponseOutput(tensor.name, tensor.datatype, tensor.shape)
         if binary_all or tensor.name in binary_outputs:
             raw = kserve.encode_raw(tensor)
-            out["parameters"] = {"binary_data_size": len(raw)}
+            out.parameters = {"binary_data_size": len(raw)}
             tail.append(raw)
         else:
-            out["data"] = _json_data(tensor)
+            out.data = _json_data(tensor)
         outputs.append(out)
-    body: dict[str, Any] = {"model_name": resp.model, "model_version": resp.version}
-    if resp.id:
-        body["id"] = resp.id
-    if resp.parameters:
-        body["parameters"] = resp.parameters
-    body["outputs"] = outputs
-    header = orjson.dumps(body)
+    header = _encode(
+        InferenceResponse(
+            model_name=resp.model,
+            model_version=resp.version,
+            id=resp.id,
+            parameters=resp.parameters or None,
+            outputs=outputs,
+        )
+    )
     if not tail:
         return header, None
     return header + b"".join(tail), len(header)
@@ -217,15 +351,10 @@ def encode_infer(
 
 def decode_generate(body: bytes, model: str, version: str) -> InferRequest:
     """A Triton generate-extension body: every key but `id` / `parameters` is an input."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
+    data = load_object(body)
     request_id = data.get("id", "")
     if not isinstance(request_id, str):
-        raise InvalidRequest("'id' must be a string")
+        _id_error(request_id)
     inputs: list[Tensor] = []
     for name, value in data.items():
         if name in ("id", "parameters"):
@@ -279,51 +408,21 @@ class KServeRoutes:
         self.service = service
         self.metrics = service.metrics
 
-    def table(self) -> list[tuple[str, str, Handler]]:
-        """(path, method, handler) of every route."""
-        routes: list[tuple[str, str, Handler]] = [
-            ("/v2/health/live", "GET", self.live),
-            ("/v2/health/ready", "GET", self.ready),
-            ("/v2", "GET", self.server_metadata),
-            ("/v2/repository/index", "POST", self.repository_index),
-        ]
-        # Model names may contain "/": the routes with a suffix come first (aiohttp tries
-        # dynamic routes in registration order), the bare metadata routes last.
-        model, version = r"/v2/models/{model:[\s\S]+}", "/versions/{version:[^/]+}"
-        for suffix, method, handler in (
-            ("/ready", "GET", self.model_ready),
-            ("/config", "GET", self.model_config),
-            ("/infer", "POST", self.infer),
-            ("/generate", "POST", self.generate),
-            ("/generate_stream", "POST", self.generate_stream),
-            ("", "GET", self.model_metadata),
-        ):
-            routes.append((model + version + suffix, method, handler))
-            routes.append((model + suffix, method, handler))
-        return routes
-
     # -- health and metadata ---------------------------------------------------------------
 
     async def live(self, request: web.Request) -> web.Response:
-        return _json(200, {"live": True})
+        return _json(200, Live(True))
 
     async def ready(self, request: web.Request) -> web.Response:
         ready = self.service.ready()
-        return _json(200 if ready else 503, {"ready": ready})
+        return _json(200 if ready else 503, Ready(ready))
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json(
-            200,
-            {
-                "name": kserve.SERVER_NAME,
-                "version": kserve.SERVER_VERSION,
-                "extensions": list(kserve.EXTENSIONS),
-            },
-        )
+        return _json(200, kserve.SERVER_METADATA)
 
     async def repository_index(self, request: web.Request) -> web.Response:
         models = [
-            {"name": m.served_model_name, "version": kserve.MODEL_VERSION, "state": "READY"}
+            RepositoryModel(m.served_model_name, kserve.MODEL_VERSION, "READY")
             for m in self.service.models()
         ]
         return _json(200, models)
@@ -357,7 +456,7 @@ class KServeRoutes:
         except KvmeshError as exc:
             return _json(*_error(exc))
         ready = self.service.model_ready(name)
-        return _json(200 if ready else 503, {"name": name, "ready": ready})
+        return _json(200 if ready else 503, ModelReady(name, ready))
 
     # -- inference -------------------------------------------------------------------------
 
@@ -391,7 +490,7 @@ class KServeRoutes:
             return self._fail(endpoint, exc)
         self.metrics.request_done(endpoint, 200)
         if header_length is None:
-            return web.Response(status=200, body=body, content_type=_JSON)
+            return web.Response(status=200, body=body, content_type=JSON)
         return web.Response(
             status=200,
             body=body,
@@ -434,17 +533,17 @@ class KServeRoutes:
             await resp.prepare(request)
             async for delta in result:
                 event = encoder.delta(delta, result.prompt_tokens(0), result.completion_tokens(0))
-                await resp.write(b"data: " + orjson.dumps(encode_generate(event)) + b"\n\n")
+                await resp.write(b"data: " + _encode(encode_generate(event)) + b"\n\n")
             if call.empty_final:
                 final = encode_generate(encoder.final())
-                await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
+                await resp.write(b"data: " + _encode(final) + b"\n\n")
             await resp.write_eof()
         except ConnectionResetError:
             status = 499
         except Exception as exc:
             _, payload = _error(exc)
             try:
-                await resp.write_eof(b"data: " + orjson.dumps(payload) + b"\n\n")
+                await resp.write_eof(b"data: " + _encode(payload) + b"\n\n")
             except ConnectionResetError:
                 status = 499
         finally:
@@ -455,7 +554,7 @@ class KServeRoutes:
     def _http_fail(self, endpoint: str, exc: web.HTTPException) -> web.Response:
         self.metrics.request_done(endpoint, exc.status)
         message = "request body too large" if exc.status == 413 else exc.reason
-        return _json(exc.status, {"error": message})
+        return _json(exc.status, InferenceErrorResponse(message))
 
     def _fail(self, endpoint: str, exc: BaseException) -> web.Response:
         status, payload = _error(exc)
@@ -463,3 +562,102 @@ class KServeRoutes:
         self.metrics.error(exc.code if isinstance(exc, KvmeshError) else "internal_error")
         headers = {"Retry-After": "1"} if status in (429, 503) else None
         return _json(status, payload, headers)
+
+
+# -- the route table ---------------------------------------------------------------------------
+
+_ERRORS = {
+    400: "Invalid inference request, or prompt (plus max_tokens) over the context window",
+    404: "Unknown model or version",
+    413: "Request body too large",
+    429: "Overloaded",
+    503: "No worker available, or draining",
+}
+
+
+def _replies(*replies: tuple[int, Reply], errors: tuple[int, ...] = ()) -> dict[int, Reply]:
+    return {**dict(replies), **{s: Reply(InferenceErrorResponse, _ERRORS[s]) for s in errors}}
+
+
+def _model_routes() -> list[Route]:
+    """The /v2/models/{model}[/versions/{version}]/... routes. Model names may contain "/": the
+    routes with a suffix come first (aiohttp tries dynamic routes in registration order)."""
+    generation = (400, 404, 413, 429, 503)
+    suffixes = [
+        (
+            "/ready",
+            "GET",
+            KServeRoutes.model_ready,
+            "Model readiness",
+            _replies((200, Reply(ModelReady, "Ready")), (503, Reply(ModelReady, "Not ready")),
+                     errors=(404,)),
+            None,
+        ),
+        (
+            "/config",
+            "GET",
+            KServeRoutes.model_config,
+            "Triton model configuration",
+            _replies((200, Reply(dict[str, Any], "Configuration")), errors=(404,)),
+            None,
+        ),
+        (
+            "/infer",
+            "POST",
+            KServeRoutes.infer,
+            "Inference (JSON; Triton's binary tensor extension is also accepted)",
+            _replies(
+                (200, Reply(InferenceResponse, "Outputs", (JSON, "application/octet-stream"))),
+                errors=generation,
+            ),
+            InferenceRequest,
+        ),
+        (
+            "/generate",
+            "POST",
+            KServeRoutes.generate,
+            "Triton generate extension",
+            _replies((200, Reply(GenerateResponse, "Generated text")), errors=generation),
+            GenerateRequest,
+        ),
+        (
+            "/generate_stream",
+            "POST",
+            KServeRoutes.generate_stream,
+            "Triton generate extension, streamed as Server-Sent Events",
+            _replies(
+                (200, Reply(GenerateResponse, "data: {generate response} events", (SSE,))),
+                errors=generation,
+            ),
+            GenerateRequest,
+        ),
+        (
+            "",
+            "GET",
+            KServeRoutes.model_metadata,
+            "Model metadata",
+            _replies((200, Reply(kserve.ModelMetadataResponse, "Metadata")), errors=(404,)),
+            None,
+        ),
+    ]  # fmt: skip
+    model, version = r"/v2/models/{model:[\s\S]+}", "/versions/{version:[^/]+}"
+    routes: list[Route] = []
+    for suffix, method, handler, summary, replies, body in suffixes:
+        for prefix in (model + version, model):
+            routes.append(Route(prefix + suffix, method, handler, summary, replies, body))
+    return routes
+
+
+KSERVE_ROUTES: tuple[Route, ...] = (
+    Route("/v2/health/live", "GET", KServeRoutes.live, "KServe server liveness",
+          {200: Reply(Live, "Alive")}),
+    Route("/v2/health/ready", "GET", KServeRoutes.ready, "KServe server readiness",
+          {200: Reply(Ready, "Ready"), 503: Reply(Ready, "Not ready")}),
+    Route("/v2", "GET", KServeRoutes.server_metadata, "KServe server metadata",
+          {200: Reply(kserve.ServerMetadataResponse, "Metadata")}),
+    Route("/v2/repository/index", "POST", KServeRoutes.repository_index,
+          "Models served (Triton repository index)",
+          {200: Reply(list[RepositoryModel], "Models")}),
+    *_model_routes(),
+)  # fmt: skip
+"""The KServe v2 REST routes, in registration order (kvmesh.frontend.app adds them)."""

@@ -1,589 +1,637 @@
-"""OpenAI wire format: typed requests parsed from JSON, typed results, and their encoders.
+"""OpenAI wire format: request and response schemas, decoding into the typed data plane, encoders.
 
-Parsing turns a request body into frozen-shape dataclasses (`ChatCompletionRequest`,
-`CompletionRequest`) and raises kvmesh.runtime.errors.InvalidRequest (HTTP 400, with `param`) for
-anything malformed: wrong types, missing fields, out-of-range values. Unknown fields are
-ignored, as OpenAI and vLLM do; `null` means "not set" for every optional field.
+Requests are declared once, as msgspec Structs (`CreateChatCompletionRequest`,
+`CreateCompletionRequest`, `CreateEmbeddingRequest` and their parts): types, ranges and
+descriptions; GET /openapi.json is generated from them (kvmesh.frontend.openapi). A body is
+decoded into its Struct by kvmesh.frontend.decoding (orjson, then msgspec: every type and range
+checked in C), then a build function (`_chat_request`, ...) makes the checks across fields
+(mutual exclusions, n / best_of, tool_choice against tools, structured output) and returns the
+typed request of kvmesh.frontend.dataplane. Unknown fields are ignored, as OpenAI and vLLM do;
+`null` means "not set" for every optional field. KServe's sampling values go through the same
+Struct and checks (`generation_options`).
+
+Errors are InvalidRequest (HTTP 400, OpenAI's `param`), with the messages the gateway always
+gave: a refused field is reported by `_REFUSALS` (fields with structure) or by its type and
+range (kvmesh.frontend.decoding), the first one the build's checks meet.
 
 Encoding is on the hot path of streaming: `ChatChunkEncoder` / `TextChunkEncoder` pre-encode
 the bytes shared by every chunk of a response (id, created, model, system_fingerprint) once per
 request and only JSON-encode the text of each delta. Chats whose output goes through a tool-call
 or reasoning parser use `ParsedChatChunkEncoder`, so plain streams pay nothing for those
-features. Unary results are plain orjson dumps.
-
-Structured output (`response_format`, and vLLM's `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar` / `structured_outputs`) is parsed into one
-kvmesh.runtime.types.GuidedDecoding; whether the engine can honour it is the service's check.
+features. Unary responses are Structs too (`CreateChatCompletionResponse`, ...), encoded by
+msgspec, so the document describes exactly what is sent.
 """
 
 from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import typing
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, cast
 
+import msgspec
 import orjson
+from msgspec import UNSET, Meta, Struct, UnsetType
 
+from kvmesh.frontend.dataplane import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChoiceDelta,
+    ChoiceResult,
+    CompletionRequest,
+    CompletionResult,
+    EmbeddingRequest,
+    EmbeddingResult,
+    GenerationOptions,
+    TokenLogprobInfo,
+    ToolCallDelta,
+    ToolChoice,
+    UsageInfo,
+    tool_name,
+)
+from kvmesh.frontend.decoding import Refusals, decode, load_object
 from kvmesh.runtime.errors import InvalidRequest
 from kvmesh.runtime.types import GuidedDecoding, GuidedKind, ModelInfo
 
 __all__ = [
     "DONE_EVENT",
     "ChatChunkEncoder",
-    "ChatCompletionRequest",
-    "ChatMessage",
-    "ChoiceDelta",
-    "ChoiceResult",
-    "CompletionRequest",
-    "CompletionResult",
-    "EmbeddingRequest",
-    "EmbeddingResult",
-    "GenerationOptions",
+    "CreateChatCompletionRequest",
+    "CreateChatCompletionResponse",
+    "CreateCompletionRequest",
+    "CreateCompletionResponse",
+    "CreateEmbeddingRequest",
+    "CreateEmbeddingResponse",
+    "ErrorResponse",
+    "ListModelsResponse",
+    "Model",
     "ParsedChatChunkEncoder",
+    "SamplingParameters",
     "TextChunkEncoder",
-    "TokenLogprobInfo",
-    "ToolCall",
-    "ToolCallDelta",
-    "ToolChoice",
-    "UsageInfo",
     "encode_embeddings",
     "encode_error_event",
     "encode_model",
     "encode_models",
     "encode_result",
+    "generation_options",
     "parse_chat_request",
     "parse_completion_request",
     "parse_embedding_request",
+    "token_ids",
 ]
 
 MAX_STOP_STRINGS = 4
-_U32 = 2**32 - 1
+U32 = 2**32 - 1
 """Largest value of the uint32 fields the worker contract carries (max_tokens, top_k ...)."""
 MAX_TOP_LOGPROBS = 20
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+CHAT_ROLES: tuple[str, ...] = typing.get_args(ChatRole)
 
 # --------------------------------------------------------------------------------------------
-# Typed requests
+# Request schemas
+
+TokenId = Annotated[int, Meta(ge=0, le=U32)]
+_NonEmpty = Annotated[str, Meta(min_length=1)]
+_Choices = Annotated[list[_NonEmpty], Meta(min_length=1, description="The allowed outputs")]
+JsonSchemaValue = Annotated[
+    str | bool | dict[str, Any],
+    Meta(description="A JSON Schema: an object (or boolean), or its JSON text"),
+]
 
 
-@dataclass(slots=True)
-class GenerationOptions:
-    """Sampling and stopping options shared by chat and text completions."""
+class StreamOptions(Struct):
+    """Options of a streamed response."""
 
-    max_tokens: int | None = None
-    """None: the endpoint's default (chat: until the context is full; completions: 16)."""
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 disables top-k (the OpenAI-compatible -1 is mapped to 0)."""
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    """Choice i of a request uses seed + i."""
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    stop: tuple[str, ...] = ()
-    """Stop strings, never part of the output."""
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
-    """None: no logprobs; k >= 0: the chosen token's logprob plus k alternatives."""
-    skip_special_tokens: bool = True
-    priority: int = 0
-    guided: GuidedDecoding | None = None
-    """Structured-output constraint (response_format / guided_*); None: unconstrained."""
-    guided_param: str = "response_format"
-    """The request field `guided` came from (named in the error if the engine lacks it)."""
-    return_token_ids: bool = False
-    """Deltas carry the generated token ids (KServe output_ids)."""
+    include_usage: bool | None = None
+    """Send a last chunk with the usage of the whole request."""
 
 
-@dataclass(slots=True)
-class ToolChoice:
-    """How the model may call tools: "none", "auto", "required", or one named "function"."""
+class JsonSchemaFormat(Struct):
+    """The JSON Schema of `response_format` type `json_schema`."""
 
-    mode: Literal["none", "auto", "required", "function"] = "auto"
     name: str | None = None
-    """The function to call when mode is "function"."""
+    schema: JsonSchemaValue | None = None
+    """None: any JSON object."""
 
 
-@dataclass(slots=True)
-class ChatMessage:
-    """One chat message, content flattened to text."""
+class ResponseFormat(Struct):
+    """Structured output: free text, any JSON object, or JSON matching a schema."""
 
-    role: str
-    content: str | None
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+    """Required by type `json_schema`."""
+
+
+class StructuredOutputs(Struct):
+    """vLLM's structured outputs: at most one constraint."""
+
+    json: JsonSchemaValue | None = None
+    json_object: Annotated[Any, Meta(description="true: any JSON object")] = None
+    regex: _NonEmpty | None = None
+    grammar: _NonEmpty | None = None
+    choice: _Choices | None = None
+
+
+class SamplingParameters(Struct, kw_only=True):
+    """Sampling and stopping fields of chat and text completions (and of KServe's
+    `sampling_parameters`)."""
+
+    max_tokens: Annotated[int, Meta(le=U32, description="At least 1")] | None = None
+    max_completion_tokens: (
+        Annotated[int, Meta(le=U32, description="Overrides max_tokens")] | None
+    ) = None
+    min_tokens: Annotated[int, Meta(ge=0, le=U32)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=U32, description="-1 or 0: disabled")] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1, description="Choice i uses seed + i")] | (
+        None
+    ) = None
+    n: Annotated[int, Meta(ge=1, le=U32)] | None = None
+    best_of: Annotated[int, Meta(description="Only n is supported")] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+            Meta(description="Token id (as a string) -> bias"),
+        ]
+        | None
+    ) = None
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: JsonSchemaValue | None = None
+    guided_regex: _NonEmpty | None = None
+    guided_choice: _Choices | None = None
+    guided_grammar: _NonEmpty | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class _Generation(SamplingParameters, kw_only=True):
+    """The fields chat and text completions share."""
+
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    """Only with stream: true."""
+    user: str | None = None
+
+
+class ContentPart(Struct):
+    """A text part of a message's content (`refusal` parts carry their text in `refusal`)."""
+
+    type: Literal["text", "input_text", "refusal"]
+    text: str | UnsetType = UNSET
+    refusal: Any = UNSET
+
+
+class ChatCompletionRequestMessage(Struct):
+    """One message; content parts are joined with newlines."""
+
+    role: ChatRole
+    content: str | list[str | ContentPart] | None = None
+    """Required except for assistant and function messages."""
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-    def to_template(self) -> dict[str, Any]:
-        """The dict chat templates expect."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_calls is not None:
-            out["tool_calls"] = self.tool_calls
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            out["reasoning_content"] = self.reasoning_content
-        return out
+    reasoning_content: Annotated[Any, Meta(description="A string; anything else is ignored")] = (
+        UNSET
+    )
+    reasoning: Annotated[Any, Meta(description="Read when reasoning_content is absent")] = UNSET
 
 
-@dataclass(slots=True)
-class ChatCompletionRequest:
+class FunctionObject(Struct):
+    """A function the model may call (passed to the chat template as given)."""
+
+    name: str
+    description: Any = None
+    parameters: Annotated[Any, Meta(description="JSON Schema of the arguments")] = None
+
+
+class ChatCompletionTool(Struct):
+    """A tool (function tools only)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionObject | None = None
+
+
+class FunctionName(Struct):
+    """A function, by name."""
+
+    name: str
+
+
+class ChatCompletionNamedToolChoice(Struct, tag="function", tag_field="type"):
+    """Call this function."""
+
+    function: FunctionName
+
+
+class AllowedTools(Struct, kw_only=True):
+    """The tools the model may use, a subset of `tools`."""
+
+    mode: Literal["auto", "required"] = "auto"
+    tools: list[dict[str, Any]]
+
+
+class ChatCompletionAllowedToolsChoice(Struct, tag="allowed_tools", tag_field="type"):
+    """Restrict the tools the model may call."""
+
+    allowed_tools: AllowedTools
+
+
+ToolChoiceValue = (
+    Literal["none", "auto", "required"]
+    | ChatCompletionNamedToolChoice
+    | ChatCompletionAllowedToolsChoice
+)
+
+
+class CreateChatCompletionRequest(_Generation, kw_only=True):
     """POST /v1/chat/completions."""
 
     model: str
-    messages: list[ChatMessage]
-    options: GenerationOptions = field(default_factory=GenerationOptions)
-    stream: bool = False
-    include_usage: bool = False
-    tools: list[dict[str, Any]] | None = None
-    """Tool definitions rendered into the prompt (None: no tools, or tool_choice "none")."""
-    tool_choice: ToolChoice = field(default_factory=ToolChoice)
-    parallel_tool_calls: bool = True
-    """False: only the first tool call the model makes is returned."""
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    user: str | None = None
+    messages: Annotated[list[ChatCompletionRequestMessage], Meta(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    functions: Annotated[list[FunctionObject], Meta(description="Deprecated: tools")] | None = None
+    tool_choice: ToolChoiceValue | None = None
+    function_call: (
+        Annotated[Literal["none", "auto", "required"], Meta(description="Deprecated: tool_choice")]
+        | FunctionName
+        | None
+    ) = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
 
 
-@dataclass(slots=True)
-class CompletionRequest:
-    """POST /v1/completions. Each prompt is text or token ids."""
-
-    model: str
-    prompts: list[str | list[int]]
-    options: GenerationOptions = field(default_factory=GenerationOptions)
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    user: str | None = None
+_TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+_PromptItems = Annotated[
+    list[str | TokenId | _TokenIds],
+    Meta(min_length=1, description="Strings, token ids, or lists of token ids (one kind)"),
+]
 
 
-@dataclass(slots=True)
-class EmbeddingRequest:
-    """POST /v1/embeddings. Each input is text or token ids."""
+class CreateCompletionRequest(_Generation, kw_only=True):
+    """POST /v1/completions."""
 
     model: str
-    inputs: list[str | list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    """Truncate (and re-normalize) vectors to this many dimensions; None: full size."""
+    prompt: str | _PromptItems
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = None
+    suffix: Annotated[str, Meta(description="Not supported (must be empty)")] | None = None
+
+
+class CreateEmbeddingRequest(Struct, kw_only=True):
+    """POST /v1/embeddings."""
+
+    model: str
+    input: str | _PromptItems
+    encoding_format: Literal["float", "base64", ""] | None = None
+    """"" (like null): float."""
+    dimensions: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
     user: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
-# Typed results
+# Refused fields (kvmesh.frontend.decoding): the messages of fields with structure
 
 
-@dataclass(slots=True)
-class ToolCall:
-    """A complete tool call the model made. `arguments` is JSON text."""
+def _messages_error(value: Any) -> None:
+    """The first problem of a message list, in the order the checks meet them."""
 
-    id: str
-    name: str
-    arguments: str
+    def bad(problem: str) -> InvalidRequest:
+        return InvalidRequest(problem, param="messages")
 
-
-@dataclass(slots=True)
-class ToolCallDelta:
-    """A streamed fragment of tool call `index`: its first fragment has `id` and `name`; later
-    ones append to `arguments`."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass(slots=True)
-class TokenLogprobInfo:
-    """A generated token's logprob and its top alternatives, as text and bytes."""
-
-    token: str
-    token_bytes: bytes
-    logprob: float
-    top: list[tuple[str, bytes, float]]
-
-
-@dataclass(slots=True)
-class ChoiceDelta:
-    """New output of one choice. `finish_reason` ("stop" / "length" / "tool_calls") is set on
-    its last delta. `reasoning` and `tool_calls` are only ever set by the output parsers;
-    `token_ids` only when the request asked for them."""
-
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobInfo] | None = None
-    token_ids: list[int] | None = None
-    reasoning: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-@dataclass(slots=True)
-class UsageInfo:
-    """Token accounting of a whole request."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        """prompt + completion tokens."""
-        return self.prompt_tokens + self.completion_tokens
-
-    def to_json(self) -> dict[str, Any]:
-        """OpenAI `usage` object."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-@dataclass(slots=True)
-class ChoiceResult:
-    """One finished choice of a unary response."""
-
-    index: int
-    text: str
-    finish_reason: str
-    logprobs: list[TokenLogprobInfo] | None = None
-    token_ids: list[int] | None = None
-    reasoning: str | None = None
-    """Reasoning text separated by the reasoning parser (None: no parser, or none found)."""
-    tool_calls: list[ToolCall] | None = None
-
-
-@dataclass(slots=True)
-class CompletionResult:
-    """A finished, non-streamed chat or text completion."""
-
-    id: str
-    created: int
-    model: str
-    kind: Literal["chat", "text"]
-    choices: list[ChoiceResult]
-    usage: UsageInfo
-    system_fingerprint: str = ""
-    """Identifies the serving configuration (OpenAI's `system_fingerprint`); "" omits it."""
-
-
-@dataclass(slots=True)
-class EmbeddingResult:
-    """Embedding vectors, one per input, in input order."""
-
-    model: str
-    vectors: list[list[float]]
-    prompt_tokens: int
-
-
-# --------------------------------------------------------------------------------------------
-# Parsing helpers
-
-
-def _load(body: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return data
-
-
-def _type_error(key: str, expected: str) -> InvalidRequest:
-    return InvalidRequest(f"'{key}' must be {expected}", param=key)
-
-
-def _str(body: dict[str, Any], key: str, *, required: bool = False) -> str | None:
-    value = body.get(key)
     if value is None:
-        if required:
-            raise InvalidRequest(f"'{key}' is required", param=key)
-        return None
-    if not isinstance(value, str):
-        raise _type_error(key, "a string")
-    return value
+        raise bad("'messages' is required")
+    if not isinstance(value, list):
+        raise bad("'messages' must be a list of messages")
+    if not value:
+        raise bad("'messages' must not be empty")
+    for i, raw in enumerate(value):
+        at = f"messages[{i}]"
+        if not isinstance(raw, dict):
+            raise bad(f"{at} must be an object")
+        role = raw.get("role")
+        if not isinstance(role, str):
+            raise bad(f"{at}.role must be a string")
+        if role not in CHAT_ROLES:
+            raise bad(f"{at}.role {role!r} is not supported")
+        content = raw.get("content")
+        if not isinstance(content, (str, list, type(None))):
+            raise bad(f"{at}.content must be a string, a list of parts or null")
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, (str, dict)):
+                raise bad(f"{at}.content parts must be objects")
+            if isinstance(part, dict):
+                _part_text(part.get("type"), part.get("text", part.get("refusal")), i)
+        _check_content(content, role, i)
+        if not isinstance(raw.get("name"), (str, type(None))):
+            raise bad(f"{at}.name must be a string")
+        calls = raw.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+        ):
+            raise bad(f"{at}.tool_calls must be a list of objects")
+        if not isinstance(raw.get("tool_call_id"), (str, type(None))):
+            raise bad(f"{at}.tool_call_id must be a string")
 
 
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _type_error(key, "a boolean")
-    return value
-
-
-def _int(
-    body: dict[str, Any], key: str, *, lo: int | None = None, hi: int | None = None
-) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(key, "an integer")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise InvalidRequest(f"'{key}' must be {_range(lo, hi)}, got {value}", param=key)
-    return value
-
-
-def _float(
-    body: dict[str, Any],
-    key: str,
-    default: float,
-    *,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _type_error(key, "a number")
-    number = float(value)
-    if number != number or (  # NaN
-        (lo is not None and (number < lo or (lo_open and number == lo)))
-        or (hi is not None and number > hi)
-    ):
-        bound = f"> {lo}" if lo_open and hi is None else _range(lo, hi, lo_open=lo_open)
-        raise InvalidRequest(f"'{key}' must be {bound}, got {value}", param=key)
-    return number
-
-
-def _range(lo: float | None, hi: float | None, *, lo_open: bool = False) -> str:
-    if lo is not None and hi is not None:
-        return f"in ({lo}, {hi}]" if lo_open else f"between {lo} and {hi}"
-    if lo is not None:
-        return f"> {lo}" if lo_open else f">= {lo}"
-    return f"<= {hi}"
-
-
-def _token_ids(value: Any, key: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _U32 for v in value
-    ):
-        raise _type_error(key, "a list of non-negative integer token ids")
-    return value
-
-
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
+def _tools_error(value: Any, key: str = "tools") -> None:
+    what = "tool" if key == "tools" else "function"
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise InvalidRequest(f"'{key}' must be a list of {what} objects", param=key)
+    for tool in value:
+        kind = tool.get("type", "function") if key == "tools" else "function"
+        if kind != "function":
             raise InvalidRequest(
-                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+                f"tool type {kind!r} is not supported (function tools only)", param=key
             )
-        if not isinstance(options, dict):
-            raise _type_error("stream_options", "an object")
-        include_usage = _bool(options, "include_usage", False)
-    return stream, include_usage
+        fn = tool.get("function") if key == "tools" else tool
+        if fn is not None and (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
+            raise InvalidRequest("every tool function needs a string 'name'", param=key)
 
 
-def _options(body: dict[str, Any], *, default_logprobs: int | None) -> GenerationOptions:
-    max_tokens = _int(body, "max_tokens", hi=_U32)
-    max_completion = _int(body, "max_completion_tokens", hi=_U32)
+def _tool_choice_error(value: Any, key: str = "tool_choice") -> None:
+    if key == "function_call" and isinstance(value, dict):
+        value = {"type": "function", "function": value}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "function":
+        raise InvalidRequest(f"'{key}' of type 'function' needs function.name", param=key)
+    if kind == "allowed_tools":
+        allowed = value.get("allowed_tools")
+        if not isinstance(allowed, dict) or allowed.get("mode", "auto") not in ("auto", "required"):
+            raise InvalidRequest("allowed_tools needs a mode of 'auto' or 'required'", param=key)
+        raise InvalidRequest("allowed_tools.tools must be a list of tools", param=key)
+    raise InvalidRequest(
+        f"'{key}' must be 'none', 'auto', 'required' or a named function", param=key
+    )
+
+
+def _json_schema_error(value: Any) -> None:
+    key = "response_format"
+    if not isinstance(value, dict):
+        message = "response_format of type 'json_schema' needs a 'json_schema' object"
+    elif value.get("name") is not None and not isinstance(value["name"], str):
+        message = "response_format.json_schema.name must be a string"
+    else:
+        message = "'response_format' must be a JSON Schema object"
+    raise InvalidRequest(message, param=key)
+
+
+def _stop_error(value: Any) -> None:
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        message = f"'stop' accepts at most {MAX_STOP_STRINGS} strings, got {len(value)}"
+    else:
+        message = "'stop' must be a string or a list of strings"
+    raise InvalidRequest(message, param="stop")
+
+
+def _response_type_error(value: Any) -> None:
+    raise InvalidRequest(
+        f"response_format type {value!r} is not supported (text, json_object, json_schema)",
+        param="response_format",
+    )
+
+
+def _encoding_format_error(value: Any) -> None:
+    what = "'float' or 'base64'" if isinstance(value, str) else "a string"
+    raise InvalidRequest(f"'encoding_format' must be {what}", param="encoding_format")
+
+
+_OBJECT, _SCHEMA = "must be an object", "must be a JSON Schema object"
+_TEXT, _CHOICES = "must be a non-empty string", "must be a non-empty list of non-empty strings"
+
+_REFUSALS: Refusals = {
+    "messages": _messages_error,
+    "tools": _tools_error,
+    "functions": lambda v: _tools_error(v, "functions"),
+    "tool_choice": _tool_choice_error,
+    "function_call": lambda v: _tool_choice_error(v, "function_call"),
+    "prompt": lambda v: _prompts(v, "prompt", checked=False),
+    "input": lambda v: _prompts(v, "input", checked=False),
+    "stop": _stop_error,
+    "stop_token_ids": lambda v: token_ids(v, "stop_token_ids"),
+    "logit_bias": lambda v: _logit_bias(v),
+    "encoding_format": _encoding_format_error,
+    "response_format.type": _response_type_error,
+    "response_format.json_schema": _json_schema_error,
+    **{
+        k: f"'{k}' {_OBJECT}" for k in ("stream_options", "chat_template_kwargs", "response_format")
+    },
+    "structured_outputs": f"'structured_outputs' {_OBJECT}",
+    "guided_json": f"'guided_json' {_SCHEMA}",
+    "structured_outputs.json": f"'structured_outputs' {_SCHEMA}",
+    **{k: f"'{k}' {_TEXT}" for k in ("guided_regex", "guided_grammar")},
+    **{f"structured_outputs.{k}": f"'structured_outputs' {_TEXT}" for k in ("regex", "grammar")},
+    "guided_choice": f"'guided_choice' {_CHOICES}",
+    "structured_outputs.choice": f"'structured_outputs' {_CHOICES}",
+}
+"""How refused fields with structure are reported (the rest: by their type and range)."""
+
+# -- building the typed requests ----------------------------------------------------------------
+
+
+def token_ids(value: Any, key: str) -> list[int]:
+    """`value` as token ids (each an integer in [0, 2**32)); InvalidRequest naming `key`."""
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= U32 for v in value
+    ):
+        raise InvalidRequest(f"'{key}' must be a list of non-negative integer token ids", param=key)
+    return value
+
+
+def _prompts(value: Any, key: str, *, checked: bool) -> list[str | list[int]]:
+    """The `prompt` / `input` field as a list of texts or token id lists (`checked`: msgspec has
+    checked the types already, only their mix is left)."""
+    ids = (lambda v: v) if checked else (lambda v: token_ids(v, key))
+    if value is None:
+        raise InvalidRequest(f"'{key}' is required", param=key)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+            return [ids(value)]
+        if key == "input" and all(isinstance(p, list) and p for p in value):
+            return [ids(p) for p in value]
+        if key == "prompt":
+            if all(isinstance(p, list) for p in value):
+                prompts = [ids(p) for p in value]
+                if any(not p for p in prompts):
+                    raise InvalidRequest("token prompts must not be empty", param=key)
+                return prompts
+            raise InvalidRequest(
+                "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                "those",
+                param=key,
+            )
+    raise InvalidRequest(
+        f"'{key}' must be a string, a non-empty list of strings, token ids or lists of token ids",
+        param=key,
+    )
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            "'logit_bias' must be an object mapping token ids to numbers", param="logit_bias"
+        )
+    out: dict[int, float] = {}
+    for token, bias in value.items():
+        try:
+            token_id = int(token)
+        except ValueError:
+            raise InvalidRequest(
+                f"'logit_bias' key {token!r} is not a token id", param="logit_bias"
+            ) from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequest(
+                "'logit_bias' must be an object mapping token ids to numbers", param="logit_bias"
+            )
+        if not 0 <= token_id <= U32 or not -100.0 <= bias <= 100.0:
+            raise InvalidRequest(
+                "'logit_bias' needs token ids >= 0 and biases between -100 and 100",
+                param="logit_bias",
+            )
+        out[token_id] = float(bias)
+    return out
+
+
+def _options(b: SamplingParameters, default_logprobs: int | None) -> GenerationOptions:
+    """GenerationOptions of a body, with the checks across fields."""
+    max_tokens, key = b.max_tokens, "max_tokens"
+    max_completion = b.max_completion_tokens
     if max_completion is not None:
         max_tokens, key = max_completion, "max_completion_tokens"
-    else:
-        key = "max_tokens"
     if max_tokens is not None and max_tokens <= 0:
         raise InvalidRequest(f"'{key}' must be >= 1, got {max_tokens}", param=key)
-    min_tokens = _int(body, "min_tokens", lo=0, hi=_U32) or 0
+    min_tokens = b.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(
             f"'min_tokens' ({min_tokens}) must not exceed '{key}' ({max_tokens})",
             param="min_tokens",
         )
-
-    stop_raw = body.get("stop")
-    stop: tuple[str, ...]
+    stop_raw = b.stop
     if stop_raw is None:
-        stop = ()
+        stop: tuple[str, ...] = ()
     elif isinstance(stop_raw, str):
         stop = (stop_raw,) if stop_raw else ()
-    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
-        if len(stop_raw) > MAX_STOP_STRINGS:
-            raise InvalidRequest(
-                f"'stop' accepts at most {MAX_STOP_STRINGS} strings, got {len(stop_raw)}",
-                param="stop",
-            )
-        stop = tuple(s for s in stop_raw if s)
     else:
-        raise _type_error("stop", "a string or a list of strings")
-
-    stop_ids_raw = body.get("stop_token_ids")
-    stop_token_ids = (
-        () if stop_ids_raw is None else tuple(_token_ids(stop_ids_raw, "stop_token_ids"))
-    )
-
-    bias_raw = body.get("logit_bias")
-    logit_bias: dict[int, float] = {}
-    if bias_raw is not None:
-        if not isinstance(bias_raw, dict):
-            raise _type_error("logit_bias", "an object mapping token ids to numbers")
-        for token, bias in bias_raw.items():
-            try:
-                token_id = int(token)
-            except ValueError:
-                raise InvalidRequest(
-                    f"'logit_bias' key {token!r} is not a token id", param="logit_bias"
-                ) from None
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-                raise _type_error("logit_bias", "an object mapping token ids to numbers")
-            if not 0 <= token_id <= _U32 or not -100.0 <= bias <= 100.0:
-                raise InvalidRequest(
-                    "'logit_bias' needs token ids >= 0 and biases between -100 and 100",
-                    param="logit_bias",
-                )
-            logit_bias[token_id] = float(bias)
-
-    top_k = _int(body, "top_k", lo=-1, hi=_U32) or 0
-    seed = _int(body, "seed", lo=-(2**63), hi=2**63 - 1)
-    guided, guided_param = _guided(body)
+        stop = tuple(s for s in stop_raw if s)
+    stop_ids = b.stop_token_ids
+    bias = b.logit_bias
+    logit_bias = _logit_bias(bias) if bias else {}
+    top_k = b.top_k or 0
+    seed = b.seed
+    guided, guided_param = _guided(b)
+    temperature, top_p, min_p = b.temperature, b.top_p, b.min_p
+    presence, frequency, repetition = b.presence_penalty, b.frequency_penalty, b.repetition_penalty
     return GenerationOptions(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
-        temperature=_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k, 0),
-        min_p=_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        presence_penalty=_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        frequency_penalty=_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=_float(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
+        min_p=min_p or 0.0,
+        presence_penalty=presence or 0.0,
+        frequency_penalty=frequency or 0.0,
+        repetition_penalty=1.0 if repetition is None else repetition,
         seed=seed,
         logit_bias=logit_bias,
         stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=_bool(body, "ignore_eos", False),
-        n=_int(body, "n", lo=1, hi=_U32) or 1,
+        stop_token_ids=tuple(stop_ids) if stop_ids else (),
+        ignore_eos=b.ignore_eos or False,
+        n=b.n or 1,
         logprobs=default_logprobs,
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        priority=_int(body, "priority", lo=-(2**31), hi=2**31 - 1) or 0,
+        skip_special_tokens=b.skip_special_tokens is not False,
+        priority=b.priority or 0,
         guided=guided,
         guided_param=guided_param,
     )
 
 
-def _schema_text(value: Any, key: str) -> str:
+def generation_options(fields: dict[str, Any]) -> GenerationOptions:
+    """GenerationOptions from named sampling values (SamplingParameters' fields), checked and
+    refused with the same messages as in an OpenAI body. For KServe, whose
+    `sampling_parameters`, request parameters and input tensors merge into `fields`."""
+    return decode(SamplingParameters, fields, lambda b: _options(b, None), _REFUSALS)
+
+
+def _schema_text(value: str | bool | dict[str, Any], key: str) -> str:
     """A JSON Schema given as an object (or boolean) or as JSON text -> JSON text."""
     if isinstance(value, str):
         try:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             raise InvalidRequest(f"'{key}' is not valid JSON", param=key) from None
-    if not isinstance(value, (dict, bool)):
-        raise _type_error(key, "a JSON Schema object")
+        if not isinstance(value, (dict, bool)):
+            raise InvalidRequest(f"'{key}' must be a JSON Schema object", param=key)
     return orjson.dumps(value).decode()
 
 
-def _guided_choice(value: Any, key: str) -> GuidedDecoding:
-    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-        raise _type_error(key, "a non-empty list of non-empty strings")
-    return GuidedDecoding(GuidedKind.CHOICE, choices=tuple(value))
-
-
-def _guided_text(kind: GuidedKind, value: Any, key: str) -> GuidedDecoding:
-    if not isinstance(value, str) or not value:
-        raise _type_error(key, "a non-empty string")
-    return GuidedDecoding(kind, value)
-
-
-def _response_format(fmt: Any) -> GuidedDecoding | None:
-    key = "response_format"
-    if not isinstance(fmt, dict):
-        raise _type_error(key, "an object")
-    kind = fmt.get("type", "text")
+def _response_format(fmt: ResponseFormat) -> GuidedDecoding | None:
+    kind = fmt.type
     if kind == "text":
         return None
     if kind == "json_object":
         return GuidedDecoding(GuidedKind.JSON_OBJECT)
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise InvalidRequest(
-                "response_format of type 'json_schema' needs a 'json_schema' object", param=key
-            )
-        name = spec.get("name")
-        if name is not None and not isinstance(name, str):
-            raise InvalidRequest("response_format.json_schema.name must be a string", param=key)
-        schema = spec.get("schema")
-        if schema is None:
-            return GuidedDecoding(GuidedKind.JSON_OBJECT)
-        return GuidedDecoding(GuidedKind.JSON_SCHEMA, _schema_text(schema, key))
-    raise InvalidRequest(
-        f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
-        param=key,
-    )
+    spec = fmt.json_schema
+    if spec is None:
+        raise InvalidRequest(
+            "response_format of type 'json_schema' needs a 'json_schema' object",
+            param="response_format",
+        )
+    if spec.schema is None:
+        return GuidedDecoding(GuidedKind.JSON_OBJECT)
+    return GuidedDecoding(GuidedKind.JSON_SCHEMA, _schema_text(spec.schema, "response_format"))
 
 
-def _structured_outputs(spec: Any) -> GuidedDecoding | None:
+def _structured_outputs(spec: StructuredOutputs) -> GuidedDecoding | None:
     key = "structured_outputs"
-    if not isinstance(spec, dict):
-        raise _type_error(key, "an object")
     found: list[GuidedDecoding] = []
-    if spec.get("json") is not None:
-        found.append(GuidedDecoding(GuidedKind.JSON_SCHEMA, _schema_text(spec["json"], key)))
-    if spec.get("json_object"):
+    if spec.json is not None:
+        found.append(GuidedDecoding(GuidedKind.JSON_SCHEMA, _schema_text(spec.json, key)))
+    if spec.json_object:
         found.append(GuidedDecoding(GuidedKind.JSON_OBJECT))
-    if spec.get("regex") is not None:
-        found.append(_guided_text(GuidedKind.REGEX, spec["regex"], key))
-    if spec.get("grammar") is not None:
-        found.append(_guided_text(GuidedKind.GRAMMAR, spec["grammar"], key))
-    if spec.get("choice") is not None:
-        found.append(_guided_choice(spec["choice"], key))
+    if spec.regex is not None:
+        found.append(GuidedDecoding(GuidedKind.REGEX, spec.regex))
+    if spec.grammar is not None:
+        found.append(GuidedDecoding(GuidedKind.GRAMMAR, spec.grammar))
+    if spec.choice is not None:
+        found.append(GuidedDecoding(GuidedKind.CHOICE, choices=tuple(spec.choice)))
     if len(found) > 1:
         raise InvalidRequest("structured_outputs may set only one constraint", param=key)
     return found[0] if found else None
 
 
-_GUIDED_KEYS = frozenset(
-    {
-        "response_format",
-        "guided_json",
-        "guided_regex",
-        "guided_grammar",
-        "guided_choice",
-        "structured_outputs",
-    }
-)
-_TOOL_KEYS = frozenset({"tools", "functions", "tool_choice", "function_call"})
-_NO_TOOLS = ToolChoice("none")
-"""Shared by requests without tools (never mutated)."""
+_GUIDED: tuple[tuple[str, Callable[[Any], GuidedDecoding | None]], ...] = (
+    ("response_format", _response_format),
+    ("guided_json", lambda v: GuidedDecoding(
+        GuidedKind.JSON_SCHEMA, _schema_text(v, "guided_json"))),
+    ("guided_regex", lambda v: GuidedDecoding(GuidedKind.REGEX, v)),
+    ("guided_grammar", lambda v: GuidedDecoding(GuidedKind.GRAMMAR, v)),
+    ("guided_choice", lambda v: GuidedDecoding(GuidedKind.CHOICE, choices=tuple(v))),
+    ("structured_outputs", _structured_outputs),
+)  # fmt: skip
 
 
-def _guided(body: dict[str, Any]) -> tuple[GuidedDecoding | None, str]:
+def _guided(b: SamplingParameters) -> tuple[GuidedDecoding | None, str]:
     """The structured-output constraint of a request and the field it came from."""
-    if _GUIDED_KEYS.isdisjoint(body):
-        return None, "response_format"
     found: list[tuple[GuidedDecoding, str]] = []
-    sources = (
-        ("response_format", _response_format),
-        ("guided_json", lambda v: GuidedDecoding(
-            GuidedKind.JSON_SCHEMA, _schema_text(v, "guided_json"))),
-        ("guided_regex", lambda v: _guided_text(GuidedKind.REGEX, v, "guided_regex")),
-        ("guided_grammar", lambda v: _guided_text(GuidedKind.GRAMMAR, v, "guided_grammar")),
-        ("guided_choice", lambda v: _guided_choice(v, "guided_choice")),
-        ("structured_outputs", _structured_outputs),
-    )  # fmt: skip
-    for key, parse in sources:
-        value = body.get(key)
+    for key, parse in _GUIDED:
+        value = getattr(b, key)
         if value is None:
             continue
         guided = parse(value)
@@ -597,184 +645,133 @@ def _guided(body: dict[str, Any]) -> tuple[GuidedDecoding | None, str]:
     return found[0] if found else (None, "response_format")
 
 
-def _tool_name(tool: dict[str, Any]) -> str | None:
-    fn = tool.get("function")
-    if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-        return str(fn["name"])
-    return None
-
-
-def _tools(data: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice]:
-    """`tools` (or the deprecated `functions`) and `tool_choice` (or `function_call`)."""
-    if _TOOL_KEYS.isdisjoint(data):
-        return None, _NO_TOOLS
-    tools = data.get("tools")
-    key = "tools"
-    if tools is None and data.get("functions") is not None:
-        key = "functions"
-        functions = data["functions"]
-        if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
-            raise _type_error(key, "a list of function objects")
-        tools = [{"type": "function", "function": f} for f in functions]
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
-        raise _type_error(key, "a list of tool objects")
-    for tool in tools or ():
-        kind = tool.get("type", "function")
-        if kind != "function":
-            raise InvalidRequest(
-                f"tool type {kind!r} is not supported (function tools only)", param=key
-            )
-        fn = tool.get("function")
-        if fn is not None and (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
-            raise InvalidRequest("every tool function needs a string 'name'", param=key)
-
-    raw = data.get("tool_choice")
-    choice_key = "tool_choice"
-    if raw is None and data.get("function_call") is not None:
-        choice_key = "function_call"
-        raw = data["function_call"]
-        if isinstance(raw, dict):
-            raw = {"type": "function", "function": raw}
-    if raw is None:
-        choice = ToolChoice("auto" if tools else "none")
-    elif raw in ("none", "auto", "required"):
-        choice = ToolChoice(raw)
-    elif isinstance(raw, dict) and raw.get("type") == "function":
-        fn = raw.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise InvalidRequest(
-                f"'{choice_key}' of type 'function' needs function.name", param=choice_key
-            )
-        choice = ToolChoice("function", fn["name"])
-    elif isinstance(raw, dict) and raw.get("type") == "allowed_tools":
-        allowed = raw.get("allowed_tools")
-        if not isinstance(allowed, dict) or allowed.get("mode", "auto") not in (
-            "auto",
-            "required",
-        ):
-            raise InvalidRequest(
-                "allowed_tools needs a mode of 'auto' or 'required'", param=choice_key
-            )
-        listed = allowed.get("tools")
-        if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
-            raise InvalidRequest("allowed_tools.tools must be a list of tools", param=choice_key)
-        names = {_tool_name(t) for t in listed}
-        tools = [t for t in tools or () if _tool_name(t) in names]
-        choice = ToolChoice("required" if allowed.get("mode") == "required" else "auto")
-    else:
+def _stream_flags(b: _Generation) -> tuple[bool, bool]:
+    stream = b.stream or False
+    options = b.stream_options
+    if options is None:
+        return stream, False
+    if not stream:
         raise InvalidRequest(
-            f"'{choice_key}' must be 'none', 'auto', 'required' or a named function",
-            param=choice_key,
+            "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
+    return stream, options.include_usage or False
+
+
+_TEXT_PARTS = ("text", "input_text", "refusal")
+
+
+def _part_text(kind: Any, text: Any, index: int) -> str:
+    if kind not in _TEXT_PARTS:
+        raise InvalidRequest(
+            f"content part type {kind!r} is not supported (text only)", param="messages"
+        )
+    if not isinstance(text, str):
+        raise InvalidRequest(
+            f"messages[{index}].content text part needs a string 'text'", param="messages"
+        )
+    return text
+
+
+def _check_content(content: Any, role: str, index: int) -> None:
+    if content is None and role not in ("assistant", "function"):
+        raise InvalidRequest(f"messages[{index}].content is required", param="messages")
+
+
+def _messages(messages: list[ChatCompletionRequestMessage]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            content = "\n".join(
+                p
+                if isinstance(p, str)
+                else _part_text(p.type, p.text if p.text is not UNSET else p.refusal, i)
+                for p in content
+            )
+        _check_content(content, m.role, i)
+        reasoning = m.reasoning_content if m.reasoning_content is not UNSET else m.reasoning
+        out.append(
+            ChatMessage(
+                m.role,
+                content,
+                m.name,
+                m.tool_calls or None,
+                m.tool_call_id,
+                reasoning if isinstance(reasoning, str) else None,
+            )
+        )
+    return out
+
+
+_NO_TOOLS = ToolChoice("none")
+"""Shared by requests without tools (never mutated)."""
+
+
+def _tools(
+    b: CreateChatCompletionRequest, raw: dict[str, Any]
+) -> tuple[list[dict[str, Any]] | None, ToolChoice]:
+    """`tools` (or the deprecated `functions`) as the chat template takes them (the client's
+    objects), and `tool_choice` (or `function_call`)."""
+    if b.tools is None and b.functions is None and b.tool_choice is None:
+        if b.function_call is None:
+            return None, _NO_TOOLS
+    tools: list[dict[str, Any]] | None = None
+    names: list[str | None] = []
+    if b.tools is not None:
+        names = [t.function.name if t.function is not None else None for t in b.tools]
+        tools = raw["tools"]
+    elif b.functions is not None:
+        names = [f.name for f in b.functions]
+        tools = [{"type": "function", "function": f} for f in raw["functions"]]
+    choice_key = "tool_choice"
+    spec: ToolChoiceValue | FunctionName | None = b.tool_choice
+    if spec is None and b.function_call is not None:
+        choice_key, spec = "function_call", b.function_call
+    if spec is None:
+        choice = ToolChoice("auto" if tools else "none")
+    elif isinstance(spec, str):
+        choice = ToolChoice(spec)
+    elif isinstance(spec, FunctionName):
+        choice = ToolChoice("function", spec.name)
+    elif isinstance(spec, ChatCompletionNamedToolChoice):
+        choice = ToolChoice("function", spec.function.name)
+    else:
+        allowed = spec.allowed_tools
+        listed = {tool_name(t) for t in allowed.tools}
+        kept = [i for i, name in enumerate(names) if name in listed]
+        tools, names = [tools[i] for i in kept] if tools else [], [names[i] for i in kept]
+        choice = ToolChoice(allowed.mode)
     if choice.mode in ("required", "function") and not tools:
         raise InvalidRequest(
             f"'{choice_key}' {choice.name or choice.mode!r} needs 'tools'", param=choice_key
         )
-    if choice.mode == "function" and all(_tool_name(t) != choice.name for t in tools or ()):
+    if choice.mode == "function" and choice.name not in names:
         raise InvalidRequest(
             f"'{choice_key}' names {choice.name!r}, which is not in 'tools'", param=choice_key
         )
     return (tools or None) if choice.mode != "none" else None, choice
 
 
-def _content(value: Any, index: int) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts: list[str] = []
-        for part in value:
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            if not isinstance(part, dict):
-                raise InvalidRequest(
-                    f"messages[{index}].content parts must be objects", param="messages"
-                )
-            kind = part.get("type")
-            if kind in ("text", "input_text", "refusal"):
-                text = part.get("text", part.get("refusal"))
-                if not isinstance(text, str):
-                    raise InvalidRequest(
-                        f"messages[{index}].content text part needs a string 'text'",
-                        param="messages",
-                    )
-                texts.append(text)
-            else:
-                raise InvalidRequest(
-                    f"content part type {kind!r} is not supported (text only)", param="messages"
-                )
-        return "\n".join(texts)
-    raise InvalidRequest(
-        f"messages[{index}].content must be a string, a list of parts or null", param="messages"
-    )
+def _best_of(b: SamplingParameters, n: int) -> None:
+    if b.best_of not in (None, n):
+        raise InvalidRequest("'best_of' other than n is not supported", param="best_of")
 
 
-def _message(raw: Any, index: int) -> ChatMessage:
-    if not isinstance(raw, dict):
-        raise InvalidRequest(f"messages[{index}] must be an object", param="messages")
-    role = raw.get("role")
-    if not isinstance(role, str):
-        raise InvalidRequest(f"messages[{index}].role must be a string", param="messages")
-    if role not in CHAT_ROLES:
-        raise InvalidRequest(f"messages[{index}].role {role!r} is not supported", param="messages")
-    content = _content(raw.get("content"), index)
-    if content is None and role not in ("assistant", "function"):
-        raise InvalidRequest(f"messages[{index}].content is required", param="messages")
-    name = raw.get("name")
-    if name is not None and not isinstance(name, str):
-        raise InvalidRequest(f"messages[{index}].name must be a string", param="messages")
-    tool_calls = raw.get("tool_calls")
-    if tool_calls is not None and (
-        not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls)
-    ):
-        raise InvalidRequest(
-            f"messages[{index}].tool_calls must be a list of objects", param="messages"
-        )
-    tool_call_id = raw.get("tool_call_id")
-    if tool_call_id is not None and not isinstance(tool_call_id, str):
-        raise InvalidRequest(f"messages[{index}].tool_call_id must be a string", param="messages")
-    reasoning = raw.get("reasoning_content", raw.get("reasoning"))
-    return ChatMessage(
-        role=role,
-        content=content,
-        name=name,
-        tool_calls=tool_calls or None,
-        tool_call_id=tool_call_id,
-        reasoning_content=reasoning if isinstance(reasoning, str) else None,
-    )
-
-
-def parse_chat_request(body: bytes) -> ChatCompletionRequest:
-    """Parse and validate a chat completion request body. Raises InvalidRequest."""
-    data = _load(body)
-    model = _str(data, "model", required=True)
-    assert model is not None
-    raw_messages = data.get("messages")
-    if raw_messages is None:
-        raise InvalidRequest("'messages' is required", param="messages")
-    if not isinstance(raw_messages, list):
-        raise _type_error("messages", "a list of messages")
-    if not raw_messages:
-        raise InvalidRequest("'messages' must not be empty", param="messages")
-    messages = [_message(m, i) for i, m in enumerate(raw_messages)]
-
-    want_logprobs = _bool(data, "logprobs", False)
-    top_logprobs = _int(data, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
-    if top_logprobs is not None and top_logprobs > 0 and not want_logprobs:
+def _chat_request(b: CreateChatCompletionRequest, raw: dict[str, Any]) -> ChatCompletionRequest:
+    model = b.model
+    messages = _messages(b.messages)
+    want_logprobs = b.logprobs or False
+    top_logprobs = b.top_logprobs
+    if top_logprobs and not want_logprobs:
         raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    stream, include_usage = _stream_flags(data)
-    tools, tool_choice = _tools(data)
-    kwargs = data.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise _type_error("chat_template_kwargs", "an object")
-    effort = _str(data, "reasoning_effort")
+    stream, include_usage = _stream_flags(b)
+    tools, tool_choice = _tools(b, raw)
+    kwargs = b.chat_template_kwargs
+    effort = b.reasoning_effort
     if effort is not None:
         kwargs = {"reasoning_effort": effort, **(kwargs or {})}
-    options = _options(data, default_logprobs=(top_logprobs or 0) if want_logprobs else None)
-    if _int(data, "best_of") not in (None, options.n):
-        raise InvalidRequest("'best_of' other than n is not supported", param="best_of")
+    options = _options(b, (top_logprobs or 0) if want_logprobs else None)
+    _best_of(b, options.n)
     return ChatCompletionRequest(
         model=model,
         messages=messages,
@@ -783,102 +780,230 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         include_usage=include_usage,
         tools=tools,
         tool_choice=tool_choice,
-        parallel_tool_calls=_bool(data, "parallel_tool_calls", True),
-        add_generation_prompt=_bool(data, "add_generation_prompt", True),
+        parallel_tool_calls=b.parallel_tool_calls is not False,
+        add_generation_prompt=b.add_generation_prompt is not False,
         chat_template_kwargs=kwargs or {},
-        user=_str(data, "user"),
+        user=b.user,
     )
+
+
+def _completion_request(b: CreateCompletionRequest) -> CompletionRequest:
+    model = b.model
+    prompts = _prompts(b.prompt, "prompt", checked=True)
+    logprobs = b.logprobs
+    echo = b.echo or False
+    if echo and logprobs is not None:
+        raise InvalidRequest("'echo' together with 'logprobs' is not supported", param="echo")
+    if b.suffix:
+        raise InvalidRequest("'suffix' is not supported", param="suffix")
+    stream, include_usage = _stream_flags(b)
+    options = _options(b, logprobs)
+    _best_of(b, options.n)
+    return CompletionRequest(model, prompts, options, stream, include_usage, echo, b.user)
+
+
+def _embedding_request(b: CreateEmbeddingRequest) -> EmbeddingRequest:
+    model = b.model
+    inputs = _prompts(b.input, "input", checked=True)
+    if any(not p for p in inputs):
+        raise InvalidRequest("'input' must not contain empty strings", param="input")
+    fmt = b.encoding_format
+    return EmbeddingRequest(
+        model, inputs, "base64" if fmt == "base64" else "float", b.dimensions, b.user
+    )
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Parse and validate a chat completion request body. Raises InvalidRequest."""
+    raw = load_object(body)
+    return decode(CreateChatCompletionRequest, raw, lambda b: _chat_request(b, raw), _REFUSALS)
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Parse and validate a text completion request body. Raises InvalidRequest."""
-    data = _load(body)
-    model = _str(data, "model", required=True)
-    assert model is not None
-    raw = data.get("prompt")
-    prompts: list[str | list[int]]
-    if raw is None:
-        raise InvalidRequest("'prompt' is required", param="prompt")
-    if isinstance(raw, str):
-        prompts = [raw]
-    elif isinstance(raw, list) and raw:
-        if all(isinstance(p, str) for p in raw):
-            prompts = list(raw)
-        elif all(isinstance(p, int) and not isinstance(p, bool) for p in raw):
-            prompts = [_token_ids(raw, "prompt")]
-        elif all(isinstance(p, list) for p in raw):
-            prompts = [_token_ids(p, "prompt") for p in raw]
-            if any(not p for p in prompts):
-                raise InvalidRequest("token prompts must not be empty", param="prompt")
-        else:
-            raise _type_error(
-                "prompt", "a string, a list of strings, a list of token ids or a list of those"
-            )
-    else:
-        raise _type_error(
-            "prompt", "a string, a non-empty list of strings, token ids or lists of token ids"
-        )
-    logprobs = _int(data, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
-    echo = _bool(data, "echo", False)
-    if echo and logprobs is not None:
-        raise InvalidRequest("'echo' together with 'logprobs' is not supported", param="echo")
-    suffix = _str(data, "suffix")
-    if suffix:
-        raise InvalidRequest("'suffix' is not supported", param="suffix")
-    stream, include_usage = _stream_flags(data)
-    options = _options(data, default_logprobs=logprobs)
-    if _int(data, "best_of") not in (None, options.n):
-        raise InvalidRequest("'best_of' other than n is not supported", param="best_of")
-    return CompletionRequest(
-        model=model,
-        prompts=prompts,
-        options=options,
-        stream=stream,
-        include_usage=include_usage,
-        echo=echo,
-        user=_str(data, "user"),
-    )
+    return decode(CreateCompletionRequest, load_object(body), _completion_request, _REFUSALS)
 
 
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     """Parse and validate an embeddings request body. Raises InvalidRequest."""
-    data = _load(body)
-    model = _str(data, "model", required=True)
-    assert model is not None
-    raw = data.get("input")
-    inputs: list[str | list[int]]
-    if raw is None:
-        raise InvalidRequest("'input' is required", param="input")
-    if isinstance(raw, str):
-        inputs = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
-        inputs = list(raw)
-    elif (
-        isinstance(raw, list)
-        and raw
-        and all(isinstance(p, int) and not isinstance(p, bool) for p in raw)
-    ):
-        inputs = [_token_ids(raw, "input")]
-    elif isinstance(raw, list) and raw and all(isinstance(p, list) and p for p in raw):
-        inputs = [_token_ids(p, "input") for p in raw]
-    else:
-        raise _type_error(
-            "input", "a string, a non-empty list of strings, token ids or lists of token ids"
-        )
-    if any(not p for p in inputs):
-        raise InvalidRequest("'input' must not contain empty strings", param="input")
-    fmt = _str(data, "encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise InvalidRequest(
-            "'encoding_format' must be 'float' or 'base64'", param="encoding_format"
-        )
-    return EmbeddingRequest(
-        model=model,
-        inputs=inputs,
-        encoding_format="base64" if fmt == "base64" else "float",
-        dimensions=_int(data, "dimensions", lo=1, hi=1 << 20),
-        user=_str(data, "user"),
-    )
+    return decode(CreateEmbeddingRequest, load_object(body), _embedding_request, _REFUSALS)
+
+
+# --------------------------------------------------------------------------------------------
+# Response schemas
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class PromptTokensDetails(Struct):
+    """Prompt tokens served from the KV cache."""
+
+    cached_tokens: int
+
+
+class CompletionUsage(Struct):
+    """Token accounting of a whole request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(Struct):
+    """An alternative token and its logprob."""
+
+    token: str
+    logprob: float
+    bytes_: list[int] = msgspec.field(name="bytes")
+
+
+class ChatTokenLogprob(Struct):
+    """A generated token, its logprob and the top alternatives."""
+
+    token: str
+    logprob: float
+    bytes_: list[int] = msgspec.field(name="bytes")
+    top_logprobs: list[TopLogprob] = msgspec.field()
+
+
+class ChatChoiceLogprobs(Struct):
+    """Logprobs of a chat choice (or of a streamed delta, without `refusal`)."""
+
+    content: list[ChatTokenLogprob]
+    refusal: UnsetType | None = UNSET
+
+
+class TextLogprobs(Struct):
+    """Logprobs of a text choice, OpenAI's legacy layout."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class FunctionCall(Struct):
+    """The function a tool call calls; `arguments` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ChatCompletionMessageToolCall(Struct):
+    """A tool call the model made."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatCompletionResponseMessage(Struct, omit_defaults=True):
+    """The assistant's message of a chat choice."""
+
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+
+
+class ChatCompletionChoice(Struct):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatCompletionResponseMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: FinishReason
+
+
+class CreateChatCompletionResponse(Struct, kw_only=True, omit_defaults=True):
+    """A chat completion (`chat.completion`)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str = ""
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+
+
+class CompletionChoice(Struct):
+    """One choice of a text completion."""
+
+    index: int
+    text: str
+    logprobs: TextLogprobs | None
+    finish_reason: FinishReason
+
+
+class CreateCompletionResponse(Struct, kw_only=True, omit_defaults=True):
+    """A text completion (`text_completion`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str = ""
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class Embedding(Struct):
+    """One vector (base64: little-endian float32)."""
+
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(Struct):
+    """Tokens embedded."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class CreateEmbeddingResponse(Struct):
+    """Embedding vectors, one per input, in input order."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class Model(Struct):
+    """A model served now."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ListModelsResponse(Struct):
+    """The models served now."""
+
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorObject(Struct):
+    """What went wrong (kvmesh.frontend.errors)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    """The body of every OpenAI-style error."""
+
+    error: ErrorObject
 
 
 # --------------------------------------------------------------------------------------------
@@ -892,6 +1017,7 @@ _FINISH = {
     "tool_calls": b'"tool_calls"',
 }
 _dumps = orjson.dumps
+_encode = msgspec.json.encode
 
 
 def _finish_bytes(reason: str | None) -> bytes:
@@ -899,36 +1025,36 @@ def _finish_bytes(reason: str | None) -> bytes:
     return encoded if encoded is not None else _dumps(reason)
 
 
-def _chat_logprobs(infos: Sequence[TokenLogprobInfo]) -> list[dict[str, Any]]:
+def _chat_logprobs(infos: Sequence[TokenLogprobInfo]) -> list[ChatTokenLogprob]:
     return [
-        {
-            "token": info.token,
-            "logprob": info.logprob,
-            "bytes": list(info.token_bytes),
-            "top_logprobs": [
-                {"token": tok, "logprob": lp, "bytes": list(raw)} for tok, raw, lp in info.top
-            ],
-        }
+        ChatTokenLogprob(
+            info.token,
+            info.logprob,
+            list(info.token_bytes),
+            [TopLogprob(tok, lp, list(raw)) for tok, raw, lp in info.top],
+        )
         for info in infos
     ]
 
 
-def _text_logprobs(infos: Sequence[TokenLogprobInfo], offset: int) -> tuple[dict[str, Any], int]:
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top: list[dict[str, float]] = []
-    offsets: list[int] = []
+def _text_logprobs(infos: Sequence[TokenLogprobInfo], offset: int) -> tuple[TextLogprobs, int]:
+    logprobs = TextLogprobs([], [], [], [])
     for info in infos:
-        tokens.append(info.token)
-        token_logprobs.append(info.logprob)
-        top.append({tok: lp for tok, _, lp in info.top})
-        offsets.append(offset)
+        logprobs.tokens.append(info.token)
+        logprobs.token_logprobs.append(info.logprob)
+        logprobs.top_logprobs.append({tok: lp for tok, _, lp in info.top})
+        logprobs.text_offset.append(offset)
         offset += len(info.token)
-    return (
-        {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-         "text_offset": offsets},
-        offset,
-    )  # fmt: skip
+    return logprobs, offset
+
+
+def _usage(usage: UsageInfo) -> CompletionUsage:
+    return CompletionUsage(
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.prompt_tokens + usage.completion_tokens,
+        PromptTokensDetails(usage.cached_tokens),
+    )
 
 
 def _head(id_: str, object_: str, created: int, model: str, fingerprint: str) -> bytes:
@@ -945,6 +1071,10 @@ def _head(id_: str, object_: str, created: int, model: str, fingerprint: str) ->
     if fingerprint:
         head += b',"system_fingerprint":' + _dumps(fingerprint)
     return head
+
+
+def _delta_logprobs(infos: Sequence[TokenLogprobInfo]) -> bytes:
+    return _encode(ChatChoiceLogprobs(_chat_logprobs(infos)))
 
 
 class ChatChunkEncoder:
@@ -985,15 +1115,12 @@ class ChatChunkEncoder:
             body = b'"content":' + _dumps(d.text)
         else:
             body = b""
-        logprobs = (
-            b"null" if d.logprobs is None else _dumps({"content": _chat_logprobs(d.logprobs)})
-        )
         return (
             self._prefix
             + idx
             + body
             + b'},"logprobs":'
-            + logprobs
+            + (b"null" if d.logprobs is None else _delta_logprobs(d.logprobs))
             + b',"finish_reason":'
             + _finish_bytes(d.finish_reason)
             + self._tail
@@ -1001,7 +1128,7 @@ class ChatChunkEncoder:
 
     def usage(self, usage: UsageInfo) -> bytes:
         """The final usage chunk (`choices: []`)."""
-        return self._head + b',"choices":[],"usage":' + _dumps(usage.to_json()) + b"}\n\n"
+        return self._head + b',"choices":[],"usage":' + _encode(_usage(usage)) + b"}\n\n"
 
 
 def _tool_call_deltas(calls: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
@@ -1046,15 +1173,12 @@ class ParsedChatChunkEncoder(ChatChunkEncoder):
             parts.append(b'"reasoning_content":' + _dumps(d.reasoning))
         if d.tool_calls:
             parts.append(b'"tool_calls":' + _dumps(_tool_call_deltas(d.tool_calls)))
-        logprobs = (
-            b"null" if d.logprobs is None else _dumps({"content": _chat_logprobs(d.logprobs)})
-        )
         return (
             self._prefix
             + idx
             + b",".join(parts)
             + b'},"logprobs":'
-            + logprobs
+            + (b"null" if d.logprobs is None else _delta_logprobs(d.logprobs))
             + b',"finish_reason":'
             + _finish_bytes(d.finish_reason)
             + self._tail
@@ -1091,7 +1215,7 @@ class TextChunkEncoder:
             logprobs = b"null"
         else:
             obj, self._offsets[index] = _text_logprobs(d.logprobs, self._offsets.get(index, 0))
-            logprobs = _dumps(obj)
+            logprobs = _encode(obj)
         return (
             self._prefix
             + idx
@@ -1105,7 +1229,7 @@ class TextChunkEncoder:
 
     def usage(self, usage: UsageInfo) -> bytes:
         """The final usage chunk (`choices: []`)."""
-        return self._head + b',"choices":[],"usage":' + _dumps(usage.to_json()) + b"}\n\n"
+        return self._head + b',"choices":[],"usage":' + _encode(_usage(usage)) + b"}\n\n"
 
 
 def encode_error_event(payload: dict[str, Any]) -> bytes:
@@ -1113,97 +1237,85 @@ def encode_error_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + _dumps(payload) + b"\n\n" + DONE_EVENT
 
 
+def _chat_choice(c: ChoiceResult) -> ChatCompletionChoice:
+    calls = c.tool_calls
+    message = ChatCompletionResponseMessage(
+        "assistant",
+        c.text if c.text or (calls is None and c.reasoning is None) else None,
+        None,
+        c.reasoning,
+        None
+        if calls is None
+        else [
+            ChatCompletionMessageToolCall(t.id, "function", FunctionCall(t.name, t.arguments))
+            for t in calls
+        ],
+    )
+    logprobs = None if c.logprobs is None else ChatChoiceLogprobs(_chat_logprobs(c.logprobs), None)
+    return ChatCompletionChoice(c.index, message, logprobs, cast(FinishReason, c.finish_reason))
+
+
 def encode_result(result: CompletionResult) -> bytes:
     """JSON body of a unary chat or text completion."""
-    choices: list[dict[str, Any]] = []
+    usage = _usage(result.usage)
+    fingerprint = result.system_fingerprint
     if result.kind == "chat":
-        for c in result.choices:
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": c.text
-                if c.text or (c.tool_calls is None and c.reasoning is None)
-                else None,
-                "refusal": None,
-            }
-            if c.reasoning is not None:
-                message["reasoning_content"] = c.reasoning
-            if c.tool_calls is not None:
-                message["tool_calls"] = [
-                    {
-                        "id": t.id,
-                        "type": "function",
-                        "function": {"name": t.name, "arguments": t.arguments},
-                    }
-                    for t in c.tool_calls
-                ]
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": None
-                    if c.logprobs is None
-                    else {"content": _chat_logprobs(c.logprobs), "refusal": None},
-                    "finish_reason": c.finish_reason,
-                }
+        return _encode(
+            CreateChatCompletionResponse(
+                id=result.id,
+                object="chat.completion",
+                created=result.created,
+                model=result.model,
+                system_fingerprint=fingerprint,
+                choices=[_chat_choice(c) for c in result.choices],
+                usage=usage,
             )
-        object_ = "chat.completion"
-    else:
-        for c in result.choices:
-            choices.append(
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": None if c.logprobs is None else _text_logprobs(c.logprobs, 0)[0],
-                    "finish_reason": c.finish_reason,
-                }
-            )
-        object_ = "text_completion"
-    body: dict[str, Any] = {
-        "id": result.id,
-        "object": object_,
-        "created": result.created,
-        "model": result.model,
-    }
-    if result.system_fingerprint:
-        body["system_fingerprint"] = result.system_fingerprint
-    body["choices"] = choices
-    body["usage"] = result.usage.to_json()
-    return _dumps(body)
+        )
+    choices = [
+        CompletionChoice(
+            c.index,
+            c.text,
+            None if c.logprobs is None else _text_logprobs(c.logprobs, 0)[0],
+            cast(FinishReason, c.finish_reason),
+        )
+        for c in result.choices
+    ]
+    return _encode(
+        CreateCompletionResponse(
+            id=result.id,
+            object="text_completion",
+            created=result.created,
+            model=result.model,
+            system_fingerprint=fingerprint,
+            choices=choices,
+            usage=usage,
+        )
+    )
 
 
 def encode_embeddings(result: EmbeddingResult, encoding_format: str) -> bytes:
     """JSON body of POST /v1/embeddings (`base64`: little-endian float32, as OpenAI sends)."""
-    data: list[dict[str, Any]] = []
+    data: list[Embedding] = []
     for i, vector in enumerate(result.vectors):
         embedding: list[float] | str = vector
         if encoding_format == "base64":
             embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-        data.append({"object": "embedding", "index": i, "embedding": embedding})
-    return _dumps(
-        {
-            "object": "list",
-            "data": data,
-            "model": result.model,
-            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
-        }
+        data.append(Embedding("embedding", i, embedding))
+    tokens = result.prompt_tokens
+    return _encode(
+        CreateEmbeddingResponse("list", data, result.model, EmbeddingUsage(tokens, tokens))
     )
 
 
-def _model_card(info: ModelInfo, created: int) -> dict[str, Any]:
-    return {
-        "id": info.served_model_name,
-        "object": "model",
-        "created": created,
-        "owned_by": "kvmesh",
-        "max_model_len": info.context_length,
-    }
+def _model_card(info: ModelInfo, created: int) -> Model:
+    return Model(info.served_model_name, "model", created, "kvmesh", info.context_length)
 
 
 def encode_models(models: Sequence[ModelInfo], created: int) -> bytes:
     """JSON body of GET /v1/models."""
-    return _dumps({"object": "list", "data": [_model_card(m, created) for m in models]})
+    return _encode(ListModelsResponse("list", [_model_card(m, created) for m in models]))
 
 
 def encode_model(info: ModelInfo, created: int) -> bytes:
     """JSON body of GET /v1/models/{model}."""
-    return _dumps(_model_card(info, created))
+    return _encode(_model_card(info, created))

@@ -1,9 +1,9 @@
-"""The OpenAI service: everything between a parsed request and a typed result.
+"""The service behind every door: everything between a typed request and a typed result.
 
 Transports stay thin: the aiohttp routes (kvmesh.frontend.app: OpenAI and KServe v2 REST) and
-the KServe v2 gRPC servicer (kvmesh.frontend.kserve_grpc) parse their wire format into the typed
-requests of kvmesh.frontend.protocol, call ONE method of `OpenAIService`, and encode what it
-returns.
+the KServe v2 gRPC servicer (kvmesh.frontend.kserve_grpc) turn their wire format into the typed
+requests of kvmesh.frontend.dataplane, call ONE method of `OpenAIService` (`chat_completion`,
+`completion`, `embeddings`), and encode the typed result or stream it returns.
 
 Per request the service: refuses new work while draining; resolves the model card and the
 tokenizer; applies the chat template and tokenizes; validates against the context window;
@@ -30,7 +30,6 @@ generate `default_completion_max_tokens` (16, like OpenAI).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -39,11 +38,11 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import msgspec
+
 from kvmesh.frontend.backend import EmbeddingBackend, GenerateBackend
 from kvmesh.frontend.config import FrontendConfig
-from kvmesh.frontend.detokenize import IncrementalDetokenizer, StopStringMatcher
-from kvmesh.frontend.metrics import FrontendMetrics, ModelMetrics
-from kvmesh.frontend.protocol import (
+from kvmesh.frontend.dataplane import (
     ChatCompletionRequest,
     ChoiceDelta,
     ChoiceResult,
@@ -55,7 +54,10 @@ from kvmesh.frontend.protocol import (
     TokenLogprobInfo,
     ToolCallDelta,
     UsageInfo,
+    tool_name,
 )
+from kvmesh.frontend.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kvmesh.frontend.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.frontend.reasoning import (
     ReasoningParser,
     ReasoningStream,
@@ -589,7 +591,7 @@ class OpenAIService:
                     "--tool-call-parser (hermes, llama3_json, mistral or pythonic)",
                     param="tools",
                 )
-            names = [n for n in (_tool_name(t) for t in tools) if n is not None]
+            names = [n for n in (tool_name(t) for t in tools) if n is not None]
             parallel = request.parallel_tool_calls
             make_tools = lambda: ToolCallStream(  # noqa: E731
                 parser_cls(names), parallel_tool_calls=parallel
@@ -972,13 +974,6 @@ async def _parse_choice(
         await events.aclose()
 
 
-def _tool_name(tool: Mapping[str, Any]) -> str | None:
-    fn = tool.get("function")
-    if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
-        return str(fn["name"])
-    return None
-
-
 def _tool_parameters(tool: Mapping[str, Any]) -> Any:
     fn = tool.get("function")
     params = fn.get("parameters") if isinstance(fn, Mapping) else None
@@ -990,26 +985,26 @@ def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[s
     "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them."""
     if name is not None:
         for tool in tools:
-            if _tool_name(tool) == name:
+            if tool_name(tool) == name:
                 params = _tool_parameters(tool)
                 return params if isinstance(params, dict) else {"type": "object"}
     variants = [
         {
             "properties": {
-                "name": {"type": "string", "enum": [tool_name]},
+                "name": {"type": "string", "enum": [function]},
                 "parameters": _tool_parameters(tool),
             },
             "required": ["name", "parameters"],
         }
         for tool in tools
-        if (tool_name := _tool_name(tool)) is not None
+        if (function := tool_name(tool)) is not None
     ]
     return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
 
 
 def _with(options: GenerationOptions, **changes: Any) -> GenerationOptions:
     """A copy of `options` with `changes` (the parsed request is left as it was)."""
-    return dataclasses.replace(options, **changes)
+    return msgspec.structs.replace(options, **changes)
 
 
 def _parser_setting(spec: str, lookup: Callable[[str], object]) -> dict[str, str]:

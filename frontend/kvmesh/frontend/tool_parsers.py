@@ -40,7 +40,7 @@ import string
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.frontend.protocol import ToolCall, ToolCallDelta
+from kvmesh.frontend.dataplane import ToolCall, ToolCallDelta
 
 __all__ = [
     "TOOL_PARSERS",
