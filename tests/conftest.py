@@ -1,15 +1,21 @@
-"""Shared fixtures: the offline tiny model, free ports, and a KVMESH_HOME per session."""
+"""Shared fixtures: the offline tiny model (with weights for the torch tests), free ports, and a
+KVMESH_HOME per session."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvmesh.runtime.tinymodel import create_tiny_model
+
+if TYPE_CHECKING:
+    from kvmesh.workers.pytorch.model_runner import LoadedModel
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +35,35 @@ def kvmesh_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def tiny_model(kvmesh_home: Path) -> Path:
     """The tiny offline model directory (tokenizer, chat template, config; no weights)."""
     return create_tiny_model(kvmesh_home / "models" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def torch_model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of the tiny model with its deterministic random weights (needs torch)."""
+    from kvmesh.workers.pytorch.weights import create_tiny_weights
+
+    path = tmp_path_factory.mktemp("torch-model") / "tiny-llama"
+    shutil.copytree(tiny_model, path)
+    create_tiny_weights(path)
+    return path
+
+
+def generate_reference(
+    loaded: LoadedModel, eos: Sequence[int], prompt: list[int], n: int
+) -> list[int]:
+    """transformers generate() of `prompt`, greedy: the up to `n` tokens it adds (needs torch)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = loaded.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=list(eos),
+        pad_token_id=eos[0],
+    )
+    return list(out[0, len(prompt) :].tolist())
 
 
 def free_port() -> int:

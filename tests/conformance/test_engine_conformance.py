@@ -3,8 +3,10 @@
 Add an adapter by appending an EngineCase to CASES (e.g. the torch engine on the tiny model, or
 vLLM where a GPU is present, marked accordingly). A case builds a fresh, unstarted engine; the
 suite starts and stops it. Checks that need engine internals use optional hooks and are skipped
-for adapters without them: `cached_blocks()` (the engine's own view of its prefix cache, in the
-shape of KvEventLog.cached()) and `cached_block_hashes()` (just the hashes).
+for adapters without them: `cached_blocks(tier)` (the engine's own view of its prefix cache on
+each KV tier, in the shape of KvEventLog.cached(tier)) and `cached_block_hashes()` (just the
+device tier's hashes). The mocker and the torch engine run twice: as they are, and with KV tiers
+(a device pool too small for the suite's prompts, a host tier and a disk tier) below them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge, Unavailable
-from kvmesh.runtime.kv_events import KvStateMirror
+from kvmesh.runtime.kv_events import KvStateMirror, KvTier
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.tinymodel import create_tiny_model
 from kvmesh.runtime.types import (
@@ -33,6 +35,7 @@ from kvmesh.runtime.types import (
     SamplingParams,
     StopParams,
 )
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
 
@@ -50,15 +53,37 @@ class EngineCase:
     marks: tuple[pytest.MarkDecorator, ...] = ()
 
 
-def _mocker() -> Engine:
+def _tier_dir() -> str:
+    root = tempfile.mkdtemp(prefix="kvmesh-conformance-disk-")
+    atexit.register(shutil.rmtree, root, True)
+    return root
+
+
+TIERED_BLOCKS = 72
+"""Device blocks of the tiered cases: room for the longest prompt (64 blocks), no more."""
+
+
+def _mocker(tiers: KvTierConfig | None = None) -> Engine:
     return MockerEngine(
-        MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=1e6),
+        MockerConfig(
+            num_gpu_blocks=TIERED_BLOCKS if tiers else 256,
+            block_size=16,
+            speedup_ratio=1e6,
+            # moves this fast pay off even for the mocker's cheap prefills of 16-token blocks
+            kv_host_gbps=200.0,
+            kv_disk_gbps=100.0,
+        ),
         served_model_name="conformance",
         vocab_size=1000,
         special_token_ids=(0, 1),
         eos_token_ids=(2,),
         context_length=1024,
+        tiers=tiers,
     )
+
+
+def _mocker_tiers() -> Engine:
+    return _mocker(KvTierConfig(kv_host_blocks=24, kv_disk_blocks=256))
 
 
 _HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
@@ -78,19 +103,25 @@ def _torch_model() -> tuple[Path, Any]:
     return path, load_model(path, "cpu", TorchDType.FLOAT32)
 
 
-def _torch() -> Engine:
+def _torch(tiers: KvTierConfig | None = None) -> Engine:
     from kvmesh.workers.pytorch.config import TorchConfig
     from kvmesh.workers.pytorch.engine import TorchEngine
 
     path, loaded = _torch_model()
     info = ModelDirInfo.load(path)
+    blocks = TIERED_BLOCKS if tiers else 256
     return TorchEngine(
-        TorchConfig(device="cpu", num_gpu_blocks=256, max_model_len=1024),
+        TorchConfig(device="cpu", num_gpu_blocks=blocks, max_model_len=1024),
         model_dir=path,
         served_model_name="conformance",
         eos_token_ids=info.eos_token_ids,
         loaded=loaded,
+        tiers=tiers,
     )
+
+
+def _torch_tiers() -> Engine:
+    return _torch(KvTierConfig(kv_host_blocks=24, kv_disk_blocks=256, kv_disk_dir=_tier_dir()))
 
 
 def _has(module: str) -> bool:
@@ -109,8 +140,13 @@ def _adapter(engine: str) -> Callable[[], Engine]:
     return build
 
 
+_NEEDS_TORCH = pytest.mark.skipif(
+    not _HAS_TORCH, reason="torch/transformers not installed (pip install kvmesh[torch])"
+)
+
 CASES = [
     EngineCase("mocker", _mocker, frozenset({0, 1, 2})),
+    EngineCase("mocker-tiers", _mocker_tiers, frozenset({0, 1, 2})),
     EngineCase(
         "vllm-adapter",
         _adapter("vllm"),
@@ -119,16 +155,8 @@ CASES = [
     ),
     EngineCase("sglang-adapter", _adapter("sglang"), frozenset({0, 1, 2})),
     EngineCase("trtllm-adapter", _adapter("trtllm"), frozenset({0, 1, 2})),
-    EngineCase(
-        "torch",
-        _torch,
-        marks=(
-            pytest.mark.skipif(
-                not _HAS_TORCH,
-                reason="torch/transformers not installed (pip install kvmesh[torch])",
-            ),
-        ),
-    ),
+    EngineCase("torch", _torch, marks=(_NEEDS_TORCH,)),
+    EngineCase("torch-tiers", _torch_tiers, marks=(_NEEDS_TORCH,)),
 ]
 
 
@@ -357,7 +385,7 @@ async def test_prompt_too_long(engine: Engine) -> None:
     assert_idle(engine)
 
 
-async def test_kv_events_match_engine_cache(engine: Engine) -> None:
+async def test_kv_events_match_engine_cache(engine: Engine, case: EngineCase) -> None:
     log = engine.kv_events
     cached_blocks = getattr(engine, "cached_blocks", None)
     if log is None or cached_blocks is None:
@@ -370,6 +398,11 @@ async def test_kv_events_match_engine_cache(engine: Engine) -> None:
     await asyncio.gather(*(collect(engine, r) for r in requests))
     assert log.cached() == cached_blocks()
     assert len(log.cached()) >= 4  # the shared prefix at least
+    tiered = "tiers" in case.name
+    if tiered:  # every tier's published state is the engine's own
+        for tier in (KvTier.HOST, KvTier.DISK):
+            assert log.cached(tier) == cached_blocks(tier)
+        assert log.cached(KvTier.HOST)  # blocks were written through
     hashes = getattr(engine, "cached_block_hashes", None)
     if hashes is not None:
         assert hashes() == set(log.cached())
@@ -379,11 +412,37 @@ async def test_kv_events_match_engine_cache(engine: Engine) -> None:
     while mirror.last_event_id != log.last_event_id:
         mirror.apply(await asyncio.wait_for(anext(sub), 5))
     assert mirror.state == cached_blocks()
+    if tiered:
+        for tier in (KvTier.HOST, KvTier.DISK):
+            assert mirror.states[tier] == cached_blocks(tier)
     await sub.aclose()  # type: ignore[attr-defined]
-    # Clearing with nothing in flight empties the cache, consistently.
+    # Clearing with nothing in flight empties the cache (every tier), consistently.
     await engine.clear_kv_cache()
     assert await engine.clear_kv_cache() == 0
     assert log.cached() == cached_blocks() == {}
+    if tiered:
+        for tier in (KvTier.HOST, KvTier.DISK):
+            assert log.cached(tier) == cached_blocks(tier) == {}
+
+
+async def test_lower_tiers_serve_an_evicted_prefix(engine: Engine, case: EngineCase) -> None:
+    if "tiers" not in case.name:
+        pytest.skip("no KV tiers below the device pool")
+    request = make(prompt=300, max_tokens=6, base=30)  # 18 blocks: fits the host tier
+    first, _ = await collect(engine, request)
+    for i in range(3):  # 3 x 44 blocks through a 72-block pool and a 24-block host tier
+        await collect(engine, make(prompt=700, max_tokens=2, base=100 + i))
+    before = {t.tier: t.hit_tokens for t in engine.load().kv_tiers}
+    again = make(prompt=list(request.prompt), max_tokens=6)
+    tokens, outs = await collect(engine, again)
+    assert tokens == first
+    usage = outs[-1].usage
+    assert usage is not None and usage.cached_tokens == 16 * 18
+    after = {t.tier: t.hit_tokens for t in engine.load().kv_tiers}
+    lower = sum(after[t] - before[t] for t in (KvTier.HOST, KvTier.DISK))
+    assert lower + after[KvTier.DEVICE] - before[KvTier.DEVICE] == usage.cached_tokens
+    assert lower > 0  # served from below the device, not recomputed
+    assert_idle(engine)
 
 
 async def test_stop_cancels_in_flight_requests(case: EngineCase) -> None:

@@ -1,131 +1,150 @@
-"""The router's KV event intake over real gRPC: a worker that reports blocks on the HOST and
-DISK tiers (kvmesh workers do not yet; an engine with offload would) never has them taken for
-device blocks. They are left out of the index, counted and logged once; the device blocks of
-the same stream are indexed and the stream stays in sequence."""
+"""KV tiers end to end over real gRPC: mocker workers with a small device pool and a host tier
+publish tier-tagged KV events and per-tier load metrics; the router's subscriber keeps the
+index per tier, credits a host-tier hit (by its weight) in the cost, and exports the workers'
+tier counters to Prometheus; the frontend's /metrics shows them for the workers it reaches."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
-import grpc
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.router.hashing import block_hashes
-from kvmesh.router.kv_scheduler import KvScheduler
+from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler
 from kvmesh.router.kv_subscriber import KvSubscriber
 from kvmesh.router.pool import WorkerHandle
 from kvmesh.router.session import WorkerSession
-from kvmesh.runtime.grpcutil import GrpcServer, insecure_channel
-from kvmesh.runtime.types import ModelInfo
-from kvmesh.workers.mocker import block_hash as engine_hash
-from kvmesh.workers.server import WORKER_SERVICE
+from kvmesh.runtime import wire
+from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.kv_events import KvTier
+from kvmesh.runtime.kv_metrics import KvTierCollector
+from kvmesh.workers.batching.tiers import KvTierConfig
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.mocker import MockerConfig, MockerEngine
+from kvmesh.workers.server import Worker
 
 pytestmark = pytest.mark.integration
 
-BS = 4
-TOKENS = list(range(12))
-BLOCKS = [tuple(TOKENS[i : i + BS]) for i in range(0, len(TOKENS), BS)]
+BS = 16
+PROMPT = [10 + i % 700 for i in range(100)]  # 6 full blocks
 
 
-def _chain() -> list[int]:
-    hashes: list[int] = []
-    parent = None
-    for block in BLOCKS:
-        parent = engine_hash(parent, block)
-        hashes.append(parent)
-    return hashes
-
-
-def _stored(i: int, tier: cpb.KvTier.ValueType) -> cpb.KvBlocksStored:
-    hashes = _chain()
-    msg = cpb.KvBlocksStored(
-        blocks=[cpb.KvBlock(block_hash=hashes[i], token_ids=BLOCKS[i])], tier=tier
+def _engine(tiers: KvTierConfig | None) -> MockerEngine:
+    return MockerEngine(
+        MockerConfig(num_gpu_blocks=16, block_size=BS, speedup_ratio=1e4),
+        served_model_name="m",
+        vocab_size=1000,
+        context_length=1024,
+        tiers=tiers,
     )
-    if i:
-        msg.parent_block_hash = hashes[i - 1]
-    return msg
 
 
-class TieredWorker(wpb_grpc.WorkerServiceServicer):
-    """A worker whose cache spans tiers: block 0 on the device and the host, block 1 on the
-    host only, block 2 on the disk, then block 1 reaches the device and block 0's host copy is
-    evicted."""
+async def _generate(stub: wpb_grpc.WorkerServiceStub, prompt: list[int]) -> cpb.Usage:
+    req = wpb.GenerateRequest(
+        token_ids=prompt,
+        sampling=cpb.SamplingOptions(temperature=0.0),
+        stop=cpb.StopConditions(max_tokens=4),
+    )
+    last = None
+    async for msg in stub.Generate(req):
+        last = msg
+    assert last is not None and last.HasField("usage")
+    return last.usage
 
-    async def SubscribeKvEvents(
-        self, request: wpb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[wpb.SubscribeKvEventsResponse]:
-        yield wpb.SubscribeKvEventsResponse(
-            snapshot=wpb.KvSnapshotChunk(
-                as_of_event_id=0,
-                chains=[_stored(0, cpb.KV_TIER_DEVICE), _stored(0, cpb.KV_TIER_HOST)],
-                first=True,
-                last=True,
-                log_id="tiers",
-            )
+
+@pytest.fixture
+async def workers() -> AsyncIterator[list[tuple[Worker, WorkerHandle]]]:
+    """Worker "tiered" (device pool of 16 blocks, host tier of 64) and "plain" (no tiers)."""
+    out: list[tuple[Worker, WorkerHandle]] = []
+    for wid, tiers in (("tiered", KvTierConfig(kv_host_blocks=64)), ("plain", None)):
+        engine = _engine(tiers)
+        worker = Worker(WorkerConfig(), engine)
+        await worker.start()
+        channel = insecure_channel(worker.address)
+        stub = wpb_grpc.WorkerServiceStub(channel)
+        handle = WorkerHandle(
+            "i-" + wid,
+            wid,
+            worker.address,
+            engine.info,
+            channel,
+            stub,
+            WorkerSession(stub, worker.address),
         )
-        events = [
-            cpb.KvEvent(event_id=1, stored=_stored(1, cpb.KV_TIER_HOST)),
-            cpb.KvEvent(event_id=2, stored=_stored(2, cpb.KV_TIER_DISK)),
-            cpb.KvEvent(event_id=3, stored=_stored(1, cpb.KV_TIER_DEVICE)),
-            cpb.KvEvent(
-                event_id=4,
-                removed=cpb.KvBlocksRemoved(block_hashes=_chain()[:1], tier=cpb.KV_TIER_HOST),
-            ),
-        ]
-        for event in events:
-            yield wpb.SubscribeKvEventsResponse(event=event)
-        await asyncio.Event().wait()  # the stream stays open, as a worker's does
-
-    async def StreamLoadMetrics(
-        self, request: wpb.StreamLoadMetricsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[wpb.StreamLoadMetricsResponse]:
-        yield wpb.StreamLoadMetricsResponse(metrics=cpb.LoadMetrics(kv_total_blocks=64))
-        await asyncio.Event().wait()
+        out.append((worker, handle))
+    yield out
+    for worker, handle in out:
+        await handle.channel.close()
+        await worker.stop()
 
 
-async def test_host_and_disk_tier_events_stay_out_of_the_index(
-    caplog: pytest.LogCaptureFixture,
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_router_indexes_tiers_and_credits_host_hits(
+    workers: list[tuple[Worker, WorkerHandle]],
 ) -> None:
-    server = GrpcServer()
-    server.add(wpb_grpc.add_WorkerServiceServicer_to_server, TieredWorker(), WORKER_SERVICE)
-    await server.start()
-    channel = insecure_channel(server.address)
-    stub = wpb_grpc.WorkerServiceStub(channel)
-    info = ModelInfo("m", "tiered", BS, 64, 1024, capabilities=("KV_EVENTS",))
-    handle = WorkerHandle(
-        "i", "w", server.address, info, channel, stub, WorkerSession(stub, server.address)
-    )
-    scheduler = KvScheduler()
-    subscriber = KvSubscriber(scheduler)
-    caplog.set_level(logging.DEBUG, logger="kvmesh.router.kv_subscriber")
+    (_, th), (_, ph) = workers
+    scheduler = KvScheduler(KvRouterConfig(host_hit_weight=0.75))
+    subscriber = KvSubscriber(scheduler, load_interval_ms=20)
     try:
-        subscriber.add(handle)
+        subscriber.add(th)
+        subscriber.add(ph)
+        stub = th.stub
+        await _generate(stub, PROMPT)
+        for k in range(4):  # other prompts push PROMPT's blocks out of the 16-block device pool
+            await _generate(stub, [800 + k * 11 + i % 150 for i in range(120)])
+        hashes = block_hashes(PROMPT, BS)
         indexer = scheduler.indexer
-        for _ in range(500):
-            if indexer.resume_point("w") == (4, "tiers"):
-                break
-            await asyncio.sleep(0.01)
-        assert indexer.resume_point("w") == (4, "tiers"), "the stream did not stay in sequence"
-        # Device blocks 0 and 1 are indexed; the host/disk-only block 2 is not, and evicting
-        # block 0's host copy did not evict its device copy.
-        assert indexer.find_matches(block_hashes(TOKENS, BS)) == {"w": 2}
-        stats = indexer.stats("w")
-        assert (stats.events, stats.skipped, stats.blocks) == (1, 3, 2)
-        assert dict(subscriber.skipped) == {
-            ("w", "snapshot chain on another tier"): 1,
-            ("w", "stored on tier KV_TIER_HOST"): 1,
-            ("w", "stored on tier KV_TIER_DISK"): 1,
-            ("w", "removed from tier KV_TIER_HOST"): 1,
-        }
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(warnings) == 4 and all("device tier only" in r.getMessage() for r in warnings)
+        await _until(
+            lambda: (
+                not indexer.find_matches(hashes)
+                and indexer.find_credits(hashes).get("tiered", 0) >= 0.75 * len(hashes)
+            ),
+            "the prompt to leave the device tier and show on the host tier",
+        )
+        stats = indexer.stats("tiered")
+        assert stats.host_blocks >= len(hashes) and stats.disk_blocks == 0
+        # The router credits the host copy: with both workers idle it picks "tiered" (without
+        # the credit it would pick "plain", whose cache is emptier).
+        assert scheduler.select(PROMPT, 0.0).worker_id == "tiered"
+        indexer.host_hit_weight = 0.0  # without the credit, the emptier cache wins
+        assert "tiered" not in indexer.find_credits(hashes)
+        assert scheduler.select(PROMPT, 0.0).worker_id == "plain"
+        indexer.host_hit_weight = 0.75
+        # Served from the host tier: cached tokens count the onboarded blocks.
+        usage = await _generate(stub, PROMPT)
+        assert usage.cached_tokens == len(hashes) * BS
+        await _until(lambda: indexer.find_matches(hashes) == {"tiered": len(hashes)}, "onboard")
+        # Load metrics carry the tier counters; the collector exports them.
+        await _until(
+            lambda: any(
+                t.tier is KvTier.HOST and t.hit_tokens for t in subscriber.loads["tiered"].kv_tiers
+            ),
+            "host hit tokens in the load metrics",
+        )
+        metrics = (await stub.GetLoadMetrics(wpb.GetLoadMetricsRequest())).metrics
+        host = next(t for t in wire.load_from_pb(metrics).kv_tiers if t.tier is KvTier.HOST)
+        assert host.hit_tokens == len(hashes) * BS and host.onboard_blocks == len(hashes)
+        assert host.offload_blocks > 0 and host.capacity_blocks == 64
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(KvTierCollector(lambda: list(subscriber.loads.items())))
+        text = generate_latest(registry).decode()
+        assert (
+            f'kvmesh_worker_kv_hit_tokens_total{{tier="host",worker="tiered"}} '
+            f"{float(len(hashes) * BS)}" in text
+        )
+        assert 'kvmesh_worker_kv_blocks{tier="device",worker="plain"}' in text
+        assert 'tier="host",worker="plain"' not in text
     finally:
         await subscriber.close()
-        await channel.close()
-        await server.stop(0)

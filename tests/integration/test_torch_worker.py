@@ -14,7 +14,6 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (pip install kvmesh[torch])")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-import torch
 from tokenizers import Tokenizer
 
 from kvmesh.api.common.v1 import common_pb2 as cpb
@@ -30,6 +29,7 @@ from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
 from kvmesh.workers.server import Worker
+from tests.conftest import generate_reference
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration
@@ -46,19 +46,6 @@ def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
     return load_model(model_dir, "cpu", TorchDType.FLOAT32)
-
-
-def reference(loaded: LoadedModel, eos: tuple[int, ...], prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = loaded.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=n,
-        eos_token_id=list(eos),
-        pad_token_id=eos[0],
-    )
-    return list(out[0, len(prompt) :].tolist())
 
 
 PROMPTS = [
@@ -107,7 +94,7 @@ async def test_worker_generate_events_and_card(
 
     results = await asyncio.gather(*(generate(p) for p in PROMPTS))
     for prompt, tokens in zip(PROMPTS, results, strict=True):
-        assert tokens == reference(loaded, eos, prompt, 10)
+        assert tokens == generate_reference(loaded, eos, prompt, 10)
     # The event stream rebuilds the cache: 2 + 4 full blocks of prompt + output.
     while len(mirror.state) < 6:
         mirror.apply(wire.kv_item_from_pb(await asyncio.wait_for(events.read(), 5)))
@@ -144,7 +131,7 @@ def test_greedy_through_the_mesh_equals_transformers(
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     client = mesh.client()
     for prompt in PROMPTS:
-        expected = reference(loaded, eos, prompt, 12)
+        expected = generate_reference(loaded, eos, prompt, 12)
         res = client.completions.create(
             model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0
         )

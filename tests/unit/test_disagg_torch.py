@@ -20,6 +20,7 @@ pytest.importorskip("nixl", reason="NIXL is not installed (pip install kvmesh[ni
 
 import torch
 
+from kvmesh.runtime.kv_events import KvTier
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -30,11 +31,13 @@ from kvmesh.runtime.types import (
     SamplingParams,
     StopParams,
 )
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import DisaggSettings
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
+from tests.conftest import generate_reference
 
 pytestmark = pytest.mark.unit
 
@@ -61,7 +64,7 @@ class Env:
         self.model_dir, self.loaded = model_dir, loaded
         self.eos = ModelDirInfo.load(model_dir).eos_token_ids
 
-    def engine(self, role: Role, **cfg: object) -> TorchEngine:
+    def engine(self, role: Role, tiers: KvTierConfig | None = None, **cfg: object) -> TorchEngine:
         settings: dict[str, object] = {"device": "cpu", "num_gpu_blocks": 128, **cfg}
         e = TorchEngine(
             TorchConfig(**settings),  # type: ignore[arg-type]
@@ -69,26 +72,18 @@ class Env:
             served_model_name="tiny",
             eos_token_ids=self.eos,
             loaded=self.loaded,
+            tiers=tiers,
         )
         e.configure_disaggregation(DisaggSettings(role=role))
         return e
 
     def reference(self, ids: list[int], n: int) -> list[int]:
-        x = torch.tensor([ids])
-        out = self.loaded.model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=list(self.eos),
-            pad_token_id=self.eos[0],
-        )
-        return list(out[0, len(ids) :].tolist())
+        return generate_reference(self.loaded, self.eos, ids, n)
 
 
 class Pair:
-    def __init__(self, env: Env, **decode_cfg: object) -> None:
-        self.p = env.engine(Role.PREFILL)
+    def __init__(self, env: Env, prefill: TorchEngine | None = None, **decode_cfg: object) -> None:
+        self.p = prefill if prefill is not None else env.engine(Role.PREFILL)
         self.d = env.engine(Role.DECODE, **decode_cfg)
         self.releases: list[bool] = []
 
@@ -223,3 +218,33 @@ async def test_first_token_that_ends_the_request_pins_nothing(pair: Pair, env: E
     assert result.finish_reason is FinishReason.LENGTH and result.remote.handle is None
     assert result.remote.first_token_id == env.reference(ids, 1)[0]
     baseline(pair.p)
+
+
+async def test_a_prefill_worker_serves_a_pull_from_its_host_tier(env: Env) -> None:
+    """Both device pools are too small to keep the prompt; the prefill worker's host tier keeps
+    it: the second prefill onboards the prefix instead of recomputing it, the decode worker
+    pulls the blocks over NIXL, and the tokens are generate()'s."""
+
+    def host_hits(e: TorchEngine) -> int:
+        return next(t.hit_tokens for t in e.load().kv_tiers if t.tier is KvTier.HOST)
+
+    tiered = env.engine(Role.PREFILL, KvTierConfig(kv_host_blocks=64), num_gpu_blocks=12)
+    pair = Pair(env, prefill=tiered, num_gpu_blocks=12)
+    await pair.p.start()
+    await pair.d.start()
+    try:
+        ids = prompt(70, salt=5)
+        want = env.reference(ids, 10)
+        got, _ = await pair.run(greedy("a", ids))
+        assert got == want
+        for k in range(4):  # push the prompt's blocks out of both device pools
+            await pair.run(greedy(f"other{k}", prompt(90, salt=20 + k)))
+        before = host_hits(pair.p)
+        got, _ = await pair.run(greedy("b", ids))
+        assert got == want
+        bs = pair.p.kv_spec.block_size
+        assert host_hits(pair.p) - before == (len(ids) - 1) // bs * bs
+        baseline(pair.p, pair.d)
+    finally:
+        await pair.p.stop()
+        await pair.d.stop()

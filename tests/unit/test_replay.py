@@ -3,6 +3,7 @@ simulation (determinism, invariants, timing) and the command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import random
@@ -25,6 +26,7 @@ from kvmesh.sim.trace import (
     prefix_hit_bound,
     token_block,
 )
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.mocker import MockerConfig, PolynomialTiming
 
 pytestmark = pytest.mark.unit
@@ -206,6 +208,36 @@ def test_kv_routing_finds_and_reuses_prefixes(trace_path: str) -> None:
     assert kv.ttft_ms.mean < rr.ttft_ms.mean
 
 
+def test_host_tier_raises_reuse_and_lowers_ttft(trace_path: str) -> None:
+    """A device pool too small for the trace's documents: the host tier keeps what it evicts,
+    the workers onboard it instead of recomputing, the router credits it; the disk tier below
+    the host tier keeps more still. Deterministic, like every replay."""
+    trace = load_trace(trace_path)
+    small = {"workers": 2, "speedup": 1.0, "num_gpu_blocks": 128}
+    none = simulate(trace, config(trace_path, **small), RouterMode.KV)
+    host_cfg = config(trace_path, **small, tiers=KvTierConfig(kv_host_blocks=512))
+    host = simulate(trace, host_cfg, RouterMode.KV)
+    assert json_without_wall(host) == json_without_wall(simulate(trace, host_cfg, RouterMode.KV))
+    assert host.prefix_hit_rate > none.prefix_hit_rate + 0.1
+    assert host.tier_hit_rates["host"] > 0.1
+    assert host.ttft_ms.mean < none.ttft_ms.mean
+    assert set(none.tier_hit_rates) == {"device"}
+    disk_cfg = config(
+        trace_path, **small, tiers=KvTierConfig(kv_host_blocks=64, kv_disk_blocks=1024)
+    )
+    slow = simulate(trace, disk_cfg, RouterMode.KV)
+    # At the default 5 GB/s, reading a 64-token block of Llama-8B KV (8 MiB) costs more than
+    # recomputing it: the mocker does not onboard from disk. A faster disk pays.
+    assert slow.tier_hit_rates["disk"] == 0
+    disk_cfg.mocker = dataclasses.replace(disk_cfg.mocker, kv_disk_gbps=25.0)
+    disk = simulate(trace, disk_cfg, RouterMode.KV)
+    assert disk.tier_hit_rates["disk"] > 0
+    assert disk.requests == host.requests == none.requests == 60
+    # The modes without KV events simulate the tiers too (nothing is published).
+    rr = simulate(trace, host_cfg, RouterMode.ROUND_ROBIN)
+    assert rr.tier_hit_rates["host"] > 0
+
+
 def test_round_robin_spreads_requests_evenly(trace_path: str) -> None:
     result = simulate(load_trace(trace_path), config(trace_path, workers=4), RouterMode.ROUND_ROBIN)
     assert [w.requests for w in result.per_worker] == [15, 15, 15, 15]
@@ -310,6 +342,18 @@ def test_cli_json_one_object_per_mode(trace_path: str, capsys: pytest.CaptureFix
         assert [w["worker"] for w in o["per_worker"]] == ["w0", "w1"]
         assert set(o["per_worker"][0]) >= {"requests", "prompt_tokens", "busy_fraction"}
     assert out.err == ""
+    with pytest.raises(SystemExit) as info:
+        main(
+            [*argv, "--kv-host-blocks", "256", "--kv-disk-blocks", "1024", "--num-gpu-blocks", "64"]
+        )
+    assert info.value.code == 0
+    [tiered] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (tiered["kv_host_blocks"], tiered["kv_disk_blocks"]) == (256, 1024)
+    assert set(tiered["tier_hit_rates"]) == {"device", "host", "disk"}
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--kv-disk-blocks", "8"])
+    assert info.value.code == 2
+    assert "needs a host tier" in capsys.readouterr().err
 
 
 def test_cli_without_trace_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,7 @@ from kvmesh.runtime.kv_events import (
     KvEventGap,
     KvEventLog,
     KvEventRecord,
+    KvTier,
     SnapshotChunk,
     StoredBlock,
 )
@@ -419,60 +420,108 @@ def test_kv_indexer_direct_feed_lora_and_block_size_change() -> None:
         idx.add_worker("x", 0)
 
 
-def test_kv_indexer_leaves_host_and_disk_tier_events_out() -> None:
-    """Until tiered offload exists, HOST/DISK blocks are not device blocks: a stored event on
-    those tiers adds nothing, a removed event there does not evict the device copy, snapshot
-    chains on them are left out, and an event of an unknown kind does not clear the worker
-    (it used to be read as AllCleared). Each still advances the stream, so no gap follows."""
-    tokens = list(range(8))
-    b0, b1 = tuple(tokens[:4]), tuple(tokens[4:])
-    e0 = engine_hash(None, b0)
-    e1 = engine_hash(e0, b1)
-    device = cpb.KvBlocksStored(blocks=[cpb.KvBlock(block_hash=e0, token_ids=b0)])
-    host = cpb.KvBlocksStored(
-        parent_block_hash=e0,
-        blocks=[cpb.KvBlock(block_hash=e1, token_ids=b1)],
-        tier=cpb.KV_TIER_HOST,
-    )
+def test_kv_indexer_keeps_presence_per_tier_and_credits_by_tier() -> None:
+    """HOST/DISK blocks are kept per tier, apart from device blocks: a stored event on the host
+    tier adds nothing to the device index, a removed event on the disk tier does not evict the
+    device copy; `find_credits` counts a device block 1, then host and disk blocks by their
+    weights. Tiers and kinds this version does not know are skipped (the stream stays in
+    sequence, an unknown kind never clears the worker)."""
+    tokens = list(range(16))
+    blocks = [tuple(tokens[i : i + BS]) for i in range(0, 16, BS)]
+    e: list[int] = []
+    for b in blocks:
+        e.append(engine_hash(e[-1] if e else None, b))
+
+    def stored(i: int, tier: cpb.KvTier.ValueType) -> cpb.KvBlocksStored:
+        msg = cpb.KvBlocksStored(blocks=[cpb.KvBlock(block_hash=e[i], token_ids=blocks[i])])
+        msg.tier = tier
+        if i:
+            msg.parent_block_hash = e[i - 1]
+        return msg
+
     snap = wpb.SubscribeKvEventsResponse(
         snapshot=wpb.KvSnapshotChunk(
-            as_of_event_id=1, chains=[device, host], first=True, last=True, log_id="L"
+            as_of_event_id=1,
+            chains=[
+                stored(0, cpb.KV_TIER_UNSPECIFIED),  # unspecified: the device
+                stored(0, cpb.KV_TIER_HOST),
+                stored(1, cpb.KV_TIER_HOST),
+                stored(2, 9),  # a tier this version does not know
+            ],
+            first=True,
+            last=True,
+            log_id="L",
         )
     )
     chunk = wire.kv_item_from_pb(snap)
-    assert isinstance(chunk, SnapshotChunk) and len(chunk.chains) == 1
-    idx = KvIndexer()
+    assert isinstance(chunk, SnapshotChunk) and len(chunk.chains) == 3
+    idx = KvIndexer(host_hit_weight=0.5, disk_hit_weight=0.25)
     idx.add_worker("w", BS)
     idx.apply("w", chunk, "L")
-    assert idx.find_matches(block_hashes(tokens, BS)) == {"w": 1}
+    query = block_hashes(tokens, BS)
+    assert idx.find_matches(query) == {"w": 1}  # the device tier only
+    assert idx.find_credits(query) == {"w": 1.5}  # + block 1 on the host
 
     def event(event_id: int, **kind: object) -> wpb.SubscribeKvEventsResponse:
         return wpb.SubscribeKvEventsResponse(event=cpb.KvEvent(event_id=event_id, **kind))  # type: ignore[arg-type]
 
     items = [
-        wire.kv_item_from_pb(event(2, stored=host)),
+        wire.kv_item_from_pb(event(2, stored=stored(2, cpb.KV_TIER_DISK))),
         wire.kv_item_from_pb(
-            event(3, removed=cpb.KvBlocksRemoved(block_hashes=[e0], tier=cpb.KV_TIER_DISK))
+            event(3, removed=cpb.KvBlocksRemoved(block_hashes=[e[0]], tier=cpb.KV_TIER_DISK))
         ),
-        wire.kv_item_from_pb(wpb.SubscribeKvEventsResponse(event=cpb.KvEvent(event_id=4))),
+        wire.kv_item_from_pb(event(4, stored=stored(3, 7))),
+        wire.kv_item_from_pb(wpb.SubscribeKvEventsResponse(event=cpb.KvEvent(event_id=5))),
     ]
-    assert [type(i).__name__ for i in items] == ["SkippedKvEvent"] * 3
     assert [i.reason for i in items if isinstance(i, wire.SkippedKvEvent)] == [
-        "stored on tier KV_TIER_HOST",
-        "removed from tier KV_TIER_DISK",
+        "stored on tier 7",
         "unknown event kind",
     ]
     for item in items:
         idx.apply("w", item)
-    assert idx.find_matches(block_hashes(tokens, BS)) == {"w": 1}
-    assert idx.resume_point("w") == (4, "L")
+    assert idx.find_matches(query) == {"w": 1}
+    assert idx.find_credits(query) == {"w": 1.75}  # device, host, disk
+    assert idx.resume_point("w") == (5, "L")
     stats = idx.stats("w")
-    assert (stats.skipped, stats.events, stats.blocks) == (3, 0, 1)
-    # A device-tier delta right after is applied normally (ids continue, no gap).
-    device_child = cpb.KvBlocksStored(
-        parent_block_hash=e0,
-        blocks=[cpb.KvBlock(block_hash=e1, token_ids=b1)],
-        tier=cpb.KV_TIER_DEVICE,
-    )
-    idx.apply("w", wire.kv_item_from_pb(event(5, stored=device_child)))
-    assert idx.find_matches(block_hashes(tokens, BS)) == {"w": 2}
+    assert (stats.skipped, stats.events, stats.blocks) == (2, 2, 1)
+    assert (stats.host_blocks, stats.disk_blocks) == (2, 1)
+    # The host copy of block 1 goes: the walk stops there (block 2 on disk is not reached).
+    removed = cpb.KvBlocksRemoved(block_hashes=[e[1]], tier=cpb.KV_TIER_HOST)
+    idx.apply("w", wire.kv_item_from_pb(event(6, removed=removed)))
+    assert idx.find_credits(query) == {"w": 1.0}
+    # Block 1 reaches the device (an onboarding): device 2, then disk block 2.
+    idx.apply("w", wire.kv_item_from_pb(event(7, stored=stored(1, cpb.KV_TIER_DEVICE))))
+    assert idx.find_matches(query) == {"w": 2}
+    assert idx.find_credits(query) == {"w": 2.25}
+    # A worker holding the prefix on its host tier only is credited too.
+    idx.add_worker("h", BS)
+    idx.apply_event("h", BlocksStored(None, [StoredBlock(e[0], blocks[0])], "", KvTier.HOST))
+    assert idx.find_credits(query) == {"w": 2.25, "h": 0.5}
+    # Clearing empties every tier.
+    idx.apply("w", wire.kv_item_from_pb(event(8, cleared=cpb.KvAllCleared())))
+    assert idx.find_credits(query) == {"h": 0.5}
+    assert (idx.stats("w").host_blocks, idx.stats("w").disk_blocks) == (0, 0)
+    idx.remove_worker("h")
+    assert idx.find_credits(query) == {}
+
+
+def test_kv_indexer_lower_tier_block_hashed_late() -> None:
+    """A block stored on the host tier while its parent is unknown (no router hash), then on the
+    disk tier once the parent is known: removing it from the host tier later must not touch the
+    disk tier's count (replay hit a KeyError here), and the disk copy stays credited."""
+    tokens = list(range(8))
+    b0, b1 = tuple(tokens[:BS]), tuple(tokens[BS:])
+    e0 = engine_hash(None, b0)
+    e1 = engine_hash(e0, b1)
+    idx = KvIndexer(host_hit_weight=0.5, disk_hit_weight=0.25)
+    idx.add_worker("w", BS)
+    idx.apply_event("w", BlocksStored(e0, [StoredBlock(e1, b1)], "", KvTier.HOST))
+    idx.apply_event("w", BlocksStored(None, [StoredBlock(e0, b0)], "", KvTier.DISK))
+    idx.apply_event("w", BlocksStored(e0, [StoredBlock(e1, b1)], "", KvTier.DISK))
+    query = block_hashes(tokens, BS)
+    assert idx.find_credits(query) == {"w": 0.5}
+    idx.apply_event("w", BlocksRemoved([e1], KvTier.HOST))
+    assert idx.find_credits(query) == {"w": 0.5}
+    idx.apply_event("w", BlocksRemoved([e1], KvTier.DISK))
+    assert idx.find_credits(query) == {"w": 0.25}
+    assert (idx.stats("w").host_blocks, idx.stats("w").disk_blocks) == (0, 1)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
-from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.kv_events import KvEventLog, KvTier
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -351,6 +351,7 @@ def test_trtllm_event_dicts() -> None:
         }
     )
     assert set(ev.log.cached()) == {1}
+    assert ev.log.cached(KvTier.HOST) == {2: (1, (5, 6, 7, 8), "")}
     ev.send(
         {
             "type": "updated",
@@ -360,6 +361,7 @@ def test_trtllm_event_dicts() -> None:
         }
     )
     assert ev.log.cached()[2] == (1, (5, 6, 7, 8), "")  # fmt: skip
+    assert ev.log.cached(KvTier.HOST) == {}
 
 
 def test_host_level_and_opaque_blocks() -> None:
@@ -376,6 +378,7 @@ def test_host_level_and_opaque_blocks() -> None:
         }
     )
     assert set(ev.log.cached()) == {1, 3} and ev.log.cached()[3][0] == 2
+    assert ev.log.cached(KvTier.HOST) == {2: (1, (5, 6, 7, 8), "")}
     ev.send({"type": "updated", "block_hash": 2, "priority": None,
              "cache_level": {"type": "event_diff", "new_value": 0, "old_value": 1}})  # fmt: skip
     assert ev.log.cached()[2] == (1, (5, 6, 7, 8), "")

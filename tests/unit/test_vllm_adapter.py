@@ -43,7 +43,7 @@ with warnings.catch_warnings():
     from tests.adapter_fakes import vllm_fake
 
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
-from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.kv_events import KvEventLog, KvTier
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -488,15 +488,19 @@ async def test_vllm_events_reach_the_kv_event_log(published: Any) -> None:
         KVEventBatch(
             ts=time.time(),
             events=[
-                _stored([b"\x01" * 32], c, [1, 1, 1, 1], medium="CPU"),  # other tier: ignored
+                _stored([b"\x01" * 32], c, [1, 1, 1, 1], medium="CPU"),  # the host tier
+                _stored([b"\x03" * 32], c, [3, 3, 3, 3], medium="STORAGE"),  # the disk tier
+                _stored([b"\x04" * 32], c, [4, 4, 4, 4], medium="TAPE"),  # unknown: ignored
                 _stored([b"\x02" * 32], c, [2, 2, 2, 2], group_idx=1),  # other group: ignored
                 BlockRemoved(block_hashes=[c], medium="GPU"),
-                BlockRemoved(block_hashes=[a], medium="CPU"),  # CPU copy gone: GPU one stays
+                BlockRemoved(block_hashes=[a], medium="CPU"),  # no CPU copy: GPU one stays
             ],
         )
     )
     await eventually(lambda: c not in log.cached())
     assert set(log.cached()) == {ha, hb}
+    assert log.cached(KvTier.HOST) == {engine_hash(b"\x01" * 32): (c, (1, 1, 1, 1), "")}
+    assert log.cached(KvTier.DISK) == {engine_hash(b"\x03" * 32): (c, (3, 3, 3, 3), "")}
     pub.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
     await eventually(lambda: not log.cached())
 

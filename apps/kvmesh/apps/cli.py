@@ -61,11 +61,13 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
     from kvmesh.router.backend import DisaggConfig
     from kvmesh.sim.config import ReplayConfig
     from kvmesh.sim.main import run_replay
+    from kvmesh.workers.batching.tiers import KvTierConfig
     from kvmesh.workers.mocker.config import MockerConfig
 
     mocker = from_args(MockerConfig, ns)
     disagg = from_args(DisaggConfig, ns)
-    return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg))
+    tiers = from_args(KvTierConfig, ns)
+    return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, tiers=tiers))
 
 
 def _cmd_workload(ns: argparse.Namespace) -> int:

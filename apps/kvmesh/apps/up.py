@@ -14,6 +14,10 @@ but the ones `up` sets itself (SET_BY_UP: where each process listens and registe
 worker's id and role). A flag several processes take (`--model`, `--drain-timeout-s`) goes to
 each. Children are started with posix_spawn, never fork (see ChildProcess).
 
+KV tiers (`--kv-host-blocks`, `--kv-disk-dir DIR`, `--kv-disk-blocks`) go to every worker; each
+worker gets its own disk directory, `DIR/<pool>-<index>` (e.g. `DIR/worker-0`), stable across
+restarts of `up`, so a restarted mesh finds its block files again.
+
 Pools: `--workers N` aggregated workers, or a disaggregated mesh with `--prefill-workers N
 --decode-workers M` (workers started with `--role prefill` / `--role decode`; the gateway
 prefills on the prefill pool and decodes on the decode pool, see kvmesh.router.backend). Only the
@@ -56,6 +60,7 @@ from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
 from kvmesh.runtime.types import Role
 from kvmesh.workers import main as worker_main
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.config import WorkerConfig
 
 SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
@@ -132,6 +137,7 @@ class UpArgs:
     up: UpConfig
     log: GlobalConfig
     worker: WorkerConfig
+    tiers: KvTierConfig
     engine: Any
     """The config dataclass of `worker.engine` (MockerConfig, TorchConfig, ...)."""
     frontend: FrontendConfig
@@ -146,6 +152,7 @@ class UpArgs:
             up=from_args(UpConfig, ns),
             log=from_args(GlobalConfig, ns),
             worker=worker,
+            tiers=from_args(KvTierConfig, ns),
             engine=from_args(worker_main.ENGINES[worker.engine].config, ns),
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
@@ -234,10 +241,14 @@ class Supervisor:
         self.registered: set[str] = set()
         self._pid = os.getpid()
 
-    def worker_argv(self, role: Role, worker_id: str) -> list[str]:
-        """The command line of one worker."""
+    def worker_argv(self, role: Role, worker_id: str, slot: str = "worker-0") -> list[str]:
+        """The command line of one worker (`slot`: its pool and index, naming its disk KV
+        tier's directory under --kv-disk-dir)."""
         worker = replace(self.worker, role=role, worker_id=worker_id)
-        return _kvmesh("worker", self.args.log, worker, self.args.engine)
+        tiers = self.args.tiers
+        if tiers.kv_disk_dir:
+            tiers = replace(tiers, kv_disk_dir=str(Path(tiers.kv_disk_dir) / slot))
+        return _kvmesh("worker", self.args.log, worker, tiers, self.args.engine)
 
     def router_argv(self, port: int) -> list[str]:
         """The command line of the standalone router (--router-process)."""
@@ -259,7 +270,7 @@ class Supervisor:
         i, pool.next_index = pool.next_index, pool.next_index + 1
         prefix = "worker" if role is Role.AGGREGATED else role.value
         wid = f"{prefix}-{i}-{self._pid}"
-        pool.children.append(Child(wid, self.worker_argv(role, wid)))
+        pool.children.append(Child(wid, self.worker_argv(role, wid, f"{prefix}-{i}")))
 
     def start(self) -> Child:
         """Start workers, router and frontend; returns the frontend."""

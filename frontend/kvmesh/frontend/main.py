@@ -12,10 +12,12 @@ import logging
 
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.backend import MeshBackend
+from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.metrics import DisaggCollector, RoutingCollector
 from kvmesh.router.routing import RoutingStats
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args
+from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
 from kvmesh.runtime.types import ModelInfo
@@ -56,6 +58,9 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
+    if isinstance(router, KvRouter):  # the workers' KV tier counters, from their load streams
+        loads = router.subscriber.loads
+        service.metrics.registry.register(KvTierCollector(lambda: list(loads.items())))
     service.metrics.registry.register(DisaggCollector(backend.stats))
     runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
     log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)

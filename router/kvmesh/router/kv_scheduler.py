@@ -13,6 +13,9 @@ on any monotonic clock, wall or virtual) holds:
 Cost of worker w for a request of T prompt tokens (block size B, w caching its first O blocks):
 
     new(w)  = T/B - O                        blocks the request would add on w
+
+(O is tier-weighted, KvIndexer.find_credits: a block w holds on its host or disk tier counts
+`host_hit_weight` / `disk_hit_weight` of a device block, what onboarding it saves.)
     cost(w) = overlap_weight * (prefill(w) + new(w)) + (decode(w) + new(w))
 
 prefill(w) is the worker's predicted blocks still to prefill and decode(w) the blocks its
@@ -58,7 +61,7 @@ import logging
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.router.hashing import block_hashes
@@ -71,7 +74,7 @@ from kvmesh.router.kv_policy import (
     cost_score,
     itl_penalized,
 )
-from kvmesh.router.kv_state import KvIndexer
+from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT, KvIndexer
 from kvmesh.runtime.errors import Unavailable
 from kvmesh.runtime.timing import load_timing
 
@@ -125,6 +128,11 @@ class KvRouterConfig:
     timing_profile: str = ""
     """ttft: the engines' step timing table (kvmesh.runtime.timing JSON); empty: the mocker's
     polynomial model."""
+    host_hit_weight: float = HOST_HIT_WEIGHT
+    """What a prompt block a worker holds on its host tier counts for in the cost, a device
+    block counting 1 (1 - onboarding cost / recompute cost)."""
+    disk_hit_weight: float = DISK_HIT_WEIGHT
+    """The same for a block a worker holds only on its disk tier."""
 
     def __post_init__(self) -> None:
         if not self.overlap_weight >= 0:
@@ -144,6 +152,8 @@ class KvRouterConfig:
             raise ValueError("itl_weight and itl_penalty_cap_ms must be >= 0")
         if self.chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
+        if not (0 <= self.host_hit_weight <= 1 and 0 <= self.disk_hit_weight <= 1):
+            raise ValueError("host_hit_weight and disk_hit_weight must be in [0, 1]")
 
 
 @dataclass(slots=True, frozen=True)
@@ -256,7 +266,8 @@ class Selection:
 
     worker_id: str
     overlap_blocks: int
-    """Leading prompt blocks the worker holds (exact or approximate index)."""
+    """Leading prompt blocks the worker holds (exact or approximate index; blocks on its host or
+    disk tier count by their weight, rounded down)."""
     prompt_blocks: int
     """Full blocks in the prompt."""
     prompt_tokens: int
@@ -304,7 +315,14 @@ class KvScheduler:
         router_id: str = "",
     ) -> None:
         self.config = config if config is not None else KvRouterConfig()
-        self.indexer = indexer if indexer is not None else KvIndexer()
+        self.indexer = (
+            indexer
+            if indexer is not None
+            else KvIndexer(
+                host_hit_weight=self.config.host_hit_weight,
+                disk_hit_weight=self.config.disk_hit_weight,
+            )
+        )
         self.approx: ApproxIndex[str] = ApproxIndex(self.config.approx_ttl_s)
         self.router_id = router_id
         self._workers: dict[str, WorkerLoad] = {}
@@ -438,26 +456,20 @@ class KvScheduler:
         if not ready:
             raise Unavailable(f"all {len(loads)} workers are busy")
         n_tokens = len(token_ids)
-        by_size: dict[int, tuple[list[int], dict[str, int] | None, dict[str, int] | None]] = {}
-        overlaps: dict[str, int] = {}
+        need_exact = any(w.kv_events for w in ready)
+        need_approx = not all(w.kv_events for w in ready)
+        by_size: dict[int, tuple[list[int], Mapping[str, float], dict[str, int]]] = {}
+        overlaps: dict[str, float] = {}
         for w in ready:
             bs = w.block_size
             found = by_size.get(bs)
             if found is None:
-                found = by_size[bs] = (block_hashes(token_ids, bs, lora_name), None, None)
-            hashes, exact, approx = found
-            if not hashes:
-                overlaps[w.worker_id] = 0
-            elif w.kv_events:
-                if exact is None:
-                    exact = self.indexer.find_matches(hashes)
-                    by_size[bs] = (hashes, exact, approx)
-                overlaps[w.worker_id] = exact.get(w.worker_id, 0)
-            else:
-                if approx is None:
-                    approx = self.approx.find_matches(hashes, now)
-                    by_size[bs] = (hashes, exact, approx)
-                overlaps[w.worker_id] = approx.get(w.worker_id, 0)
+                hashes = block_hashes(token_ids, bs, lora_name)
+                exact = self.indexer.find_credits(hashes) if hashes and need_exact else {}
+                approx = self.approx.find_matches(hashes, now) if hashes and need_approx else {}
+                found = by_size[bs] = (hashes, exact, approx)
+            wid = w.worker_id
+            overlaps[wid] = (found[1] if w.kv_events else found[2]).get(wid, 0)
         if cfg.policy is KvPolicyKind.TTFT:
             costs = self._ttft_scores(ready, overlaps, n_tokens, now, expected_output_tokens)
         else:
@@ -467,7 +479,7 @@ class KvScheduler:
         hashes = by_size[load.block_size][0]
         return Selection(
             worker_id=chosen,
-            overlap_blocks=overlaps[chosen],
+            overlap_blocks=int(overlaps[chosen]),
             prompt_blocks=len(hashes),
             prompt_tokens=n_tokens,
             block_size=load.block_size,
@@ -477,7 +489,7 @@ class KvScheduler:
         )
 
     def _cost_scores(
-        self, ready: list[WorkerLoad], overlaps: dict[str, int], n_tokens: int, now: float
+        self, ready: list[WorkerLoad], overlaps: Mapping[str, float], n_tokens: int, now: float
     ) -> dict[str, float]:
         """KvPolicyKind.COST: the linear cost of every ready worker (kvmesh.router.kv_policy)."""
         weight = self.config.overlap_weight
@@ -495,7 +507,7 @@ class KvScheduler:
     def _ttft_scores(
         self,
         ready: list[WorkerLoad],
-        overlaps: dict[str, int],
+        overlaps: Mapping[str, float],
         n_tokens: int,
         now: float,
         output_tokens: int,

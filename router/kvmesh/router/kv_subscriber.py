@@ -12,8 +12,11 @@ correction:
     snapshot arrives (a dead stream must not keep attracting requests);
   * an engine without KV events (UNIMPLEMENTED, or no KV_EVENTS capability in its model card)
     is routed in approximate mode;
-  * events on the HOST or DISK tier (and of unknown kinds) are left out of the index, which
-    models the device tier only: counted in `skipped`, logged once per worker and reason;
+  * events on every tier (device, host, disk) feed the index, which keeps presence per tier;
+    events on tiers or of kinds this version does not know are left out: counted in `skipped`,
+    logged once per worker and reason;
+  * each worker's last load metrics are kept in `loads` (LoadInfo, with its per-tier KV
+    counters) for whoever exports them (kvmesh.runtime.kv_metrics on a frontend's /metrics);
   * a worker that leaves the pool has its streams cancelled and leaves the index at once.
 
 `PeerLoadSync` follows other router replicas' `SubscribeLoadEvents` streams and applies their
@@ -42,6 +45,7 @@ from kvmesh.runtime import wire
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.grpcutil import insecure_channel
 from kvmesh.runtime.kv_events import KvEventGap, SnapshotChunk
+from kvmesh.runtime.types import LoadInfo
 
 __all__ = [
     "KvSubscriber",
@@ -168,7 +172,9 @@ class KvSubscriber:
         self._tasks = _Tasks()
         self.skipped: Counter[tuple[str, str]] = Counter()
         """KV stream items left out of the index, by (worker id, reason): blocks stored in or
-        removed from the HOST or DISK tier (not modelled yet), unknown event kinds."""
+        removed from a tier this version does not know, unknown event kinds."""
+        self.loads: dict[str, LoadInfo] = {}
+        """Each followed worker's last load metrics."""
 
     def add(self, handle: WorkerHandle) -> None:
         """Register the worker with the scheduler and follow its streams."""
@@ -197,6 +203,7 @@ class KvSubscriber:
         if entry is None or entry[0] is not handle:
             return  # a newer registration of the same worker id is being followed
         del self._followed[handle.worker_id]
+        self.loads.pop(handle.worker_id, None)
         for t in entry[1]:
             t.cancel()
         self.scheduler.remove_worker(handle.worker_id)
@@ -228,7 +235,7 @@ class KvSubscriber:
                         self._skipped(wid, item.reason)
                     elif isinstance(item, SnapshotChunk):
                         for _ in range(len(msg.snapshot.chains) - len(item.chains)):
-                            self._skipped(wid, "snapshot chain on another tier")
+                            self._skipped(wid, "snapshot chain on an unknown tier")
                     indexer.apply(wid, item, msg.snapshot.log_id)
                     if failures:
                         failures = 0
@@ -261,8 +268,8 @@ class KvSubscriber:
         self.skipped[key] += 1
         if self.skipped[key] == 1:
             log.warning(
-                "KV events of %s: leaving out events %s (the router indexes the device tier "
-                "only); counted in KvSubscriber.skipped",
+                "KV events of %s: leaving out events %s (the router indexes the device, host "
+                "and disk tiers); counted in KvSubscriber.skipped",
                 worker_id,
                 reason,
             )
@@ -278,6 +285,8 @@ class KvSubscriber:
             try:
                 async for msg in call:
                     self.scheduler.update_load(wid, sample_from_pb(msg.metrics), self.clock.now())
+                    if wid in self._followed:
+                        self.loads[wid] = wire.load_from_pb(msg.metrics)
                     backoff.reset()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:

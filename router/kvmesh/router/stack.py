@@ -13,6 +13,7 @@ from kvmesh.router.backend import DisaggConfig
 from kvmesh.router.kv_policy import DEFAULT_ITL_PENALTY_CAP_MS, DEFAULT_ITL_WEIGHT, KvPolicyKind
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_scheduler import KvRouterConfig
+from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router, RouterMode, SimpleRouter
 from kvmesh.router.service import RemoteRouter
@@ -69,6 +70,14 @@ class MeshConfig(DisaggConfig):
         "kv ttft: the engines' step timing (JSON table, see kvmesh.runtime.timing); empty: the "
         "mocker's model",
     )
+    router_host_hit_weight: float = opt(
+        HOST_HIT_WEIGHT,
+        "kv: what a prompt block on a worker's host KV tier counts for in the cost, a device "
+        "block counting 1 (the share of recompute that onboarding it saves)",
+    )
+    router_disk_hit_weight: float = opt(
+        DISK_HIT_WEIGHT, "kv: the same for a block only on a worker's disk KV tier"
+    )
     router_peers: list[str] = opt(
         [], "kv: host:port of peer `kvmesh router` replicas to share predicted load with"
     )
@@ -95,6 +104,8 @@ def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
             itl_penalty_cap_ms=mesh.router_itl_penalty_cap_ms,
             chunk_tokens=mesh.router_chunk_tokens,
             timing_profile=mesh.router_timing_profile,
+            host_hit_weight=mesh.router_host_hit_weight,
+            disk_hit_weight=mesh.router_disk_hit_weight,
         )
         router = KvRouter(pool, config, peers=mesh.router_peers)
     else:

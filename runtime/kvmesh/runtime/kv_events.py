@@ -5,6 +5,11 @@ cleared). The log numbers the events (ids start at 1 and only grow), keeps the c
 imply, keeps a bounded backlog of recent events, and fans events out to subscribers. So the
 worker server can offer "snapshot, then deltas, resumable by event id" without the engine's help.
 
+Tiers: a stored or removed event names the tier it happened on (`KvTier`: the device pool, the
+host-memory tier, the disk tier; DEVICE by default), and the implied state is one map per tier,
+so a block can be cached on several tiers at once. A move between tiers is a removed event on one
+tier and a stored event on the other. AllCleared empties every tier.
+
 Concurrency: the log is meant for one asyncio event loop thread. `publish` is synchronous and never
 blocks, so engines (or a virtual-time simulator with no event loop at all) can call it from
 synchronous code; subscribers are async iterators on the loop.
@@ -13,6 +18,7 @@ synchronous code; subscribers are async iterators on the loop.
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import uuid
 from collections import deque
@@ -29,10 +35,29 @@ __all__ = [
     "KvEventLog",
     "KvEventRecord",
     "KvStateMirror",
+    "KvTier",
     "SnapshotChunk",
     "StoredBlock",
+    "TieredState",
     "apply_event",
+    "empty_state",
 ]
+
+
+class KvTier(enum.IntEnum):
+    """Where a cached KV block lives (the values of kvmesh.api.common.v1.KvTier)."""
+
+    DEVICE = 1
+    """The engine's KV pool (accelerator memory, or the primary pool on CPU)."""
+    HOST = 2
+    """The host-memory tier below the device pool."""
+    DISK = 3
+    """The disk tier below the host tier."""
+
+    @property
+    def label(self) -> str:
+        """Lower-case name, as metrics label it (`tier="device|host|disk"`)."""
+        return self.name.lower()
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,24 +78,37 @@ class BlocksStored:
     parent_hash: int | None
     blocks: list[StoredBlock]
     lora_name: str = ""
+    tier: KvTier = KvTier.DEVICE
+    """The tier the blocks entered."""
 
 
 @dataclass(slots=True)
 class BlocksRemoved:
-    """Blocks that left the cache. Removal is per block: children of a removed block stay."""
+    """Blocks that left a tier of the cache. Removal is per block: children of a removed block
+    stay, and so do copies of the block on other tiers."""
 
     block_hashes: list[int]
+    tier: KvTier = KvTier.DEVICE
+    """The tier the blocks left."""
 
 
 @dataclass(slots=True)
 class AllCleared:
-    """The whole cache was dropped."""
+    """The whole cache was dropped, on every tier."""
 
 
 KvEventKind = BlocksStored | BlocksRemoved | AllCleared
 
 CachedBlock = tuple[int | None, tuple[int, ...], str]
 """What the log knows about a cached block: (parent_hash, token_ids, lora_name)."""
+
+TieredState = dict[KvTier, dict[int, CachedBlock]]
+"""A cache state per tier: tier -> block_hash -> (parent_hash, token_ids, lora_name)."""
+
+
+def empty_state() -> TieredState:
+    """A TieredState with every tier empty."""
+    return {tier: {} for tier in KvTier}
 
 
 @dataclass(slots=True)
@@ -97,19 +135,69 @@ class SnapshotChunk:
     last: bool
 
 
-def apply_event(state: dict[int, CachedBlock], kind: KvEventKind) -> None:
-    """Apply one event to a cache state (block_hash -> (parent_hash, token_ids, lora_name))."""
+def apply_event(state: TieredState, kind: KvEventKind) -> None:
+    """Apply one event to a per-tier cache state."""
     if isinstance(kind, BlocksStored):
+        tier = state[kind.tier]
         parent = kind.parent_hash
         lora = kind.lora_name
         for block in kind.blocks:
-            state[block.block_hash] = (parent, block.token_ids, lora)
+            tier[block.block_hash] = (parent, block.token_ids, lora)
             parent = block.block_hash
     elif isinstance(kind, BlocksRemoved):
+        tier = state[kind.tier]
         for h in kind.block_hashes:
-            state.pop(h, None)
+            tier.pop(h, None)
     else:
-        state.clear()
+        for tier in state.values():
+            tier.clear()
+
+
+def _chains(state: dict[int, CachedBlock], tier: KvTier) -> list[BlocksStored]:
+    """Decompose one tier's state into maximal chains, every parent emitted before its
+    children."""
+    children: dict[int, list[int]] = {}
+    roots: list[int] = []
+    for h, (parent, _, _) in state.items():
+        if parent is not None and parent in state and parent != h:
+            children.setdefault(parent, []).append(h)
+        else:
+            roots.append(h)
+    chains: list[BlocksStored] = []
+    seen: set[int] = set()
+
+    def walk(start: int) -> None:
+        stack = [start]
+        while stack:
+            h = stack.pop()
+            if h in seen:
+                continue
+            parent, tokens, lora = state[h]
+            chain = BlocksStored(parent, [StoredBlock(h, tokens)], lora, tier)
+            seen.add(h)
+            cur = h
+            while True:
+                kids = [k for k in children.get(cur, ()) if k not in seen]
+                if not kids:
+                    break
+                nxt = kids[0]
+                stack.extend(reversed(kids[1:]))
+                _, ntokens, nlora = state[nxt]
+                if nlora != lora:
+                    stack.append(nxt)  # different adapter: its own chain
+                    break
+                chain.blocks.append(StoredBlock(nxt, ntokens))
+                seen.add(nxt)
+                cur = nxt
+            chains.append(chain)
+
+    for root in roots:
+        walk(root)
+    if len(seen) < len(state):  # only possible with a parent cycle (hash collisions)
+        for h in state:
+            if h not in seen:
+                walk(h)
+    return chains
 
 
 class KvEventGap(Exception):
@@ -121,20 +209,25 @@ class KvStateMirror:
 
     A chunk with `first=True` starts a new snapshot (the old state is dropped when its last chunk
     arrives); an event must carry the id right after the previous event or snapshot
-    (`last_event_id`), else KvEventGap. Before any snapshot, `resume_from(state, event_id)` seeds
-    the mirror for a resumed subscription.
+    (`last_event_id`), else KvEventGap. Before any snapshot, `resume_from(states, event_id)`
+    seeds the mirror for a resumed subscription. `states` holds every tier, `state` the device's.
     """
 
-    __slots__ = ("_pending", "last_event_id", "state")
+    __slots__ = ("_pending", "last_event_id", "states")
 
     def __init__(self) -> None:
-        self.state: dict[int, CachedBlock] = {}
+        self.states: TieredState = empty_state()
         self.last_event_id: int | None = None
-        self._pending: dict[int, CachedBlock] | None = None
+        self._pending: TieredState | None = None
 
-    def resume_from(self, state: dict[int, CachedBlock], last_event_id: int) -> None:
+    @property
+    def state(self) -> dict[int, CachedBlock]:
+        """The device tier's blocks."""
+        return self.states[KvTier.DEVICE]
+
+    def resume_from(self, states: TieredState, last_event_id: int) -> None:
         """Start from a state known to be current as of `last_event_id`."""
-        self.state = dict(state)
+        self.states = {tier: dict(states.get(tier, {})) for tier in KvTier}
         self.last_event_id = last_event_id
         self._pending = None
 
@@ -142,13 +235,13 @@ class KvStateMirror:
         """Apply one item of a subscription."""
         if isinstance(item, SnapshotChunk):
             if item.first:
-                self._pending = {}
+                self._pending = empty_state()
             elif self._pending is None:
                 raise KvEventGap("snapshot chunk without the first chunk")
             for chain in item.chains:
                 apply_event(self._pending, chain)
             if item.last:
-                self.state = self._pending
+                self.states = self._pending
                 self._pending = None
                 self.last_event_id = item.as_of_event_id
             return
@@ -156,7 +249,7 @@ class KvStateMirror:
             raise KvEventGap(f"event {item.event_id} inside a snapshot")
         if self.last_event_id is not None and item.event_id != self.last_event_id + 1:
             raise KvEventGap(f"event {item.event_id} after {self.last_event_id}")
-        apply_event(self.state, item.kind)
+        apply_event(self.states, item.kind)
         self.last_event_id = item.event_id
 
 
@@ -195,9 +288,9 @@ class KvEventLog:
       * `publish` assigns the next id (ids start at 1, strictly increasing), applies the event to
         the implied state, appends it to a backlog of at most `backlog` events and hands it to
         every subscriber without blocking. It costs O(blocks in the event) plus O(subscribers).
-      * `cached()` is the cache state implied by all events so far: BlocksStored adds (or
-        overwrites) each block with its parent and tokens, BlocksRemoved drops each hash (children
-        stay), AllCleared empties it.
+      * `cached(tier)` is a tier's cache state implied by all events so far: BlocksStored on the
+        tier adds (or overwrites) each block with its parent and tokens, BlocksRemoved on it drops
+        each hash (children stay), AllCleared empties every tier.
       * `subscribe(resume_after)` yields either the backlog events after `resume_after` (when the
         backlog still holds all of them, or `resume_after == last_event_id`) or a fresh snapshot,
         then live events; nothing is lost or duplicated. A subscriber that falls more than
@@ -219,7 +312,7 @@ class KvEventLog:
         """Identifies this log (one per engine process): event ids are only comparable, and
         resumable, within one log."""
         self._backlog: deque[KvEventRecord] = deque(maxlen=backlog)
-        self._state: dict[int, CachedBlock] = {}
+        self._state: TieredState = empty_state()
         self._subscribers: set[_Subscriber] = set()
         self._chunk_blocks = snapshot_chunk_blocks
         self._queue_limit = subscriber_queue_limit
@@ -244,22 +337,25 @@ class KvEventLog:
             sub.push(record)
         return self._last_id
 
-    def cached(self) -> dict[int, CachedBlock]:
-        """A copy of the implied cache state: block_hash -> (parent_hash, token_ids, lora)."""
-        return dict(self._state)
+    def cached(self, tier: KvTier = KvTier.DEVICE) -> dict[int, CachedBlock]:
+        """A copy of the implied cache state of `tier`: block_hash -> (parent_hash, token_ids,
+        lora)."""
+        return dict(self._state[tier])
 
     def __len__(self) -> int:
-        """Number of blocks in the implied cache state."""
-        return len(self._state)
+        """Number of blocks in the implied cache state of the device tier."""
+        return len(self._state[KvTier.DEVICE])
 
     def snapshot(self) -> list[SnapshotChunk]:
-        """The implied state as chains in parent-before-child order, in chunks of at most
+        """The implied state as chains in parent-before-child order (the device tier's chains
+        first, then the host's, then the disk's; each chain names its tier), in chunks of at most
         `snapshot_chunk_blocks` blocks. An empty cache gives one empty chunk (first and last)."""
         as_of = self._last_id
         chunks: list[SnapshotChunk] = []
         current: list[BlocksStored] = []
         room = self._chunk_blocks
-        for chain in self._chains():
+        chains = [c for tier in KvTier for c in _chains(self._state[tier], tier)]
+        for chain in chains:
             blocks = chain.blocks
             parent = chain.parent_hash
             while blocks:
@@ -268,57 +364,11 @@ class KvEventLog:
                     current = []
                     room = self._chunk_blocks
                 part, blocks = blocks[:room], blocks[room:]
-                current.append(BlocksStored(parent, part, chain.lora_name))
+                current.append(BlocksStored(parent, part, chain.lora_name, chain.tier))
                 parent = part[-1].block_hash
                 room -= len(part)
         chunks.append(SnapshotChunk(as_of, current, first=not chunks, last=True))
         return chunks
-
-    def _chains(self) -> list[BlocksStored]:
-        """Decompose the state into maximal chains, every parent emitted before its children."""
-        state = self._state
-        children: dict[int, list[int]] = {}
-        roots: list[int] = []
-        for h, (parent, _, _) in state.items():
-            if parent is not None and parent in state and parent != h:
-                children.setdefault(parent, []).append(h)
-            else:
-                roots.append(h)
-        chains: list[BlocksStored] = []
-        seen: set[int] = set()
-
-        def walk(start: int) -> None:
-            stack = [start]
-            while stack:
-                h = stack.pop()
-                if h in seen:
-                    continue
-                parent, tokens, lora = state[h]
-                chain = BlocksStored(parent, [StoredBlock(h, tokens)], lora)
-                seen.add(h)
-                cur = h
-                while True:
-                    kids = [k for k in children.get(cur, ()) if k not in seen]
-                    if not kids:
-                        break
-                    nxt = kids[0]
-                    stack.extend(reversed(kids[1:]))
-                    _, ntokens, nlora = state[nxt]
-                    if nlora != lora:
-                        stack.append(nxt)  # different adapter: its own chain
-                        break
-                    chain.blocks.append(StoredBlock(nxt, ntokens))
-                    seen.add(nxt)
-                    cur = nxt
-                chains.append(chain)
-
-        for root in roots:
-            walk(root)
-        if len(seen) < len(state):  # only possible with a parent cycle (hash collisions)
-            for h in state:
-                if h not in seen:
-                    walk(h)
-        return chains
 
     def events_since(self, after: int) -> list[KvEventRecord] | None:
         """The events with ids greater than `after`, or None when the backlog no longer holds

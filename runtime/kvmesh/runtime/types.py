@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvmesh.runtime.kv_events import KvTier
+
 
 class FinishReason(enum.Enum):
     """Why a sequence ended."""
@@ -273,3 +275,29 @@ class LoadInfo:
     preemptions_total: int = 0
     kv_pinned_blocks: int = 0
     """Blocks pinned for remote prefill transfers (included in kv_active_blocks)."""
+    kv_tiers: tuple[KvTierStats, ...] = ()
+    """Per-tier cache counters: the device tier, then the host and disk tiers the engine has
+    (empty: the engine reports none)."""
+
+
+@dataclass(slots=True, frozen=True)
+class KvTierStats:
+    """One tier's KV cache counters (kvmesh.api.common.v1.KvTierMetrics); lifetime counters
+    count since the engine started."""
+
+    tier: KvTier
+    blocks: int = 0
+    """Cached blocks the tier holds now."""
+    capacity_blocks: int = 0
+    """Blocks the tier can hold (0: unknown)."""
+    hit_tokens: int = 0
+    """Prompt tokens served from the tier instead of computed (device: prefix-cache hits; host,
+    disk: onboarded to the device), at each request's first admission (as usage counts them)."""
+    offload_blocks: int = 0
+    """Blocks copied into the tier (host: from the device; disk: from the host)."""
+    offload_bytes: int = 0
+    onboard_blocks: int = 0
+    """Blocks copied from the tier back to the device."""
+    onboard_bytes: int = 0
+    errors: int = 0
+    """Blocks the tier failed to store or return (full or unwritable disk, corrupted file)."""

@@ -19,6 +19,7 @@ from kvmesh.runtime.types import (
     GuidedKind,
     KvBlockDescriptor,
     KvLayout,
+    KvTierStats,
     KvTransferHandle,
     LoadInfo,
     ModelInfo,
@@ -461,10 +462,66 @@ def load_to_pb(load: LoadInfo, *, timestamp_ms: int, draining: bool) -> cpb.Load
         preemptions_total=load.preemptions_total,
         draining=draining,
         kv_pinned_blocks=load.kv_pinned_blocks,
+        kv_tiers=[
+            cpb.KvTierMetrics(
+                tier=_TIER_TO_PB[t.tier],
+                blocks=t.blocks,
+                capacity_blocks=t.capacity_blocks,
+                hit_tokens_total=t.hit_tokens,
+                offload_blocks_total=t.offload_blocks,
+                offload_bytes_total=t.offload_bytes,
+                onboard_blocks_total=t.onboard_blocks,
+                onboard_bytes_total=t.onboard_bytes,
+                errors_total=t.errors,
+            )
+            for t in load.kv_tiers
+        ],
+    )
+
+
+def load_from_pb(m: cpb.LoadMetrics) -> LoadInfo:
+    """LoadMetrics -> LoadInfo (tier entries of tiers this version does not know are left out)."""
+    return LoadInfo(
+        num_running=m.num_running_requests,
+        num_waiting=m.num_waiting_requests,
+        kv_active_blocks=m.kv_active_blocks,
+        kv_total_blocks=m.kv_total_blocks,
+        pending_prefill_tokens=m.pending_prefill_tokens,
+        prefix_cache_hit_rate=m.prefix_cache_hit_rate,
+        requests_finished_total=m.requests_finished_total,
+        preemptions_total=m.preemptions_total,
+        kv_pinned_blocks=m.kv_pinned_blocks,
+        kv_tiers=tuple(
+            KvTierStats(
+                tier=_TIER_FROM_PB[t.tier],
+                blocks=t.blocks,
+                capacity_blocks=t.capacity_blocks,
+                hit_tokens=t.hit_tokens_total,
+                offload_blocks=t.offload_blocks_total,
+                offload_bytes=t.offload_bytes_total,
+                onboard_blocks=t.onboard_blocks_total,
+                onboard_bytes=t.onboard_bytes_total,
+                errors=t.errors_total,
+            )
+            for t in m.kv_tiers
+            if t.tier in _TIER_FROM_PB
+        ),
     )
 
 
 # --- KV events ------------------------------------------------------------------------------
+
+_TIER_TO_PB = {
+    kv.KvTier.DEVICE: cpb.KV_TIER_DEVICE,
+    kv.KvTier.HOST: cpb.KV_TIER_HOST,
+    kv.KvTier.DISK: cpb.KV_TIER_DISK,
+}
+_TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()} | {cpb.KV_TIER_UNSPECIFIED: kv.KvTier.DEVICE}
+
+
+def tier_from_pb(tier: cpb.KvTier.ValueType) -> kv.KvTier | None:
+    """KvTier -> kv.KvTier (UNSPECIFIED: DEVICE); None for a value this version does not know."""
+    return _TIER_FROM_PB.get(tier)
 
 
 def stored_to_pb(ev: kv.BlocksStored) -> cpb.KvBlocksStored:
@@ -472,19 +529,20 @@ def stored_to_pb(ev: kv.BlocksStored) -> cpb.KvBlocksStored:
     msg = cpb.KvBlocksStored(
         blocks=[cpb.KvBlock(block_hash=b.block_hash, token_ids=b.token_ids) for b in ev.blocks],
         lora_name=ev.lora_name,
-        tier=cpb.KV_TIER_DEVICE,
+        tier=_TIER_TO_PB[ev.tier],
     )
     if ev.parent_hash is not None:
         msg.parent_block_hash = ev.parent_hash
     return msg
 
 
-def stored_from_pb(msg: cpb.KvBlocksStored) -> kv.BlocksStored:
-    """KvBlocksStored -> BlocksStored."""
+def stored_from_pb(msg: cpb.KvBlocksStored, tier: kv.KvTier = kv.KvTier.DEVICE) -> kv.BlocksStored:
+    """KvBlocksStored -> BlocksStored on `tier` (the caller resolves msg.tier: tier_from_pb)."""
     return kv.BlocksStored(
         parent_hash=msg.parent_block_hash if msg.HasField("parent_block_hash") else None,
         blocks=[kv.StoredBlock(b.block_hash, tuple(b.token_ids)) for b in msg.blocks],
         lora_name=msg.lora_name,
+        tier=tier,
     )
 
 
@@ -508,22 +566,18 @@ def kv_item_to_pb(
         event.stored.CopyFrom(stored_to_pb(kind))
     elif isinstance(kind, kv.BlocksRemoved):
         event.removed.CopyFrom(
-            cpb.KvBlocksRemoved(block_hashes=kind.block_hashes, tier=cpb.KV_TIER_DEVICE)
+            cpb.KvBlocksRemoved(block_hashes=kind.block_hashes, tier=_TIER_TO_PB[kind.tier])
         )
     else:
         event.cleared.SetInParent()
     return wpb.SubscribeKvEventsResponse(event=event)
 
 
-_DEVICE_TIERS = (cpb.KV_TIER_UNSPECIFIED, cpb.KV_TIER_DEVICE)
-
-
 @dataclass(slots=True, frozen=True)
 class SkippedKvEvent:
-    """A KV event that a device-tier view of the cache must leave out, and why: blocks stored in
-    or removed from the HOST or DISK tier (tiered offload is not modelled yet, and taking them
-    for device blocks would send requests to a cache that does not hold them), or an event of a
-    kind this version does not know. Its id still counts in the stream's sequence."""
+    """A KV event a reader must leave out, and why: blocks stored in or removed from a tier this
+    version does not know, or an event of a kind it does not know. Its id still counts in the
+    stream's sequence."""
 
     event_id: int
     reason: str
@@ -536,28 +590,32 @@ def _tier_name(tier: cpb.KvTier.ValueType) -> str:
 def kv_item_from_pb(
     msg: wpb.SubscribeKvEventsResponse,
 ) -> kv.SnapshotChunk | kv.KvEventRecord | SkippedKvEvent:
-    """One stream message -> a snapshot chunk or event record, in the device tier: snapshot
-    chains on other tiers are left out, events on other tiers (and of unknown kinds) become
-    SkippedKvEvent."""
+    """One stream message -> a snapshot chunk or event record, each block on its tier
+    (UNSPECIFIED: the device): snapshot chains on unknown tiers are left out, events on unknown
+    tiers (and of unknown kinds) become SkippedKvEvent."""
     if msg.HasField("snapshot"):
         s = msg.snapshot
+        chains: list[kv.BlocksStored] = []
+        for c in s.chains:
+            tier = _TIER_FROM_PB.get(c.tier)
+            if tier is not None:
+                chains.append(stored_from_pb(c, tier))
         return kv.SnapshotChunk(
-            as_of_event_id=s.as_of_event_id,
-            chains=[stored_from_pb(c) for c in s.chains if c.tier in _DEVICE_TIERS],
-            first=s.first,
-            last=s.last,
+            as_of_event_id=s.as_of_event_id, chains=chains, first=s.first, last=s.last
         )
     e = msg.event
     which = e.WhichOneof("kind")
     kind: kv.KvEventKind
     if which == "stored":
-        if e.stored.tier not in _DEVICE_TIERS:
+        tier = _TIER_FROM_PB.get(e.stored.tier)
+        if tier is None:
             return SkippedKvEvent(e.event_id, f"stored on tier {_tier_name(e.stored.tier)}")
-        kind = stored_from_pb(e.stored)
+        kind = stored_from_pb(e.stored, tier)
     elif which == "removed":
-        if e.removed.tier not in _DEVICE_TIERS:
+        tier = _TIER_FROM_PB.get(e.removed.tier)
+        if tier is None:
             return SkippedKvEvent(e.event_id, f"removed from tier {_tier_name(e.removed.tier)}")
-        kind = kv.BlocksRemoved(list(e.removed.block_hashes))
+        kind = kv.BlocksRemoved(list(e.removed.block_hashes), tier)
     elif which == "cleared":
         kind = kv.AllCleared()
     else:

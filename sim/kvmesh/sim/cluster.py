@@ -17,7 +17,12 @@ in the order they were scheduled):
     (`Replay.output`: first token -> TTFT, gaps -> ITL, finish -> E2E, booking freed), the
     worker steps again if it has work, and its load metrics go to a KV-aware policy every
     `load_interval_ms` (and whenever it goes idle);
-  * TRANSFER: a KV transfer the replay `schedule`d ended (`Replay.transfer`).
+  * TRANSFER: a KV transfer the replay `schedule`d ended (`Replay.transfer`);
+  * TIER: a move between a worker's KV tiers ended (kvmesh.workers.batching.tiers: the mocker's
+    offloads, moves to disk and onboardings; each of the four lanes runs its moves one after
+    another, each lasting `MockerConfig.tier_move_s`); the worker's scheduler completes it,
+    and a worker that was waiting for an onboarding steps again. Moves start when the step
+    that decided them ends (or at once when nothing was scheduled), as in the live mocker.
 
 The replay decides what happens to requests (kvmesh.sim.replay: aggregated; kvmesh.sim.disagg:
 prefill and decode pools); the cluster owns virtual time, the workers and the policy. A planner
@@ -31,18 +36,20 @@ import gc
 import heapq
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
 from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
 from kvmesh.runtime.kv_events import KvEventKind, KvEventLog
-from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
+from kvmesh.runtime.types import EngineRequest, KvTierStats, SamplingParams, StopParams
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.policies import Policy
 from kvmesh.sim.results import ModeResult, Timeline, summarize
 from kvmesh.sim.trace import VOCAB_SIZE, PromptBuilder, Trace
 from kvmesh.workers.batching.scheduler import SeqOutput
+from kvmesh.workers.batching.tiers import Lane, TierJob
 from kvmesh.workers.mocker.scheduler import MockerScheduler, StepResult
 
 __all__ = [
@@ -55,6 +62,9 @@ __all__ = [
     "prefill_id",
     "request_id",
 ]
+
+_LANES = {lane: i for i, lane in enumerate(Lane)}
+_LANE_OF = list(Lane)
 
 Progress = Callable[[int, int, float], None]
 """`progress(settled, total, sim_time_s)`: requests finished or rejected so far."""
@@ -76,6 +86,7 @@ class EventKind(enum.IntEnum):
     STEP = 0
     TRANSFER = 1
     ARRIVAL = 2
+    TIER = 3
 
 
 class EventBuffer(KvEventLog):
@@ -98,6 +109,8 @@ class SimWorker:
         "cached_tokens",
         "events",
         "index",
+        "lane_free",
+        "lanes",
         "last_load",
         "prompt_tokens",
         "requests",
@@ -120,6 +133,10 @@ class SimWorker:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.last_load = -math.inf
+        self.lanes: dict[Lane, deque[TierJob]] = {lane: deque() for lane in Lane}
+        """Tier moves under way per lane, in order."""
+        self.lane_free = dict.fromkeys(Lane, 0.0)
+        """When each lane finishes the moves it has."""
 
     @property
     def preemptions(self) -> int:
@@ -128,6 +145,10 @@ class SimWorker:
     @property
     def steps(self) -> int:
         return self.sched.num_steps
+
+    @property
+    def kv_tiers(self) -> tuple[KvTierStats, ...]:
+        return self.sched.load().kv_tiers
 
 
 class Replay(Protocol):
@@ -180,7 +201,11 @@ class Cluster:
         for i, wid in enumerate(worker_ids):
             events = EventBuffer() if kv_events else None
             sched = MockerScheduler(
-                mcfg, vocab_size=VOCAB_SIZE, max_model_len=max_model_len, events=events
+                mcfg,
+                vocab_size=VOCAB_SIZE,
+                max_model_len=max_model_len,
+                events=events,
+                tiers=config.tiers,
             )
             self.workers.append(SimWorker(i, wid, sched, events))
         self.load_interval_s = config.load_interval_ms / 1e3 if policy.kv_aware else 0.0
@@ -289,6 +314,9 @@ class Cluster:
                     self._step_done(self.workers[arg], replay)
                 elif kind == EventKind.TRANSFER:
                     replay.transfer(arg, self.now)
+                elif kind == EventKind.TIER:
+                    worker, lane = divmod(arg, len(_LANES))
+                    self._tier_done(self.workers[worker], _LANE_OF[lane])
                 else:
                     replay.arrival(arg, self.now)
                 if progress is not None:
@@ -302,7 +330,8 @@ class Cluster:
     def _start_step(self, worker: SimWorker) -> None:
         result = worker.sched.step(self.now)
         if result.num_scheduled == 0 and result.num_preempted == 0:
-            return  # nothing can run until a request arrives
+            self._start_moves(worker)  # the step may have started onboarding
+            return  # nothing can run until a request arrives or a move ends
         worker.result = result
         worker.busy_s += result.duration_s
         self.schedule(result.duration_s, EventKind.STEP, worker.index)
@@ -315,12 +344,36 @@ class Cluster:
         now = self.now
         for out in result.outputs:
             replay.output(worker, out, now)
+        self._start_moves(worker)
         if worker.sched.has_work:
             self._start_step(worker)
         interval = self.load_interval_s
         if interval and (worker.result is None or now - worker.last_load >= interval):
             self.policy.load(worker.index, worker.sched.load(), now)
             worker.last_load = now
+
+    # -- KV tiers ---------------------------------------------------------------------------
+
+    def _start_moves(self, worker: SimWorker) -> None:
+        """Queue the tier moves `worker`'s scheduler decided on their lanes."""
+        if worker.sched.tiers is None:
+            return
+        mcfg = self.config.mocker
+        for job in worker.sched.take_tier_jobs():
+            lane = job.lane
+            move_s = mcfg.tier_move_s(lane.tier, job.nbytes)
+            end = max(self.now, worker.lane_free[lane]) + move_s
+            worker.lane_free[lane] = end
+            worker.lanes[lane].append(job)
+            self.schedule(end - self.now, EventKind.TIER, worker.index * len(_LANES) + _LANES[lane])
+
+    def _tier_done(self, worker: SimWorker, lane: Lane) -> None:
+        job = worker.lanes[lane].popleft()
+        worker.sched.complete_tier_job(job, len(job))
+        self.flush_events(worker)
+        self._start_moves(worker)
+        if worker.result is None and worker.sched.has_work:
+            self._start_step(worker)
 
     def summarize(self, mode: str, predicted_overlap_rate: float) -> ModeResult:
         """The run's metrics (kvmesh.sim.results), labelled `mode`."""

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from kvmesh.router.backend import DisaggConfig
 from kvmesh.router.kv_policy import DEFAULT_ITL_PENALTY_CAP_MS, DEFAULT_ITL_WEIGHT, KvPolicyKind
 from kvmesh.router.kv_scheduler import KvRouterConfig
+from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
 from kvmesh.router.routing import RouterMode
 from kvmesh.runtime.config import add_args, opt
 from kvmesh.runtime.errors import KvmeshError
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.mocker.config import MockerConfig
 
 __all__ = ["ReplayConfig", "ReplayError", "add_replay_args"]
@@ -23,8 +25,9 @@ class ReplayError(KvmeshError):
 
 @dataclass
 class ReplayConfig:
-    """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; the
-    conditional disaggregation thresholds the gateway's, a DisaggConfig, `disagg`)."""
+    """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; its KV
+    tiers a KvTierConfig, `tiers`, the worker's flags; the conditional disaggregation thresholds
+    the gateway's, a DisaggConfig, `disagg`)."""
 
     trace: str = opt(
         "",
@@ -65,6 +68,14 @@ class ReplayConfig:
         "kv: simulated interval of the workers' load metrics fed to the router (as a live "
         "router's load stream); 0: the router only counts its own bookings",
     )
+    router_host_hit_weight: float = opt(
+        HOST_HIT_WEIGHT,
+        "kv: what a prompt block on a worker's host KV tier counts for in the cost, a device "
+        "block counting 1",
+    )
+    router_disk_hit_weight: float = opt(
+        DISK_HIT_WEIGHT, "kv: the same for a block only on a worker's disk KV tier"
+    )
     seed: int = opt(0, "seed of the router's tie-breaking/sampling and of the random policy")
     json: bool = opt(False, "print one JSON object per router mode instead of tables")
     plot: str = opt("", "write a PNG of the TTFT CDF per router mode here (needs matplotlib)")
@@ -81,6 +92,10 @@ class ReplayConfig:
     disagg: DisaggConfig = field(
         default_factory=DisaggConfig,
         metadata={"help": "conditional disaggregation (the gateway's flags)", "cli": False},
+    )
+    tiers: KvTierConfig = field(
+        default_factory=KvTierConfig,
+        metadata={"help": "the workers' KV tiers (the worker's tier flags)", "cli": False},
     )
 
     def __post_init__(self) -> None:
@@ -104,6 +119,8 @@ class ReplayConfig:
             raise ReplayError("--load-interval-ms must be >= 0")
         if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
             raise ReplayError("--prefill-workers must be between 1 and --workers - 1")
+        if self.tiers.enabled and not self.mocker.enable_prefix_caching:
+            raise ReplayError("KV tiers (--kv-host-blocks) need prefix caching")
         try:
             self.kv_router()
         except ValueError as exc:
@@ -120,12 +137,14 @@ class ReplayConfig:
             itl_penalty_cap_ms=self.router_itl_penalty_cap_ms,
             chunk_tokens=self.mocker.max_num_batched_tokens,
             timing_profile=self.mocker.timing_profile,
+            host_hit_weight=self.router_host_hit_weight,
+            disk_hit_weight=self.router_disk_hit_weight,
         )
 
 
 def add_replay_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `kvmesh replay`: ReplayConfig's, the mocker's (MockerConfig), and the
-    conditional disaggregation thresholds (DisaggConfig)."""
+    """The flags of `kvmesh replay`: ReplayConfig's, the mocker's (MockerConfig), its KV tiers
+    (KvTierConfig), and the conditional disaggregation thresholds (DisaggConfig)."""
     add_args(parser, ReplayConfig, skip={"router"})
     parser.add_argument(
         "--router",
@@ -139,5 +158,7 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
     )
     # The replay owns arrival speed and seeding; the engine's wall-clock speedup means nothing.
     add_args(parser, MockerConfig, skip={"speedup_ratio", "seed"})
+    # A simulated disk tier writes no files.
+    add_args(parser, KvTierConfig, skip={"kv_disk_dir"})
     # A simulated remote prefill never fails, so it never times out either.
     add_args(parser, DisaggConfig, skip={"disagg_prefill_timeout_s"})

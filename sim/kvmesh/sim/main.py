@@ -49,13 +49,19 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _tier_rate(tier: str) -> Callable[[ModeResult], str]:
+    return lambda r: _pct(r.tier_hit_rates.get(tier, 0.0))
+
+
 def format_table(results: list[ModeResult]) -> str:
     """Human-readable comparison of the modes, then each mode's per-worker balance."""
     first = results[0]
     lines = [
         f"kvmesh replay: {first.trace}, {first.requests_total} requests, {first.workers} workers, "
         f"arrivals x{first.speedup:g}, block {first.block_size}, "
-        f"{first.num_gpu_blocks} blocks/worker",
+        f"{first.num_gpu_blocks} blocks/worker"
+        + (f", host tier {first.kv_host_blocks}" if first.kv_host_blocks else "")
+        + (f", disk tier {first.kv_disk_blocks}" if first.kv_disk_blocks else ""),
         "",
     ]
     rows: list[tuple[str, Callable[[ModeResult], str]]] = [
@@ -73,6 +79,11 @@ def format_table(results: list[ModeResult]) -> str:
         ("E2E p99 ms", lambda r: f"{r.e2e_ms.p99:.1f}"),
         ("prefix hit rate", lambda r: _pct(r.prefix_hit_rate)),
         ("  bound (blocks)", lambda r: _pct(r.prefix_hit_rate_bound)),
+        *(
+            (f"  from {tier}", _tier_rate(tier))
+            for tier in ("device", "host", "disk")
+            if any(tier in r.tier_hit_rates for r in results) and first.kv_host_blocks
+        ),
         ("preemptions", lambda r: str(r.preemptions)),
         ("req imbalance", lambda r: f"{r.imbalance['requests_max_over_mean']:.2f}"),
         ("busy imbalance", lambda r: f"{r.imbalance['busy_fraction_max_over_mean']:.2f}"),

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from kvmesh.runtime.types import KvTierStats
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.trace import Trace
 
@@ -103,6 +104,12 @@ class ModeResult:
     """The same bound weighted by tokens."""
     predicted_overlap_rate: float
     """kv: leading prompt blocks the router found on its choice / prompt blocks (0 otherwise)."""
+    tier_hit_rates: dict[str, float]
+    """Prompt tokens served per KV tier (device: prefix-cache hits; host, disk: onboarded) /
+    prompt tokens of the finished requests (a request re-admitted after a preemption counts
+    its hits again)."""
+    kv_host_blocks: int
+    kv_disk_blocks: int
     preemptions: int
     steps: int
     per_worker: list[WorkerResult]
@@ -204,6 +211,8 @@ class WorkerTally(Protocol):
     def preemptions(self) -> int: ...
     @property
     def steps(self) -> int: ...
+    @property
+    def kv_tiers(self) -> tuple[KvTierStats, ...]: ...
 
 
 def summarize(
@@ -256,6 +265,9 @@ def summarize(
         prefix_hit_rate_bound=0.0,
         prefix_hit_rate_bound_tokens=0.0,
         predicted_overlap_rate=predicted_overlap_rate,
+        tier_hit_rates=_tier_hit_rates(workers, prompt_tokens),
+        kv_host_blocks=config.tiers.kv_host_blocks,
+        kv_disk_blocks=config.tiers.kv_disk_blocks,
         preemptions=sum(w.preemptions for w in workers),
         steps=sum(w.steps for w in workers),
         per_worker=per_worker,
@@ -263,6 +275,14 @@ def summarize(
         wall_s=time.perf_counter() - t_wall,
         ttft_s=ttft,
     )
+
+
+def _tier_hit_rates(workers: Sequence[WorkerTally], prompt_tokens: int) -> dict[str, float]:
+    hits: dict[str, int] = {}
+    for w in workers:
+        for t in w.kv_tiers:
+            hits[t.tier.label] = hits.get(t.tier.label, 0) + t.hit_tokens
+    return {k: v / prompt_tokens if prompt_tokens else 0.0 for k, v in hits.items()}
 
 
 def _imbalance(per_worker: list[WorkerResult]) -> dict[str, float]:

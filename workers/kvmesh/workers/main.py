@@ -1,9 +1,10 @@
 """`kvmesh worker`: one engine behind WorkerService, until SIGINT/SIGTERM.
 
-Its flags are WorkerConfig's and every engine's config dataclass's (`ENTRY`). Builds the engine
-named by `--engine` from its config dataclass (engines that import torch or an engine package do
-so only when asked for), wraps it in a Worker (gRPC server, health, reflection, discovery
-registration) and serves.
+Its flags are WorkerConfig's, the KV tiers' (KvTierConfig: `--kv-host-blocks`, `--kv-disk-dir`,
+`--kv-disk-blocks`) and every engine's config dataclass's (`ENTRY`). Builds the engine named by
+`--engine` from its config dataclass and the tier settings (engines that import torch or an
+engine package do so only when asked for), wraps it in a Worker (gRPC server, health,
+reflection, discovery registration) and serves.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvmesh.runtime.errors import Unimplemented
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
 from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.config import EngineKind, WorkerConfig
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.mocker.config import MockerConfig
@@ -27,7 +29,9 @@ from kvmesh.workers.server import Worker
 # --- engines ----------------------------------------------------------------------------------
 
 
-def _mocker(engine: MockerConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+def _mocker(
+    engine: MockerConfig, config: WorkerConfig, model: ModelDirInfo, tiers: KvTierConfig
+) -> Engine:
     from kvmesh.workers.mocker import MockerEngine
 
     return MockerEngine(
@@ -38,10 +42,13 @@ def _mocker(engine: MockerConfig, config: WorkerConfig, model: ModelDirInfo) -> 
         eos_token_ids=model.eos_token_ids,
         context_length=model.context_length,
         model_path=str(model.path),
+        tiers=tiers,
     )
 
 
-def _torch(engine: TorchConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+def _torch(
+    engine: TorchConfig, config: WorkerConfig, model: ModelDirInfo, tiers: KvTierConfig
+) -> Engine:
     # Imports torch and transformers: only when this engine is asked for.
     from kvmesh.runtime.modeldir import default_model_dir
     from kvmesh.workers.pytorch.engine import TorchEngine
@@ -55,10 +62,13 @@ def _torch(engine: TorchConfig, config: WorkerConfig, model: ModelDirInfo) -> En
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
         context_length=model.context_length,
+        tiers=tiers,
     )
 
 
-def _vllm(engine: VllmConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+def _vllm(
+    engine: VllmConfig, config: WorkerConfig, model: ModelDirInfo, tiers: KvTierConfig
+) -> Engine:
     # The adapter imports vLLM only when the engine starts (kvmesh[vllm], a GPU).
     from kvmesh.workers.adapters.vllm_adapter import VllmEngine
 
@@ -68,12 +78,22 @@ def _vllm(engine: VllmConfig, config: WorkerConfig, model: ModelDirInfo) -> Engi
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
         context_length=model.context_length,
+        tiers=tiers,
     )
 
 
-def _sglang(engine: SglangConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+def _sglang(
+    engine: SglangConfig, config: WorkerConfig, model: ModelDirInfo, tiers: KvTierConfig
+) -> Engine:
+    from kvmesh.workers.adapters.kv_tiers import refuse_tiers
     from kvmesh.workers.adapters.sglang_adapter import SglangEngine
 
+    refuse_tiers(
+        "sglang",
+        tiers,
+        "configure SGLang's hierarchical cache in --sglang-engine-args (enable_hierarchical_cache, "
+        "hicache_size, hicache_storage_backend)",
+    )
     return SglangEngine(
         engine,
         model_path=str(model.path),
@@ -84,7 +104,9 @@ def _sglang(engine: SglangConfig, config: WorkerConfig, model: ModelDirInfo) -> 
     )
 
 
-def _trtllm(engine: TrtllmConfig, config: WorkerConfig, model: ModelDirInfo) -> Engine:
+def _trtllm(
+    engine: TrtllmConfig, config: WorkerConfig, model: ModelDirInfo, tiers: KvTierConfig
+) -> Engine:
     from kvmesh.workers.adapters.trtllm_adapter import TrtllmEngine
 
     return TrtllmEngine(
@@ -93,6 +115,7 @@ def _trtllm(engine: TrtllmConfig, config: WorkerConfig, model: ModelDirInfo) -> 
         served_model_name=config.served_model_name or model.name,
         eos_token_ids=model.eos_token_ids,
         context_length=model.context_length,
+        tiers=tiers,
     )
 
 
@@ -102,7 +125,7 @@ class EngineSpec:
     factory."""
 
     config: type[Any]
-    build: Callable[[Any, WorkerConfig, ModelDirInfo], Engine]
+    build: Callable[[Any, WorkerConfig, ModelDirInfo, KvTierConfig], Engine]
 
 
 ENGINES: dict[EngineKind, EngineSpec] = {
@@ -123,7 +146,8 @@ def build_engine(config: WorkerConfig, ns: argparse.Namespace) -> Engine:
             + ", ".join(k.value for k in ENGINES)
         )
     engine = from_args(spec.config, ns)
-    return spec.build(engine, config, ModelDirInfo.load(resolve_model_dir(config.model)))
+    tiers = from_args(KvTierConfig, ns)
+    return spec.build(engine, config, ModelDirInfo.load(resolve_model_dir(config.model)), tiers)
 
 
 async def serve_worker(
@@ -147,6 +171,6 @@ def main(ns: argparse.Namespace) -> int:
 ENTRY = Entry(
     "worker",
     "a worker process serving one engine (WorkerService)",
-    Flags.of(WorkerConfig, *(spec.config for spec in ENGINES.values())),
+    Flags.of(WorkerConfig, KvTierConfig, *(spec.config for spec in ENGINES.values())),
     main,
 )

@@ -17,6 +17,9 @@ What the translator adds on top of a one-to-one mapping:
   * `resync()` publishes AllCleared when the engine's event stream had a gap that could not be
     replayed: the router then knows nothing of this worker's cache, which only costs cache hits
     (never a wrong route), until new events arrive.
+  * Tiers: `stored` and `removed` take the tier the engine named (its GPU pool, a host or disk
+    offloading tier; kvmesh.workers.adapters.kv_tiers maps the engines' names); each tier keeps
+    its own published set.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvmesh.runtime.kv_events import (
     BlocksRemoved,
     BlocksStored,
     KvEventLog,
+    KvTier,
     StoredBlock,
 )
 
@@ -76,8 +80,8 @@ class KvEventTranslator:
             raise ValueError("block_size must be >= 1")
         self.log = log_
         self.block_size = block_size
-        self._held: set[int] = set()
-        """Hashes published as stored and not removed since."""
+        self._held: dict[KvTier, set[int]] = {t: set() for t in KvTier}
+        """Per tier, hashes published as stored and not removed since."""
         self._opaque: set[int] = set()
         """Hashes the engine holds that were withheld (and whose children are withheld)."""
         self.withheld_total = 0
@@ -85,12 +89,12 @@ class KvEventTranslator:
 
     @property
     def num_held(self) -> int:
-        """Blocks published and not removed."""
-        return len(self._held)
+        """Device blocks published and not removed."""
+        return len(self._held[KvTier.DEVICE])
 
-    def stored(self, chain: StoredChain) -> None:
-        """Blocks entered the engine's cache."""
-        held, opaque, size = self._held, self._opaque, self.block_size
+    def stored(self, chain: StoredChain, tier: KvTier = KvTier.DEVICE) -> None:
+        """Blocks entered the engine's cache on `tier`."""
+        held, opaque, size = self._held[tier], self._opaque, self.block_size
         parent = chain.parent
         withhold = parent is not None and parent in opaque
         run: list[StoredBlock] = []
@@ -104,39 +108,43 @@ class KvEventTranslator:
             ):
                 withhold = True
             if withhold:
-                self._flush(run_parent, run, chain.lora_name)
+                self._flush(run_parent, run, chain.lora_name, tier)
                 run = []
                 opaque.add(h)
                 self.withheld_total += 1
                 continue
             if h in held:  # re-announced (a reused prefix): already published
-                self._flush(run_parent, run, chain.lora_name)
+                self._flush(run_parent, run, chain.lora_name, tier)
                 run = []
                 run_parent = h
                 continue
             run.append(StoredBlock(h, tuple(tokens)))
             held.add(h)
-        self._flush(run_parent, run, chain.lora_name)
+        self._flush(run_parent, run, chain.lora_name, tier)
 
-    def _flush(self, parent: int | None, run: list[StoredBlock], lora_name: str) -> None:
+    def _flush(
+        self, parent: int | None, run: list[StoredBlock], lora_name: str, tier: KvTier
+    ) -> None:
         if run:
-            self.log.publish(BlocksStored(parent, run, lora_name))
+            self.log.publish(BlocksStored(parent, run, lora_name, tier))
 
-    def removed(self, hashes: Iterable[int]) -> None:
-        """Blocks left the engine's cache."""
+    def removed(self, hashes: Iterable[int], tier: KvTier = KvTier.DEVICE) -> None:
+        """Blocks left `tier` of the engine's cache."""
+        held = self._held[tier]
         gone: list[int] = []
         for h in hashes:
-            if h in self._held:
-                self._held.discard(h)
+            if h in held:
+                held.discard(h)
                 gone.append(h)
-            else:
+            elif not any(h in s for s in self._held.values()):
                 self._opaque.discard(h)
         if gone:
-            self.log.publish(BlocksRemoved(gone))
+            self.log.publish(BlocksRemoved(gone, tier))
 
     def cleared(self) -> None:
         """The engine dropped its whole cache."""
-        self._held.clear()
+        for held in self._held.values():
+            held.clear()
         self._opaque.clear()
         self.log.publish(AllCleared())
 

@@ -13,10 +13,11 @@ A thin layer over TensorRT-LLM's own async API:
     Event dicts (tensorrt_llm._utils.KVCacheEventSerializer): `{"event_id", "window_size",
     "attention_dp_rank"?, "data": {"type": "created" | "stored" | "removed" | "updated", ...}}`;
     "stored" carries `parent_hash` and blocks `{"block_hash", "tokens": [{"token_id",
-    "token_extra_id"}], "cache_level", "priority"}`. Only the primary (GPU) level of the largest
-    attention window is published; blocks moved to the host level ("updated" cache_level 0 -> 1)
-    are removed and come back when moved back; blocks with extra token ids (multimodal, prompt
-    tables) are withheld. A jump in event ids (the engine's buffer overflowed) resyncs the log;
+    "token_extra_id"}], "cache_level", "priority"}`. The largest attention window's blocks are
+    published: level 0 (GPU) on the DEVICE tier, the host level on the HOST tier; a block moved
+    between them ("updated" cache_level 0 -> 1 and back) moves between those tiers; blocks with
+    extra token ids (multimodal, prompt tables) are withheld. A jump in event ids (the engine's
+    buffer overflowed) resyncs the log;
   * load: `LLM.get_stats_async(timeout)` iteration stats (numActiveRequests,
     numQueuedRequests, kvCacheStats.usedNumBlocks / maxNumBlocks / cacheHitRate);
   * disaggregation: TensorRT-LLM's cache transceiver moves the KV. The prefill side runs the
@@ -41,7 +42,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from kvmesh.runtime.errors import DeadlineExceeded, InvalidRequest, NotFound, Unavailable
-from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.kv_events import KvEventLog, KvTier
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -56,7 +57,9 @@ from kvmesh.runtime.types import (
 )
 from kvmesh.workers.adapters.base import OutputDecoder, PrefillSink, StreamingAdapter, top_logprobs
 from kvmesh.workers.adapters.config import TrtllmConfig
+from kvmesh.workers.adapters.kv_tiers import model_kv_block_bytes, trtllm_with_tiers
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import DisaggSettings
 from kvmesh.workers.validation import validate_request
 
@@ -279,6 +282,7 @@ class TrtllmEngine(StreamingAdapter[Any]):
         eos_token_ids: Sequence[int] = (),
         context_length: int = 8192,
         runtime: TrtllmRuntime | None = None,
+        tiers: KvTierConfig | None = None,
     ) -> None:
         super().__init__(
             engine_name="trtllm",
@@ -289,6 +293,8 @@ class TrtllmEngine(StreamingAdapter[Any]):
         )
         self.config = config
         self._runtime = runtime
+        self._tiers = tiers
+        """KV tiers: the host tier as TensorRT-LLM's host cache level (adapters.kv_tiers)."""
         self._llm: LlmLike | None = None
         self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_modules)}
         self._last_event_id: int | None = None
@@ -316,7 +322,16 @@ class TrtllmEngine(StreamingAdapter[Any]):
             kwargs["kv_cache_config"] = kv
         if self._info.role is not Role.AGGREGATED:
             kwargs.setdefault("cache_transceiver_config", {"backend": "DEFAULT"})
-        return kwargs
+        return self._with_tiers(kwargs)
+
+    def _with_tiers(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The host tier flag as TensorRT-LLM's host cache level (adapters.kv_tiers)."""
+        if self._tiers is None or not self._tiers.enabled:
+            return kwargs
+        tokens = _nested(kwargs, "kv_cache_config", "tokens_per_block") or DEFAULT_TOKENS_PER_BLOCK
+        dtype = str(_nested(kwargs, "kv_cache_config", "dtype") or "auto")
+        block_bytes = model_kv_block_bytes(self._info.model_path, int(tokens), dtype)
+        return trtllm_with_tiers(kwargs, self._tiers, block_bytes=block_bytes)
 
     @property
     def kv_events_enabled(self) -> bool:
@@ -526,11 +541,11 @@ class TrtllmEngine(StreamingAdapter[Any]):
         if all(level == 0 for level in levels):
             tr.stored(StoredChain(parent, hashes, list(tokens), opaque=opaque))
             return
-        # Mixed levels: publish the primary ones one by one with their parents.
+        # Mixed levels: publish each on its tier (the host level: HOST) with its parent.
         prev = parent
         for i, h in enumerate(hashes):
-            if levels[i] == 0:
-                tr.stored(StoredChain(prev, [h], [tokens[i]], opaque=[opaque[i]]))
+            tier = KvTier.DEVICE if levels[i] == 0 else KvTier.HOST
+            tr.stored(StoredChain(prev, [h], [tokens[i]], opaque=[opaque[i]]), tier)
             prev = h
 
     def _updated(self, tr: KvEventTranslator, data: dict[str, Any]) -> None:
@@ -543,12 +558,14 @@ class TrtllmEngine(StreamingAdapter[Any]):
             entry = self._primary.pop(h, None)
             if entry is not None:
                 self._secondary[h] = entry
+                tr.stored(StoredChain(entry[0], [h], [entry[1]]), KvTier.HOST)
             tr.removed([h])
         elif old != 0 and new == 0:  # back on the GPU
             entry = self._secondary.pop(h, None)
             if entry is not None:
                 self._primary[h] = entry
                 tr.stored(StoredChain(entry[0], [h], [entry[1]]))
+                tr.removed([h], KvTier.HOST)
 
     # -- disaggregation ------------------------------------------------------------------------
 

@@ -44,8 +44,10 @@ from kvmesh.runtime.types import (
 )
 from kvmesh.workers.adapters.base import OutputDecoder, PrefillSink, StreamingAdapter, top_logprobs
 from kvmesh.workers.adapters.config import VllmConfig
+from kvmesh.workers.adapters.kv_tiers import model_kv_block_bytes, vllm_medium_tier, vllm_with_tiers
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
 from kvmesh.workers.adapters.zmq_endpoints import private_ipc_endpoints
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import DisaggSettings
 from kvmesh.workers.validation import validate_request
 
@@ -217,6 +219,7 @@ class VllmEngine(StreamingAdapter[Any]):
         eos_token_ids: Sequence[int] = (),
         context_length: int = 8192,
         engine_factory: EngineFactory | None = None,
+        tiers: KvTierConfig | None = None,
     ) -> None:
         super().__init__(
             engine_name="vllm",
@@ -227,6 +230,8 @@ class VllmEngine(StreamingAdapter[Any]):
         )
         self.config = config
         self._factory = engine_factory
+        self._tiers = tiers
+        """KV tiers, as vLLM's offloading (kvmesh.workers.adapters.kv_tiers)."""
         self._engine: AsyncLLMLike | None = None
         self._lora_ids: dict[str, int] = {name: i + 1 for i, name in enumerate(config.lora_modules)}
         self._hits = 0
@@ -281,7 +286,18 @@ class VllmEngine(StreamingAdapter[Any]):
             }
         if self.config.vllm_lora_modules:
             kwargs.setdefault("enable_lora", True)
-        return kwargs
+        return self._with_tiers(kwargs)
+
+    def _with_tiers(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The KV tier flags as vLLM's offloading (kvmesh.workers.adapters.kv_tiers)."""
+        if self._tiers is None or not self._tiers.enabled:
+            return kwargs
+        block_bytes = model_kv_block_bytes(
+            self._info.model_path,
+            int(kwargs.get("block_size") or 16),
+            str(kwargs.get("kv_cache_dtype") or "auto"),
+        )
+        return vllm_with_tiers(kwargs, self._tiers, block_bytes=block_bytes)
 
     # -- StreamingAdapter ----------------------------------------------------------------------
 
@@ -448,7 +464,7 @@ class VllmEngine(StreamingAdapter[Any]):
         self.apply_kv_events(decode_events(batch.events, VllmEvent))
 
     def apply_kv_events(self, events: Iterable[VllmEvent]) -> None:
-        """Decoded vLLM events -> the KvEventLog (GPU tier, KV cache group 0)."""
+        """Decoded vLLM events -> the KvEventLog (KV cache group 0; the tier from `medium`)."""
         from kvmesh.workers.adapters.zmq_events import VllmRemoved, VllmStored
 
         tr = self._translator
@@ -456,15 +472,17 @@ class VllmEngine(StreamingAdapter[Any]):
             return
         for ev in events:
             if isinstance(ev, VllmStored):
-                if ev.medium not in (None, "GPU") or ev.group_idx not in (None, 0):
+                tier = vllm_medium_tier(ev.medium)
+                if tier is None or ev.group_idx not in (None, 0):
                     continue
                 chain = _vllm_chain(ev, tr.block_size)
                 if chain is not None:
-                    tr.stored(chain)
+                    tr.stored(chain, tier)
             elif isinstance(ev, VllmRemoved):
-                if ev.medium not in (None, "GPU") or ev.group_idx not in (None, 0):
+                tier = vllm_medium_tier(ev.medium)
+                if tier is None or ev.group_idx not in (None, 0):
                     continue
-                tr.removed(engine_hash(h) for h in ev.block_hashes)
+                tr.removed((engine_hash(h) for h in ev.block_hashes), tier)
             else:
                 tr.cleared()
 

@@ -17,6 +17,9 @@ vLLM keeps both copies). So every cache change is exactly one event:
 
 Releasing a request's blocks pushes them to the LRU tail child-first, so a chain's tail is evicted
 before its head, and a parent is never evicted while a cached child of it is referenced.
+
+`on_cached`, when set, hears of every block cached under a new hash (after its BlocksStored):
+the KV tiers below the pool (kvmesh.workers.batching.tiers) write them through to host memory.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from hashlib import blake2b
 
 from kvmesh.runtime.kv_events import (
@@ -82,6 +85,7 @@ class BlockPool:
         "enable_caching",
         "events",
         "num_blocks",
+        "on_cached",
     )
 
     def __init__(
@@ -105,6 +109,8 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # hash -> block, referenced or not
         self._meta: dict[int, CachedBlock] = {}  # hash -> (parent, tokens, lora)
         self._num_used = 0
+        self.on_cached: Callable[[list[int]], None] | None = None
+        """Called with the block ids each cache_full_blocks call cached under new hashes."""
 
     # -- accounting ----------------------------------------------------------------------------
 
@@ -135,6 +141,10 @@ class BlockPool:
     def hash_of(self, block_id: int) -> int | None:
         """The hash `block_id` is cached under, if any."""
         return self._hash[block_id]
+
+    def meta_of(self, block_hash: int) -> CachedBlock:
+        """(parent_hash, token_ids, lora_name) of a cached hash (KeyError if not cached)."""
+        return self._meta[block_hash]
 
     def lru_hashes(self) -> list[int]:
         """Hashes of the evictable blocks, next to be evicted first."""
@@ -248,6 +258,7 @@ class BlockPool:
         events = self.events
         run: list[StoredBlock] = []
         run_parent: int | None = None
+        new: list[int] = []
         for i in range(start, end):
             h = hashes[i]
             bid = blocks[i]
@@ -276,11 +287,14 @@ class BlockPool:
             cached[h] = bid
             bhash[bid] = h
             meta[h] = (parent, toks, lora_name)
+            new.append(bid)
             if not run:
                 run_parent = parent
             run.append(StoredBlock(h, toks))
         if run and events is not None:
             events.publish(BlocksStored(run_parent, run, lora_name))
+        if new and self.on_cached is not None:
+            self.on_cached(new)
 
     def clear(self) -> int:
         """Drop every unreferenced cached block; returns how many. Publishes AllCleared when

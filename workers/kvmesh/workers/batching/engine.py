@@ -17,11 +17,21 @@ its scheduler and model card and a few hooks:
                           decode side: move the KV of the `remote` descriptors into local
                           `blocks`; returns the bytes moved (the mocker waits the simulated
                           transfer time; the torch engine reads over NIXL)
+  `_move_kv(job)`         KV tiers: move the blocks of one TierJob between the device, host and
+                          disk tiers (the mocker waits the modelled transfer time; the torch
+                          engine copies KV tensors and block files); returns how many leading
+                          blocks moved. Only called when the scheduler has tiers.
   `_open()`, `_close()`   acquire before the loop starts / release after it ended whatever the
                           engine runs on (model, KV cache, executor, transfer agent)
 
 The loop: one task runs `_run_step` while the scheduler has work and hands each output to its
 request's sink, on the event loop thread; with nothing to do it awaits an event (no busy loop).
+
+KV tiers: the moves the scheduler decides (kvmesh.workers.batching.tiers) run on one task per
+lane (device to host, host to device, disk writes, disk reads), each lane's jobs strictly in
+order, beside the step loop: offloads never wait in a step, and a request whose prefix is
+onboarding waits while the others run. Each
+finished job goes back to the scheduler (`complete_tier_job`) and wakes the loop.
 
 Disaggregated serving
   Prefill side: `prefill_remote` runs the prompt as a pinned request (BatchScheduler `pin`); its
@@ -40,13 +50,14 @@ import abc
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable
-from kvmesh.runtime.kv_events import CachedBlock, KvEventLog
+from kvmesh.runtime.kv_events import CachedBlock, KvEventLog, KvTier
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -63,6 +74,7 @@ from kvmesh.runtime.types import (
 )
 from kvmesh.workers.batching.requests import CancelHandle, FirstOutput, SubmittedRequest
 from kvmesh.workers.batching.scheduler import BatchScheduler, SeqOutput
+from kvmesh.workers.batching.tiers import Lane, TierJob
 from kvmesh.workers.disagg.pins import PinnedTransfers
 from kvmesh.workers.engine import DisaggSettings, Engine, OutputSink, RequestHandle
 from kvmesh.workers.validation import validate_request
@@ -123,6 +135,9 @@ class BatchingEngine(Engine, Generic[SchedT]):
         self._disagg = DisaggSettings()
         self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
         self._pulls: set[asyncio.Task[None]] = set()
+        self._lanes: dict[Lane, deque[TierJob]] = {}
+        """Tier moves waiting per lane (the head is running)."""
+        self._lane_tasks: dict[Lane, asyncio.Task[None]] = {}
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -154,6 +169,12 @@ class BatchingEngine(Engine, Generic[SchedT]):
         """Decode side: move the KV of the `remote` descriptors of `handle` into local `blocks`
         (fresh, referenced; same count, possibly none); return the bytes moved. Raise (after
         the transfer has ended) when it failed: the prompt is recomputed."""
+
+    async def _move_kv(self, job: TierJob) -> int:
+        """KV tiers: move `job`'s blocks (see kvmesh.workers.batching.tiers.TierJob) and return
+        how many leading blocks moved; called one job at a time per lane, in order. Log what
+        failed: the scheduler recomputes what did not arrive."""
+        raise NotImplementedError(f"the {self.engine_name} engine has no KV tiers")
 
     async def _open(self) -> None:
         """Acquire what the engine runs on and set `_scheduler` and `_info` if not yet set
@@ -197,6 +218,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
             t.cancel()
         await asyncio.gather(*pulls, return_exceptions=True)  # each frees what it took
         self._pins.release_all()
+        await self._stop_lanes()
         sched = self._scheduler
         requests, self._requests = self._requests, {}
         for rid, req in requests.items():
@@ -252,11 +274,20 @@ class BatchingEngine(Engine, Generic[SchedT]):
 
     async def clear_kv_cache(self) -> int:
         sched = self._scheduler
-        return sched.clear_cache() if sched is not None else 0
+        if sched is None:
+            return 0
+        await self._tier_moves_done()  # blocks being offloaded are referenced until then
+        n = sched.clear_cache()
+        self._dispatch_tier_jobs()
+        return n
 
-    def cached_blocks(self) -> dict[int, CachedBlock]:
-        """The pool's cached blocks: hash -> (parent_hash, token_ids, lora_name)."""
-        return self.scheduler.cached_blocks()
+    def cached_blocks(self, tier: KvTier = KvTier.DEVICE) -> dict[int, CachedBlock]:
+        """The blocks cached on `tier` (the device pool, or the host or disk tier: those whose
+        copy is done): hash -> (parent_hash, token_ids, lora_name)."""
+        sched = self.scheduler
+        if tier is KvTier.DEVICE:
+            return sched.cached_blocks()
+        return sched.tiers.cached_blocks(tier) if sched.tiers is not None else {}
 
     def cached_block_hashes(self) -> set[int]:
         """Hashes of the pool's cached blocks (referenced or evictable)."""
@@ -477,14 +508,68 @@ class BatchingEngine(Engine, Generic[SchedT]):
         sched = self.scheduler
         wake = self._wake
         while True:
+            self._dispatch_tier_jobs()
             if sched.has_work:
                 outputs = await self._run_step(sched)
                 if outputs is not None:
                     self._deliver(outputs)
                     continue
-            # Nothing can run until something changes (an abort, a new request).
+                self._dispatch_tier_jobs()  # the step may have started onboarding
+            # Nothing can run until something changes (an abort, a new request, a tier move).
             wake.clear()
             await wake.wait()
+
+    # -- KV tiers ------------------------------------------------------------------------------
+
+    def _dispatch_tier_jobs(self) -> None:
+        """Queue the tier moves the scheduler decided on their lanes."""
+        sched = self._scheduler
+        if sched is None or sched.tiers is None:
+            return
+        for job in sched.take_tier_jobs():
+            lane = self._lanes.setdefault(job.lane, deque())
+            lane.append(job)
+            task = self._lane_tasks.get(job.lane)
+            if task is None or task.done():
+                self._lane_tasks[job.lane] = asyncio.create_task(
+                    self._run_lane(sched, lane), name=f"kv-{job.lane.value}-lane"
+                )
+
+    async def _run_lane(self, sched: SchedT, lane: deque[TierJob]) -> None:
+        while lane:
+            job = lane[0]
+            try:
+                done = await self._move_kv(job)
+            except Exception:
+                log.exception("%s of %d KV blocks failed", job.op.value, len(job))
+                done = 0
+            lane.popleft()
+            if self._scheduler is not sched:
+                return
+            sched.complete_tier_job(job, done)
+            self._dispatch_tier_jobs()
+            self._wake.set()
+
+    async def _tier_moves_done(self) -> None:
+        """Wait until no tier move is queued or running."""
+        while True:
+            self._dispatch_tier_jobs()
+            running = [t for t in self._lane_tasks.values() if not t.done()]
+            if not running:
+                return
+            await asyncio.wait(running)
+
+    async def _stop_lanes(self) -> None:
+        """Stop running tier moves; the scheduler forgets the ones not completed."""
+        tasks = list(self._lane_tasks.values())
+        self._lane_tasks.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._lanes.clear()
+        sched = self._scheduler
+        if sched is not None:
+            sched.abandon_tier_jobs()
 
     def _deliver(self, outputs: Sequence[SeqOutput]) -> None:
         requests = self._requests

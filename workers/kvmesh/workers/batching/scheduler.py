@@ -31,6 +31,16 @@ and a fake sampler.
      stop conditions: length (max_tokens, the model length) first, then stop token ids once
      min_tokens are reached. Finished requests release their blocks.
 
+KV tiers (kvmesh.workers.batching.tiers, with a KvTierConfig): blocks the pool caches are written
+through to a host tier (and from there to disk). At admission, where a request's cached device
+prefix ends, the blocks that follow on the host or disk tier (as many as
+`_blocks_to_onboard` keeps) are onboarded instead of computed: the request takes its device hit
+and device blocks for its whole prompt, leaves the waiting queue while ONBOARD jobs fill them
+(other requests are admitted meanwhile), and once `complete_tier_job` reports them done it is
+admitted ahead of ordinary waiting requests with those blocks computed and cached (their tokens
+count as cached tokens), prefilling the rest. The engine runs the jobs (`take_tier_jobs`) and
+reports each (`complete_tier_job`).
+
 Aborting releases a request's blocks at once, even while a forward that uses them is running:
 freed blocks are only handed out again by the next `schedule()` or by an import, both of which
 happen after the running forward.
@@ -59,9 +69,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
-from kvmesh.runtime.kv_events import CachedBlock, KvEventLog
-from kvmesh.runtime.types import EngineRequest, FinishReason, LoadInfo, TokenLogprob, Usage
+from kvmesh.runtime.kv_events import CachedBlock, KvEventLog, KvTier
+from kvmesh.runtime.types import (
+    EngineRequest,
+    FinishReason,
+    KvTierStats,
+    LoadInfo,
+    TokenLogprob,
+    Usage,
+)
 from kvmesh.workers.batching.block_pool import BlockPool, block_hash
+from kvmesh.workers.batching.tiers import KvTierConfig, KvTiers, Onboarding, TierJob
 
 __all__ = [
     "BatchScheduler",
@@ -201,6 +219,8 @@ class BatchScheduler(Generic[S, C]):
     ends with LENGTH there), nor, without chunked prefill, what one step can prefill.
 
     Subclasses build their Seq in `_new_seq` and may add request checks in `_check_request`.
+    `tiers`: the KV tiers below the pool (None or disabled: the pool only), `kv_block_bytes` the
+    bytes of one block (what tier moves count).
     """
 
     _limit_prompt_by_seq_len: ClassVar[bool] = False
@@ -216,6 +236,8 @@ class BatchScheduler(Generic[S, C]):
         max_model_len: int,
         watermark_blocks: int = 0,
         events: KvEventLog | None = None,
+        tiers: KvTierConfig | None = None,
+        kv_block_bytes: int = 0,
     ) -> None:
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
@@ -250,7 +272,15 @@ class BatchScheduler(Generic[S, C]):
         """Handed-off requests' blocks, referenced until release_pinned (disaggregation)."""
         self._num_pinned_blocks = 0
         self._prefilled: deque[S] = deque()
-        """Remote-prefilled requests holding their blocks, admitted before the waiting heap."""
+        """Requests holding their blocks (remote-prefilled, or onboarded from a lower tier),
+        admitted before the waiting heap."""
+        self.tiers: KvTiers | None = None
+        """The KV tiers below the pool (None: the pool only)."""
+        if tiers is not None and tiers.enabled:
+            self.tiers = KvTiers(tiers, self.pool, block_bytes=kv_block_bytes)
+        self._onboarding: dict[str, Onboarding] = {}
+        """Requests whose blocks are coming back from the tiers below, by request id."""
+        self._device_hit_tokens = 0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -352,8 +382,9 @@ class BatchScheduler(Generic[S, C]):
             return False
         if seq.status is SeqStatus.WAITING:
             self._num_waiting -= 1  # its heap / prefilled entry is skipped lazily
-            self.pool.release(seq.blocks)  # a remote-prefilled request holds its blocks
+            self.pool.release(seq.blocks)  # a remote-prefilled or onboarding request's blocks
             seq.blocks = []
+            self._onboarding.pop(request_id, None)  # its jobs release their own references
         else:
             self._running.remove(seq)
             self.pool.release(seq.blocks)
@@ -435,17 +466,39 @@ class BatchScheduler(Generic[S, C]):
                 self._ensure_hashes(seq, limit)
                 done = len(self.pool.match_prefix(seq.hashes, limit)) * bs
             pending += len(seq.tokens) - done
+        pool = self.pool
+        tiers: tuple[KvTierStats, ...] = (
+            KvTierStats(
+                KvTier.DEVICE,
+                blocks=pool.num_cached,
+                capacity_blocks=self.num_blocks,
+                hit_tokens=self._device_hit_tokens,
+            ),
+        )
+        if self.tiers is not None:
+            tiers += self.tiers.stats()
         return LoadInfo(
             num_running=len(self._running),
             num_waiting=self._num_waiting,
-            kv_active_blocks=self.pool.num_used,
+            kv_active_blocks=pool.num_used - self._tier_held_blocks(),
             kv_total_blocks=self.num_blocks,
             pending_prefill_tokens=pending,
             prefix_cache_hit_rate=self.prefix_cache_hit_rate,
             requests_finished_total=self.num_finished,
             preemptions_total=self.num_preemptions,
             kv_pinned_blocks=self._num_pinned_blocks,
+            kv_tiers=tiers if pool.enable_caching else (),
         )
+
+    def _tier_held_blocks(self) -> int:
+        """Blocks referenced only by tier moves (offloads of cached blocks nobody else uses)."""
+        if self.tiers is None or not self.tiers.num_jobs:
+            return 0
+        ref = self.pool.ref_count
+        held: dict[int, int] = {}
+        for b in self.tiers.held_device_blocks():
+            held[b] = held.get(b, 0) + 1
+        return sum(1 for b, n in held.items() if ref(b) == n)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -539,7 +592,9 @@ class BatchScheduler(Generic[S, C]):
                 continue
             n = len(seq.tokens) - seq.num_computed
             if n > budget:
-                break
+                if seq.decoding or not cfg.enable_chunked_prefill:
+                    break
+                n = budget  # an onboarded request prefills the rest of its prompt in chunks
             need = -(-(seq.num_computed + n) // bs) - len(seq.blocks)
             if need > pool.num_free:
                 break
@@ -551,6 +606,7 @@ class BatchScheduler(Generic[S, C]):
             sched.append(seq)
             counts.append(n)
             budget -= n
+        tiers = self.tiers
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = waiting[0][2]
             if seq.status is not SeqStatus.WAITING:
@@ -561,6 +617,16 @@ class BatchScheduler(Generic[S, C]):
                 limit = (num_tokens - 1) // bs  # the last token is always computed
                 self._ensure_hashes(seq, limit)
                 hit = pool.match_prefix(seq.hashes, limit)
+                if tiers is not None:
+                    tiers.touch(seq.hashes[: len(hit)])
+                    if len(hit) < limit:
+                        sources = tiers.match(seq.hashes, len(hit), limit)
+                        if sources:
+                            sources = sources[: self._blocks_to_onboard(seq, len(hit), sources)]
+                        if sources:
+                            if not self._start_onboarding(seq, hit, sources):
+                                break
+                            continue
             else:
                 hit = []
             hit_tokens = len(hit) * bs
@@ -581,14 +647,97 @@ class BatchScheduler(Generic[S, C]):
             seq.num_cached_blocks = hit_tokens // bs
             seq.decoding = False
             seq.status = SeqStatus.RUNNING
-            if seq.cached_tokens < 0:
+            if seq.cached_tokens < 0:  # first admission: what its usage reports
                 seq.cached_tokens = hit_tokens
+                self._device_hit_tokens += hit_tokens
             self._query_tokens += num_tokens
             self._hit_tokens += hit_tokens
             running.append(seq)
             sched.append(seq)
             counts.append(n)
             budget -= n
+
+    # -- KV tiers --------------------------------------------------------------------------------
+
+    def _blocks_to_onboard(self, seq: S, hit_blocks: int, sources: list[KvTier]) -> int:
+        """How many of the blocks found below the device (`sources`: their tiers, in order,
+        after `hit_blocks` device hits) to onboard rather than compute: all of them here;
+        engines that know both costs keep only what is cheaper to move than to compute."""
+        return len(sources)
+
+    def _start_onboarding(self, seq: S, hit: list[int], sources: list[KvTier]) -> bool:
+        """Take the waiting head `seq` out of the queue with device blocks for its whole prompt
+        (its device hit `hit` first) and start onboarding `sources` into the blocks after the
+        hit. False (nothing done) when the pool cannot take them now."""
+        pool = self.pool
+        tiers = self.tiers
+        assert tiers is not None
+        bs = self.block_size
+        need = -(-len(seq.tokens) // bs) - len(hit)
+        if pool.num_free - pool.count_evictable(hit) - need < self._watermark_blocks:
+            return False
+        heapq.heappop(self._waiting)
+        pool.acquire(hit)
+        fresh = pool.allocate(need)
+        seq.blocks = hit + fresh
+        seq.num_computed = len(hit) * bs
+        seq.num_cached_blocks = len(hit)
+        seq.decoding = False
+        start = len(hit)
+        self._onboarding[seq.request_id] = tiers.onboard(
+            seq, seq.hashes[start : start + len(sources)], sources, fresh[: len(sources)]
+        )
+        return True
+
+    def take_tier_jobs(self) -> list[TierJob]:
+        """Moves between the tiers to run now (see kvmesh.workers.batching.tiers: run each lane's
+        jobs in order and report each with `complete_tier_job`)."""
+        return self.tiers.take_jobs() if self.tiers is not None else []
+
+    def complete_tier_job(self, job: TierJob, done: int) -> None:
+        """`job` moved its `done` leading blocks (the rest failed). An onboarding it completes
+        makes its request ready to run: the blocks that arrived are cached and count as cached
+        tokens, the rest of the prompt is computed."""
+        tiers = self.tiers
+        assert tiers is not None
+        rec = tiers.complete(job, done)
+        if rec is None:
+            return
+        seq: S = rec.owner  # type: ignore[assignment]
+        rid = seq.request_id
+        if self._onboarding.get(rid) is not rec:
+            return  # aborted meanwhile (its blocks are released)
+        del self._onboarding[rid]
+        bs = self.block_size
+        hit = seq.num_cached_blocks
+        arrived = rec.leading_ok()
+        end = hit + arrived
+        if arrived:
+            self.pool.cache_full_blocks(seq.blocks, seq.hashes, hit, end, seq.tokens, seq.lora)
+        seq.num_computed = end * bs
+        seq.num_cached_blocks = end
+        if seq.cached_tokens < 0:  # first admission: what its usage reports
+            seq.cached_tokens = end * bs
+            tiers.count_hits(rec, arrived, bs)
+            self._device_hit_tokens += hit * bs
+        self._query_tokens += len(seq.tokens)
+        self._hit_tokens += end * bs
+        self._prefilled.append(seq)
+
+    def abandon_tier_jobs(self) -> None:
+        """The engine stopped running tier moves: forget the ones not completed (their blocks
+        are released) and put the requests whose onboarding cannot finish back in the queue
+        (they recompute)."""
+        if self.tiers is None:
+            return
+        for rec in self.tiers.abandon():
+            seq: S = rec.owner  # type: ignore[assignment]
+            if self._onboarding.pop(seq.request_id, None) is rec:
+                self.pool.release(seq.blocks)
+                seq.blocks = []
+                seq.num_computed = 0
+                seq.num_cached_blocks = 0
+                heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
 
     def complete(self, step: ScheduledStep[S], sampled: Sequence[SampledToken]) -> list[SeqOutput]:
         """Apply a computed step: `sampled` has one entry per chunk with `sample` set."""
@@ -702,7 +851,10 @@ class BatchScheduler(Generic[S, C]):
         return self.pool.cached_blocks()
 
     def clear_cache(self) -> int:
-        """Drop every unreferenced cached block (see BlockPool.clear)."""
+        """Drop every unreferenced cached block of the pool (see BlockPool.clear) and every block
+        of the tiers below; returns how many the pool dropped."""
+        if self.tiers is not None:
+            self.tiers.clear()
         return self.pool.clear()
 
     def check_invariants(self) -> None:
@@ -714,9 +866,14 @@ class BatchScheduler(Generic[S, C]):
             assert len(seq.blocks) * self.block_size >= seq.num_computed, seq.request_id
         for s in self._seqs.values():
             if s.status is SeqStatus.WAITING:
-                assert not s.blocks or s in self._prefilled, s.request_id
+                assert not s.blocks or s in self._prefilled or s.request_id in self._onboarding, (
+                    s.request_id
+                )
                 for b in s.blocks:
                     refs[b] += 1
+        if self.tiers is not None:
+            for b in self.tiers.held_device_blocks():
+                refs[b] += 1
         for blocks in self.pinned.values():
             for b in blocks:
                 refs[b] += 1

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
+from kvmesh.runtime.kv_events import KvTier
 
 
 @dataclass(slots=True)
@@ -46,6 +47,17 @@ class MockerConfig:
     kv_transfer_latency_ms: float = opt(
         1.0, "disaggregation: simulated fixed cost of one KV transfer (setup, completion), ms"
     )
+    kv_host_gbps: float = opt(
+        25.0,
+        "KV tiers: simulated bandwidth of moves between the device pool and the host tier, GB/s "
+        "(PCIe 4.0 x16 class)",
+    )
+    kv_disk_gbps: float = opt(
+        5.0, "KV tiers: simulated bandwidth of moves to and from the disk tier, GB/s (NVMe class)"
+    )
+    kv_tier_latency_ms: float = opt(
+        0.05, "KV tiers: simulated fixed cost of one move between tiers (a batch of blocks), ms"
+    )
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1:
@@ -66,6 +78,10 @@ class MockerConfig:
             raise ValueError("kv_bytes_per_token must be >= 1")
         if not self.kv_transfer_gbps > 0 or not self.kv_transfer_latency_ms >= 0:
             raise ValueError("kv_transfer_gbps must be > 0 and kv_transfer_latency_ms >= 0")
+        if not (self.kv_host_gbps > 0 and self.kv_disk_gbps > 0 and self.kv_tier_latency_ms >= 0):
+            raise ValueError(
+                "kv_host_gbps and kv_disk_gbps must be > 0 and kv_tier_latency_ms >= 0"
+            )
 
     @property
     def watermark_blocks(self) -> int:
@@ -80,3 +96,11 @@ class MockerConfig:
     def transfer_s(self, nbytes: int) -> float:
         """Simulated time (before speedup) to move `nbytes` of KV between two workers."""
         return self.kv_transfer_latency_ms / 1000.0 + nbytes / (self.kv_transfer_gbps * 1e9)
+
+    def tier_move_s(self, tier: KvTier, nbytes: int) -> float:
+        """Simulated time (before speedup) of one move of `nbytes` to or from `tier` (HOST:
+        between the device and the host tier; DISK: to or from the disk tier); 0 for nothing."""
+        if nbytes <= 0:
+            return 0.0
+        gbps = self.kv_host_gbps if tier is KvTier.HOST else self.kv_disk_gbps
+        return self.kv_tier_latency_ms / 1000.0 + nbytes / (gbps * 1e9)

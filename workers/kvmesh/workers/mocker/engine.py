@@ -10,6 +10,11 @@ prefill mocker pins the prompt's blocks and hands out a KvTransferHandle without
 (a block's "address" is its id times the block size in bytes); a decode mocker receives the
 blocks it does not already cache by waiting their simulated transfer time
 (`MockerConfig.transfer_s`: fixed latency + bytes / bandwidth, divided by `speedup_ratio`).
+
+KV tiers (`tiers`: kvmesh.workers.batching.tiers) are the shared bookkeeping for real: blocks
+are written through to the host tier, moved to the disk tier, onboarded back, with their KV
+events and counters; no byte moves, each move waits its simulated time
+(`MockerConfig.tier_move_s`, divided by `speedup_ratio`) on its lane.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from kvmesh.runtime.kv_events import KvEventLog
 from kvmesh.runtime.types import KvBlockDescriptor, KvLayout, KvTransferHandle, ModelInfo
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.batching.scheduler import SeqOutput
+from kvmesh.workers.batching.tiers import KvTierConfig, TierJob
 from kvmesh.workers.mocker.config import MockerConfig
 from kvmesh.workers.mocker.scheduler import MockerScheduler
 
@@ -50,6 +56,7 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
         context_length: int = 8192,
         model_path: str = "",
         clock: Clock | None = None,
+        tiers: KvTierConfig | None = None,
     ) -> None:
         super().__init__(events=KvEventLog() if config.enable_prefix_caching else None, clock=clock)
         self.config = config
@@ -63,6 +70,7 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
             excluded_token_ids={*special_token_ids, *eos},
             max_model_len=max_len,
             events=self._events,
+            tiers=tiers,
         )
         self._info = ModelInfo(
             served_model_name=served_model_name,
@@ -108,3 +116,8 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
         nbytes = sum(b.length_bytes for b in remote)
         await self._clock.sleep(self.config.transfer_s(nbytes) / self.config.speedup_ratio)
         return nbytes
+
+    async def _move_kv(self, job: TierJob) -> int:
+        cfg = self.config
+        await self._clock.sleep(cfg.tier_move_s(job.lane.tier, job.nbytes) / cfg.speedup_ratio)
+        return len(job)

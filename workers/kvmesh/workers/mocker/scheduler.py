@@ -45,10 +45,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.kv_events import KvEventLog, KvTier
 from kvmesh.runtime.timing import TimingModel, load_timing
 from kvmesh.runtime.types import EngineRequest, TokenLogprob
 from kvmesh.workers.batching.scheduler import BatchScheduler, Seq, SeqOutput, SeqStatus
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.mocker.config import MockerConfig
 from kvmesh.workers.mocker.sampling import TokenSampler
 
@@ -112,6 +113,7 @@ class MockerScheduler(BatchScheduler[_Seq, MockerConfig]):
         max_model_len: int,
         events: KvEventLog | None = None,
         timing: TimingModel | None = None,
+        tiers: KvTierConfig | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -119,6 +121,8 @@ class MockerScheduler(BatchScheduler[_Seq, MockerConfig]):
             max_model_len=max_model_len,
             watermark_blocks=config.watermark_blocks,
             events=events,
+            tiers=tiers,
+            kv_block_bytes=config.kv_block_bytes,
         )
         self.timing: TimingModel = (
             timing if timing is not None else load_timing(config.timing_profile)
@@ -135,6 +139,28 @@ class MockerScheduler(BatchScheduler[_Seq, MockerConfig]):
             seed = self._rng.getrandbits(64)
         seq.key = self.sampler.stream_key(seq.tokens, seed)
         return seq
+
+    def _blocks_to_onboard(self, seq: _Seq, hit_blocks: int, sources: list[KvTier]) -> int:
+        """Onboard only what saves time: all the blocks found below the device, else their
+        leading host-tier run, if its simulated move (MockerConfig.tier_move_s; host and disk
+        moves run side by side) is shorter than the prefill time it saves (timing model, this
+        prompt alone); else none."""
+        cfg = self.config
+        bs = self.block_size
+        new = len(seq.tokens) - hit_blocks * bs
+        full_ms = self.timing.prefill_ms(new)
+        host_run = next((i for i, t in enumerate(sources) if t is not KvTier.HOST), len(sources))
+        for n in (len(sources), host_run):
+            if n == 0:
+                break
+            host = sum(1 for t in sources[:n] if t is KvTier.HOST)
+            move_s = max(
+                cfg.tier_move_s(KvTier.HOST, host * cfg.kv_block_bytes),
+                cfg.tier_move_s(KvTier.DISK, (n - host) * cfg.kv_block_bytes),
+            )
+            if move_s * 1000.0 < full_ms - self.timing.prefill_ms(new - n * bs):
+                return n
+        return 0
 
     def step(self, now: float) -> StepResult:
         """Schedule and simulate one forward pass (see the module docstring)."""

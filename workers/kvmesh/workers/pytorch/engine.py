@@ -8,6 +8,14 @@ the model computes) -> `scheduler.complete()` (event loop).
 Everything that touches the KV tensors (forwards, block export/import) runs on that one thread,
 in submission order, so a KV copy never races a forward.
 
+KV tiers (`tiers`, kvmesh.workers.batching.tiers): a host tier in a CPU tensor and a disk tier in
+block files under `--kv-disk-dir` (kvmesh.workers.pytorch.kv_tiers); their copies run on one
+thread per lane (device to host, host to device, disk writes, disk reads) beside the forward
+thread. The disk tier persists: its files are
+named by block hash under a fingerprint of the model, so a restarted worker serves them. A disk
+directory that cannot be used (unwritable, locked by another worker) is logged and the worker
+runs without the disk tier.
+
 Disaggregated serving (kvmesh.workers.disagg): the KV cache tensor is registered with a NIXL
 agent (host memory on CPU, GPU memory on CUDA). A prefill engine's handles point into that tensor
 (`_kv_source`) and it drives NIXL's progress while blocks are pinned; a decode engine reads the
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -44,11 +53,14 @@ from kvmesh.runtime.types import (
     PrefillResult,
     Role,
 )
+from kvmesh.workers.batching.block_files import BlockFiles
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
+from kvmesh.workers.batching.tiers import KvTierConfig, Lane, TierJob
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
+from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
 from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
 
@@ -92,7 +104,8 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
     `model_dir`: a local model directory (config + weights). `loaded`: an already loaded model
     to use instead of loading `model_dir` at start (engines may share one; it is never
     modified). `eos_token_ids` stop generation (from the model card); `context_length` defaults
-    to the model config's; `config.max_model_len` overrides it.
+    to the model config's; `config.max_model_len` overrides it. `tiers`: KV tiers below the
+    device pool (the disk tier needs `kv_disk_dir`).
 
     Beyond the Engine contract: what BatchingEngine offers (`scheduler`, `cached_blocks()`, ...),
     `kv_spec` (block layout), `kv_cache`, and `read_blocks` / `export_blocks` / `import_blocks`
@@ -110,7 +123,12 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         eos_token_ids: Iterable[int] = (),
         context_length: int = 0,
         loaded: LoadedModel | None = None,
+        tiers: KvTierConfig | None = None,
     ) -> None:
+        if tiers is not None and tiers.kv_disk_blocks and not tiers.kv_disk_dir:
+            raise ValueError("the torch engine's disk KV tier needs --kv-disk-dir")
+        if tiers is not None and tiers.enabled and not config.enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching (--torch-enable-prefix-caching)")
         super().__init__(events=KvEventLog() if config.enable_prefix_caching else None)
         self.config = config
         self.model_dir = Path(model_dir)
@@ -124,6 +142,9 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._agent: NixlKvAgent | None = None
         self._pump: asyncio.Task[None] | None = None
+        self._tiers = tiers if tiers is not None and tiers.enabled else None
+        self._tier_store: TorchTierStore | None = None
+        self._lane_executors: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -137,6 +158,10 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
     async def _open(self) -> None:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, "torch-engine")
+        if self._tiers is not None and not self._lane_executors:
+            self._lane_executors = {
+                lane: concurrent.futures.ThreadPoolExecutor(1, f"kv-{lane.value}") for lane in Lane
+            }
         if self._runner is None or self._scheduler is None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, self._setup)
@@ -156,6 +181,23 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         with torch.inference_mode():
             cache = PagedKvCache(spec, num_blocks, loaded.device)
         self._runner = ModelRunner(loaded, cache)
+        tiers = self._tiers
+        files, on_disk = None, []
+        if tiers is not None and tiers.kv_disk_blocks:
+            files = BlockFiles(
+                tiers.kv_disk_dir, fingerprint(self.model_dir, spec), spec.block_bytes
+            )
+            try:
+                on_disk = files.open()
+            except OSError as exc:
+                log.error(
+                    "disk KV tier disabled: %s cannot be used (%s); running with the host tier "
+                    "only",
+                    tiers.kv_disk_dir,
+                    exc,
+                )
+                files = None
+                tiers = dataclasses.replace(tiers, kv_disk_dir="", kv_disk_blocks=0)
         sched = TorchScheduler(
             cfg,
             num_blocks=num_blocks,
@@ -164,7 +206,19 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             max_model_len=max_len,
             device=loaded.device,
             events=self._events,
+            tiers=tiers,
+            kv_block_bytes=spec.block_bytes,
         )
+        if sched.tiers is not None:
+            self._tier_store = TorchTierStore(cache, sched.tiers.host_slots, files)
+            if files is not None and sched.tiers is not None:
+                kept = sched.tiers.load_disk(on_disk)
+                log.info(
+                    "disk KV tier: %s, %d of %d blocks from earlier runs",
+                    files.dir,
+                    kept,
+                    len(on_disk),
+                )
         self._scheduler = sched
         self._info = ModelInfo(
             served_model_name=self._served_model_name,
@@ -204,6 +258,12 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        lanes, self._lane_executors = self._lane_executors, {}
+        for lane in lanes.values():
+            lane.shutdown(wait=True)  # copies in flight finish before the tensors go
+        store, self._tier_store = self._tier_store, None
+        if store is not None and store.files is not None:
+            store.files.close()
         agent, self._agent = self._agent, None
         if agent is not None:
             agent.close()  # before the KV cache it registered goes away
@@ -227,6 +287,16 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         sampled = await asyncio.shield(self._forward)
         self._forward = None
         return sched.complete(step, sampled)
+
+    # -- KV tiers ------------------------------------------------------------------------------
+
+    async def _move_kv(self, job: TierJob) -> int:
+        store = self._tier_store
+        executor = self._lane_executors.get(job.lane)
+        if store is None or executor is None:
+            raise Unavailable("the torch engine is not running")
+        done: int = await asyncio.get_running_loop().run_in_executor(executor, store.run, job)
+        return done
 
     # -- KV transfer over NIXL -----------------------------------------------------------------
 
@@ -395,6 +465,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             pool.cache_full_blocks(blocks, hashes, len(have), n, token_ids, lora_name)
         finally:
             pool.release(blocks)
+        self._dispatch_tier_jobs()
         return need
 
     @staticmethod

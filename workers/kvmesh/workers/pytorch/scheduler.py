@@ -23,6 +23,7 @@ from kvmesh.runtime.kv_events import KvEventLog
 from kvmesh.runtime.types import EngineRequest
 from kvmesh.workers.batching.scheduler import BatchScheduler, Seq, SeqOutput, SeqStatus
 from kvmesh.workers.batching.scheduler import ScheduledStep as _Step
+from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.pytorch.config import TorchConfig
 from kvmesh.workers.pytorch.model_runner import SeqChunk
 from kvmesh.workers.pytorch.sampler import SampleSpec
@@ -76,8 +77,17 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         max_model_len: int,
         device: torch.device,
         events: KvEventLog | None = None,
+        tiers: KvTierConfig | None = None,
+        kv_block_bytes: int = 0,
     ) -> None:
-        super().__init__(config, num_blocks=num_blocks, max_model_len=max_model_len, events=events)
+        super().__init__(
+            config,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            events=events,
+            tiers=tiers,
+            kv_block_bytes=kv_block_bytes,
+        )
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device

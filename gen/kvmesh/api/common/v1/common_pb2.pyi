@@ -93,9 +93,13 @@ class _KvTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvTier.ValueTy
     """Local disk offload tier."""
 
 class KvTier(_KvTier, metaclass=_KvTierEnumTypeWrapper):
-    """Where a KV block lives in the tiered cache. Tiered offload is not implemented yet: kvmesh
-    workers publish DEVICE blocks only, and routers leave events on the HOST and DISK tiers out of
-    their index (counted and logged), so such a block is never taken for a device-tier one.
+    """Where a KV block lives in the tiered cache. A worker with a host (and disk) tier copies every
+    block it caches on the device to host memory (write-through), moves blocks the host tier evicts
+    to disk, and onboards a prefix found in a lower tier back to the device instead of recomputing
+    it. Each tier's changes are KV events on that tier, so a move between tiers is a removed event
+    on one tier and a stored event on the other (a tier announces a block once its copy is there,
+    and its removal at once). Routers keep per-tier presence and credit a host or disk hit by its
+    onboarding cost.
     """
 
 KV_TIER_UNSPECIFIED: KvTier.ValueType  # 0
@@ -687,6 +691,7 @@ class LoadMetrics(_message.Message):
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     KV_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    KV_TIERS_FIELD_NUMBER: _builtins.int
     num_running_requests: _builtins.int
     """Sequences scheduled in the running batch."""
     num_waiting_requests: _builtins.int
@@ -711,6 +716,12 @@ class LoadMetrics(_message.Message):
     """KV blocks pinned for remote prefill transfers (PrefillRemote), waiting for a decode worker
     to pull and release them; included in kv_active_blocks. 0 on workers that pin nothing.
     """
+    @_builtins.property
+    def kv_tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTierMetrics]:
+        """Per-tier cache counters: the device tier, then the host and disk tiers where the worker has
+        them. Empty: the engine reports none (e.g. engines kvmesh does not schedule itself).
+        """
+
     def __init__(
         self,
         *,
@@ -725,14 +736,76 @@ class LoadMetrics(_message.Message):
         preemptions_total: _builtins.int = ...,
         draining: _builtins.bool = ...,
         kv_pinned_blocks: _builtins.int = ...,
+        kv_tiers: _abc.Iterable[Global___KvTierMetrics] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_tiers", b"kv_tiers", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadMetrics: _TypeAlias = LoadMetrics  # noqa: Y015
+
+@_typing.final
+class KvTierMetrics(_message.Message):
+    """The KV cache counters of one tier of a worker (lifetime counters are since the worker started)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
+    HIT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    OFFLOAD_BLOCKS_TOTAL_FIELD_NUMBER: _builtins.int
+    OFFLOAD_BYTES_TOTAL_FIELD_NUMBER: _builtins.int
+    ONBOARD_BLOCKS_TOTAL_FIELD_NUMBER: _builtins.int
+    ONBOARD_BYTES_TOTAL_FIELD_NUMBER: _builtins.int
+    ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    tier: Global___KvTier.ValueType
+    """The tier these numbers are about. Never UNSPECIFIED."""
+    blocks: _builtins.int
+    """Cached blocks the tier holds now (device: cached blocks, referenced or not)."""
+    capacity_blocks: _builtins.int
+    """Blocks the tier can hold. 0: unknown."""
+    hit_tokens_total: _builtins.int
+    """Lifetime prompt tokens served from this tier instead of being computed (device: prefix-cache
+    hits; host and disk: tokens onboarded from the tier to the device), counted at each
+    request's first admission, as its usage's cached tokens count them.
+    """
+    offload_blocks_total: _builtins.int
+    """Lifetime blocks copied into this tier (host: offloaded from the device; disk: moved from the
+    host tier). 0 for the device tier.
+    """
+    offload_bytes_total: _builtins.int
+    """Bytes of those blocks."""
+    onboard_blocks_total: _builtins.int
+    """Lifetime blocks copied from this tier back to the device. 0 for the device tier."""
+    onboard_bytes_total: _builtins.int
+    """Bytes of those blocks."""
+    errors_total: _builtins.int
+    """Lifetime blocks this tier failed to store or return (a full or unwritable disk, a corrupted
+    block file); each was recomputed or simply not kept.
+    """
+    def __init__(
+        self,
+        *,
+        tier: Global___KvTier.ValueType = ...,
+        blocks: _builtins.int = ...,
+        capacity_blocks: _builtins.int = ...,
+        hit_tokens_total: _builtins.int = ...,
+        offload_blocks_total: _builtins.int = ...,
+        offload_bytes_total: _builtins.int = ...,
+        onboard_blocks_total: _builtins.int = ...,
+        onboard_bytes_total: _builtins.int = ...,
+        errors_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_blocks", b"capacity_blocks", "errors_total", b"errors_total", "hit_tokens_total", b"hit_tokens_total", "offload_blocks_total", b"offload_blocks_total", "offload_bytes_total", b"offload_bytes_total", "onboard_blocks_total", b"onboard_blocks_total", "onboard_bytes_total", b"onboard_bytes_total", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvTierMetrics: _TypeAlias = KvTierMetrics  # noqa: Y015
 
 @_typing.final
 class KvBlock(_message.Message):
@@ -777,7 +850,7 @@ class KvBlocksStored(_message.Message):
     lora_name: _builtins.str
     """LoRA adapter the blocks were computed with. Empty: base model."""
     tier: Global___KvTier.ValueType
-    """Tier the blocks were stored in."""
+    """Tier the blocks were stored in. UNSPECIFIED: the device tier."""
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvBlock]:
         """The blocks, in order; each one's parent is the previous one."""
@@ -809,7 +882,7 @@ class KvBlocksRemoved(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
     tier: Global___KvTier.ValueType
-    """Tier they were removed from."""
+    """Tier they were removed from (copies on other tiers stay). UNSPECIFIED: the device tier."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Engine hashes of the removed blocks."""
@@ -830,7 +903,7 @@ Global___KvBlocksRemoved: _TypeAlias = KvBlocksRemoved  # noqa: Y015
 
 @_typing.final
 class KvAllCleared(_message.Message):
-    """Every cached block was dropped (cache reset)."""
+    """Every cached block was dropped (cache reset), on every tier."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

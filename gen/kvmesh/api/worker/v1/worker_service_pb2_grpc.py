@@ -169,7 +169,8 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearKvCache(self, request, context):
-        """Drop every cached (unreferenced) block; emits an all-cleared event.
+        """Drop every cached (unreferenced) block on every tier; emits an all-cleared event (or removed
+        events when referenced device blocks stay).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -69,7 +69,9 @@ class WorkerServiceStub:
     GetModelCard: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.GetModelCardRequest, _worker_service_pb2.GetModelCardResponse]
     """What this worker serves and how its KV cache is laid out."""
     ClearKvCache: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ClearKvCacheRequest, _worker_service_pb2.ClearKvCacheResponse]
-    """Drop every cached (unreferenced) block; emits an all-cleared event."""
+    """Drop every cached (unreferenced) block on every tier; emits an all-cleared event (or removed
+    events when referenced device blocks stay).
+    """
     Drain: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.DrainRequest, _worker_service_pb2.DrainResponse]
     """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
 
@@ -114,7 +116,9 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     GetModelCard: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.GetModelCardRequest, _worker_service_pb2.GetModelCardResponse]  # type: ignore[assignment]
     """What this worker serves and how its KV cache is laid out."""
     ClearKvCache: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ClearKvCacheRequest, _worker_service_pb2.ClearKvCacheResponse]  # type: ignore[assignment]
-    """Drop every cached (unreferenced) block; emits an all-cleared event."""
+    """Drop every cached (unreferenced) block on every tier; emits an all-cleared event (or removed
+    events when referenced device blocks stay).
+    """
     Drain: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.DrainRequest, _worker_service_pb2.DrainResponse]  # type: ignore[assignment]
     """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
 
@@ -210,7 +214,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_service_pb2.ClearKvCacheRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.ClearKvCacheResponse, _abc.Awaitable[_worker_service_pb2.ClearKvCacheResponse]]:
-        """Drop every cached (unreferenced) block; emits an all-cleared event."""
+        """Drop every cached (unreferenced) block on every tier; emits an all-cleared event (or removed
+        events when referenced device blocks stay).
+        """
 
     @_abc_1.abstractmethod
     def Drain(
