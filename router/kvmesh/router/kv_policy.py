@@ -44,11 +44,13 @@ import enum
 import math
 from dataclasses import dataclass
 
+from kvmesh.runtime.config import opt
 from kvmesh.runtime.timing import PolynomialTiming, TimingModel
 
 __all__ = [
     "DEFAULT_ITL_PENALTY_CAP_MS",
     "DEFAULT_ITL_WEIGHT",
+    "KvPolicyFlags",
     "KvPolicyKind",
     "TtftPrediction",
     "TtftPredictor",
@@ -70,6 +72,26 @@ class KvPolicyKind(enum.Enum):
     """Predicted time to first token plus a bounded ITL penalty (TtftPredictor): the default."""
     COST = "cost"
     """The linear cost over blocks to prefill and blocks decoding (cost_score)."""
+
+
+@dataclass
+class KvPolicyFlags:
+    """The scoring flags of the KV router, the same for a live router (MeshConfig) and
+    `kvmesh replay` (ReplayConfig)."""
+
+    router_policy: KvPolicyKind = opt(
+        KvPolicyKind.TTFT,
+        "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
+        "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
+    )
+    router_itl_weight: float = opt(
+        DEFAULT_ITL_WEIGHT,
+        "kv ttft: weight of the ITL penalty (x expected output tokens x ms of predicted ITL "
+        "above the best worker's)",
+    )
+    router_itl_penalty_cap_ms: float = opt(
+        DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
+    )
 
 
 def itl_penalized(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.backend import DisaggConfig
-from kvmesh.router.kv_policy import DEFAULT_ITL_PENALTY_CAP_MS, DEFAULT_ITL_WEIGHT, KvPolicyKind
+from kvmesh.router.kv_policy import KvPolicyFlags
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
@@ -22,9 +22,9 @@ from kvmesh.runtime.discovery import open_discovery
 
 
 @dataclass
-class MeshConfig(DisaggConfig):
+class MeshConfig(DisaggConfig, KvPolicyFlags):
     """How a frontend or router finds workers and routes to them (with the conditional
-    disaggregation thresholds of DisaggConfig)."""
+    disaggregation thresholds of DisaggConfig and the scoring flags of KvPolicyFlags)."""
 
     discovery: str = opt("", "discovery URL: file:///dir, static://h:p,h:p or etcd://h:p")
     router_mode: RouterMode = opt(
@@ -49,19 +49,6 @@ class MeshConfig(DisaggConfig):
         120.0, "kv, engines without KV events: seconds a routed prompt counts as cached"
     )
     router_seed: int = opt(0, "seed of the router's tie-breaking and sampling")
-    router_policy: KvPolicyKind = opt(
-        KvPolicyKind.TTFT,
-        "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
-        "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
-    )
-    router_itl_weight: float = opt(
-        DEFAULT_ITL_WEIGHT,
-        "kv ttft: weight of the ITL penalty (x expected output tokens x ms of predicted ITL "
-        "above the best worker's)",
-    )
-    router_itl_penalty_cap_ms: float = opt(
-        DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
-    )
     router_chunk_tokens: int = opt(
         8192, "kv ttft: the engines' prefill token budget per step (max_num_batched_tokens)"
     )

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvmesh.router.backend import DisaggConfig
-from kvmesh.router.kv_policy import DEFAULT_ITL_PENALTY_CAP_MS, DEFAULT_ITL_WEIGHT, KvPolicyKind
+from kvmesh.router.kv_policy import KvPolicyFlags
 from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
 from kvmesh.router.routing import RouterMode
@@ -24,7 +24,7 @@ class ReplayError(KvmeshError):
 
 
 @dataclass
-class ReplayConfig:
+class ReplayConfig(KvPolicyFlags):
     """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; its KV
     tiers a KvTierConfig, `tiers`, the worker's flags; the conditional disaggregation thresholds
     the gateway's, a DisaggConfig, `disagg`)."""
@@ -49,19 +49,6 @@ class ReplayConfig:
     )
     router_temperature: float = opt(
         0.0, "kv: 0 picks the lowest cost (ties at random); > 0 samples softmax(-cost/T)"
-    )
-    router_policy: KvPolicyKind = opt(
-        KvPolicyKind.TTFT,
-        "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
-        "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
-    )
-    router_itl_weight: float = opt(
-        DEFAULT_ITL_WEIGHT,
-        "kv ttft: weight of the ITL penalty (x expected output tokens x ms of predicted ITL "
-        "above the best worker's)",
-    )
-    router_itl_penalty_cap_ms: float = opt(
-        DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
     )
     load_interval_ms: float = opt(
         100.0,
