@@ -17,7 +17,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from kvmesh.runtime.config import from_args
 from kvmesh.runtime.discovery import open_discovery
+from kvmesh.runtime.tls import TlsConfig
 from kvmesh.workers.server import WORKER_SERVICE
 from tests.deploy.manifests import (
     K8S_VERSIONS,
@@ -56,7 +58,7 @@ def rel(path: Path) -> str:
 
 
 def test_the_layouts_the_docs_name_exist() -> None:
-    assert set(OVERLAYS) == {"aggregated", "disaggregated", "mocker", "external-etcd"}
+    assert set(OVERLAYS) == {"aggregated", "disaggregated", "mocker", "external-etcd", "mocker-tls"}
 
 
 # --- build and schema ------------------------------------------------------------------------
@@ -172,8 +174,17 @@ def test_kvmesh_command_lines_parse_and_match_the_topology(name: str) -> None:
         for flag in ("vllm_engine_args", "sglang_engine_args", "trtllm_engine_args"):
             if getattr(ns, flag, ""):
                 assert isinstance(json.loads(getattr(ns, flag)), dict)
+        tls = name.endswith("-tls")
+        mesh_tls = from_args(TlsConfig, ns)
+        assert mesh_tls.enabled == tls and bool(mesh_tls.tls_server_name) == tls, name
+        if tls:  # the files the pod mounts, and (workers) only the mesh may call
+            mounts = {m["mountPath"] for m in c["volumeMounts"]}
+            assert str(Path(mesh_tls.tls_cert).parent) in mounts, mounts
         if ns.command == "frontend":
             assert ns.http_host == "0.0.0.0" and ns.kserve_grpc_port > 0
+            assert bool(getattr(ns, "http_tls_cert", "")) == tls
+            keys = [e for e in c.get("env", []) if e["name"] == "KVMESH_API_KEY"]
+            assert bool(keys) == tls and not getattr(ns, "api_key", []), "keys: from a Secret"
         if ns.command == "worker":
             assert ns.host == "0.0.0.0" and ns.port > 0
             assert ns.advertise_host == "10.1.2.3", "--advertise-host must be the pod IP"
@@ -181,6 +192,7 @@ def test_kvmesh_command_lines_parse_and_match_the_topology(name: str) -> None:
             pool = obj["spec"]["template"]["metadata"]["labels"]["kvmesh.dev/pool"]
             assert ns.role == pool
             assert (ns.engine == "mocker") == (name not in GPU_OVERLAYS)
+            assert ("kvmesh-planner" in mesh_tls.mesh_identities) == tls
     assert seen.get("frontend") == 1
     assert seen.get("worker") == (2 if name == "disaggregated" else 1)
 
@@ -206,6 +218,12 @@ def test_probes_grace_periods_and_resources(name: str) -> None:
             assert annotations["prometheus.io/path"] == "/metrics", where
         else:
             for probe in ("startupProbe", "readinessProbe"):
+                if getattr(
+                    ns, "tls_cert", ""
+                ):  # mTLS: the kubelet's gRPC probe cannot present a certificate
+                    target = f"grpcs://127.0.0.1:{ns.port}/{WORKER_SERVICE}"
+                    assert c[probe]["exec"]["command"] == ["kvmesh-healthcheck", target], where
+                    continue
                 grpc = c[probe]["grpc"]
                 assert grpc == {"port": ns.port, "service": WORKER_SERVICE}, where
             assert ports[c["livenessProbe"]["tcpSocket"]["port"]] == ns.port, where

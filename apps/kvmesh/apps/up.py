@@ -14,6 +14,13 @@ but the ones `up` sets itself (SET_BY_UP: where each process listens and registe
 worker's id and role). A flag several processes take (`--model`, `--drain-timeout-s`) goes to
 each. Children are started with posix_spawn, never fork (see ChildProcess).
 
+Security: `--tls` generates a throwaway CA and one certificate per identity (kvmesh-up,
+kvmesh-frontend, kvmesh-router, kvmesh-worker, kvmesh-planner) in a temp dir, deleted on exit:
+every mesh link is mTLS and mesh servers accept only those identities; the gateway serves HTTPS
+and TLS KServe gRPC with the frontend's certificate. Without it, the TLS flags (--tls-cert,
+--tls-key, --tls-ca, --mesh-identities, --mesh-token-file) go to every process unchanged, and
+`up` uses them for its own ScalingService.
+
 KV tiers (`--kv-host-blocks`, `--kv-disk-dir DIR`, `--kv-disk-blocks`) go to every worker; each
 worker gets its own disk directory, `DIR/<pool>-<index>` (e.g. `DIR/worker-0`), stable across
 restarts of `up`, so a restarted mesh finds its block files again.
@@ -34,6 +41,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -48,16 +56,18 @@ from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
 from kvmesh.frontend import main as frontend_main
+from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import main as router_main
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
-from kvmesh.runtime.config import Flags, from_args, opt, to_argv
+from kvmesh.runtime.config import ConfigError, Flags, from_args, opt, to_argv
 from kvmesh.runtime.discovery import EventKind, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, NotFound
-from kvmesh.runtime.grpcutil import GrpcServer
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
+from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
 from kvmesh.workers import main as worker_main
 from kvmesh.workers.batching.tiers import KvTierConfig
@@ -67,6 +77,9 @@ SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 STOP_MARGIN_S = 10.0
 """How long past its --drain-timeout-s a child may take to exit before it is killed."""
+
+IDENTITIES = ("kvmesh-up", "kvmesh-frontend", "kvmesh-router", "kvmesh-worker", "kvmesh-planner")
+"""The mesh identities `kvmesh up --tls` issues certificates for (subject CN = the name)."""
 
 
 @dataclass
@@ -91,6 +104,11 @@ class UpConfig:
     )
     discovery: str = opt("", "discovery URL; empty: an embedded file registry in a temp dir")
     startup_timeout_s: float = opt(60.0, "how long to wait for the mesh to become healthy")
+    tls: bool = opt(
+        False,
+        "generate a throwaway CA and certificates for this machine (deleted on exit): mTLS on "
+        "every mesh link, HTTPS and TLS KServe gRPC at the gateway",
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
@@ -143,6 +161,7 @@ class UpArgs:
     frontend: FrontendConfig
     mesh: MeshConfig
     router: RouterServerConfig
+    tls: TlsConfig
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> UpArgs:
@@ -157,6 +176,7 @@ class UpArgs:
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
             router=from_args(RouterServerConfig, ns),
+            tls=from_args(TlsConfig, ns),
         )
 
 
@@ -177,9 +197,9 @@ class _Pool:
 class Child:
     """A process `kvmesh up` started (in its own session, so Ctrl-C reaches only `up`)."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.proc = ChildProcess(argv)
+        self.proc = ChildProcess(argv, env)
         self.started = time.monotonic()
         self.draining = False
 
@@ -236,10 +256,38 @@ class Supervisor:
             kserve_grpc_port=fe.kserve_grpc_port or _free_port(fe.http_host),
         )
         self.mesh = replace(args.mesh, discovery=self.discovery)
+        self.pki: DevPki | None = None
+        if self.config.tls:
+            if args.tls.enabled:
+                raise ConfigError(
+                    "--tls generates the certificates; with your own (--tls-cert, --tls-key, "
+                    "--tls-ca) leave --tls out"
+                )
+            self.pki = write_dev_pki(Path(tempfile.mkdtemp(prefix="kvmesh-tls-")), IDENTITIES)
+            self.frontend = replace(
+                self.frontend,
+                http_tls_cert=str(self.pki.cert("kvmesh-frontend")),
+                http_tls_key=str(self.pki.key("kvmesh-frontend")),
+            )
+        self.frontend_env: dict[str, str] = {}
+        if self.frontend.api_key:
+            # Keys reach the frontend in its environment, never on a command line (ps shows it).
+            given = os.environ.get(API_KEY_ENV, "")
+            keys = ",".join([*self.frontend.api_key, *given.split(",")])
+            self.frontend_env[API_KEY_ENV] = keys
+            self.frontend = replace(self.frontend, api_key=[])
+        self.security = MeshSecurity.load(self.tls("kvmesh-up"))
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
         self._pid = os.getpid()
+
+    def tls(self, identity: str) -> TlsConfig:
+        """The mesh TLS settings of the process with `identity` (--tls: its own certificate;
+        else what `up` was given)."""
+        if self.pki is None:
+            return self.args.tls
+        return self.pki.config(identity, IDENTITIES)
 
     def worker_argv(self, role: Role, worker_id: str, slot: str = "worker-0") -> list[str]:
         """The command line of one worker (`slot`: its pool and index, naming its disk KV
@@ -248,17 +296,19 @@ class Supervisor:
         tiers = self.args.tiers
         if tiers.kv_disk_dir:
             tiers = replace(tiers, kv_disk_dir=str(Path(tiers.kv_disk_dir) / slot))
-        return _kvmesh("worker", self.args.log, worker, tiers, self.args.engine)
+        tls = self.tls("kvmesh-worker")
+        return _kvmesh("worker", self.args.log, worker, tiers, self.args.engine, tls)
 
     def router_argv(self, port: int) -> list[str]:
         """The command line of the standalone router (--router-process)."""
         router = replace(self.args.router, host="127.0.0.1", port=port)
-        return _kvmesh("router", self.args.log, router, self.mesh)
+        return _kvmesh("router", self.args.log, router, self.mesh, self.tls("kvmesh-router"))
 
     def frontend_argv(self, router_address: str = "") -> list[str]:
         """The command line of the frontend."""
         mesh = replace(self.mesh, router_address=router_address)
-        return _kvmesh("frontend", self.args.log, self.frontend, mesh)
+        tls = self.tls("kvmesh-frontend")
+        return _kvmesh("frontend", self.args.log, self.frontend, mesh, tls)
 
     @property
     def workers(self) -> list[Child]:
@@ -282,7 +332,7 @@ class Supervisor:
             port = _free_port("127.0.0.1")
             self.others.append(Child("router", self.router_argv(port)))
             router_address = f"127.0.0.1:{port}"
-        frontend = Child("frontend", self.frontend_argv(router_address))
+        frontend = Child("frontend", self.frontend_argv(router_address), self.frontend_env)
         self.others.insert(0, frontend)
         return frontend
 
@@ -361,6 +411,8 @@ class Supervisor:
             await asyncio.gather(*(c.wait(drain_s + STOP_MARGIN_S) for c in group))
         if self.registry is not None:
             shutil.rmtree(self.registry, ignore_errors=True)
+        if self.pki is not None:
+            shutil.rmtree(self.pki.directory, ignore_errors=True)
 
 
 _ROLE_TO_PB: dict[Role, cpb.WorkerRole.ValueType] = {
@@ -425,7 +477,7 @@ async def _up(args: UpArgs) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    control = GrpcServer("127.0.0.1", config.control_port)
+    control = mesh_server("127.0.0.1", config.control_port, sup.security)
     control.add(
         spb_grpc.add_ScalingServiceServicer_to_server, ScalingServicer(sup), SCALING_SERVICE
     )
@@ -435,9 +487,16 @@ async def _up(args: UpArgs) -> int:
         await control.start()
         fe = sup.frontend
         host = "127.0.0.1" if fe.http_host in ("0.0.0.0", "::") else fe.http_host
-        base = f"http://{host}:{fe.http_port}"
+        scheme = "https" if fe.http_tls_cert else "http"
+        base = f"{scheme}://{host}:{fe.http_port}"
         deadline = time.monotonic() + config.startup_timeout_s
-        async with aiohttp.ClientSession() as http:
+        ssl_context: ssl.SSLContext | bool = True
+        if sup.pki is not None:
+            ssl_context = ssl.create_default_context(cafile=str(sup.pki.ca))
+        elif fe.http_tls_cert:
+            ssl_context = False  # the operator's certificate: up only asks for /health
+        connector = aiohttp.TCPConnector(ssl=ssl_context)
+        async with aiohttp.ClientSession(connector=connector) as http:
             while not await _healthy(http, base + "/health"):
                 dead = [c.name for c in (*sup.others, *sup.workers) if not c.alive()]
                 if dead or stop.is_set() or time.monotonic() > deadline:
@@ -485,6 +544,9 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
         }
     )
     config = sup.config
+    cacert = f"--cacert {sup.pki.ca} " if sup.pki is not None else ""
+    keyed = sup.frontend_env or os.environ.get(API_KEY_ENV)
+    auth = '-H "Authorization: Bearer $KVMESH_API_KEY" ' if keyed else ""
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
     print(
@@ -494,8 +556,15 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
         f"  KServe v2  : {base}/v2 (REST)"
         + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
         + "\n"
-        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n\n"
-        f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n"
+        + (
+            f"  CA         : {sup.pki.ca} (throwaway, deleted on exit; the planner's "
+            f"certificate: {sup.pki.cert('kvmesh-planner')}, key {sup.pki.key('kvmesh-planner')})\n"
+            if sup.pki
+            else ""
+        )
+        + f"\n  curl -N {cacert}{base}/v1/chat/completions {auth}\\\n"
+        "       -H 'Content-Type: application/json' \\\n"
         f"       -d '{body}'\n\n"
         "Press Ctrl-C to stop.\n",
         flush=True,

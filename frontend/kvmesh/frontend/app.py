@@ -31,6 +31,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
+from kvmesh.frontend.auth import GatewayAuth, estimate_tokens
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
 from kvmesh.frontend.errors import error_body, error_from_exception
@@ -61,9 +62,11 @@ from kvmesh.frontend.protocol import (
     parse_embedding_request,
 )
 from kvmesh.frontend.service import CompletionStream, OpenAIService
+from kvmesh.runtime.errors import KvmeshError
+from kvmesh.runtime.tls import ServerSslContext
 from kvmesh.runtime.tracing import TraceContext
 
-__all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "build_app", "serve_http"]
+__all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "build_app", "guarded", "serve_http"]
 
 SERVICE_KEY = web.AppKey("kvmesh_openai_service", OpenAIService)
 """Where build_app stores the service in the Application."""
@@ -415,8 +418,15 @@ def _bound(routes: Sequence[Route], owner: object) -> list[tuple[Route, Handler]
     return [(r, functools.partial(r.handler, owner)) for r in routes]
 
 
-def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> web.Application:
-    """The aiohttp Application serving `service` (config defaults to `service.config`)."""
+def build_app(
+    service: OpenAIService,
+    config: FrontendConfig | None = None,
+    auth: GatewayAuth | None = None,
+) -> web.Application:
+    """The aiohttp Application serving `service` (config defaults to `service.config`).
+
+    `auth` (API keys, rate limits; see `guarded`) guards every /v1 and /v2 route but the
+    KServe health probes, and /metrics with --protect-metrics; None: open doors."""
     config = config if config is not None else service.config
     app = web.Application(client_max_size=config.max_request_bytes)
     app[SERVICE_KEY] = service
@@ -424,6 +434,8 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
     routes = _Routes(service)
     table = _bound(OPENAI_ROUTES, routes) + _bound(KSERVE_ROUTES, KServeRoutes(service))
     for route, handler in table:
+        if auth is not None and _protected(route.path, auth):
+            handler = guarded(handler, auth, route.path, service)
         resource = app.router.add_resource(route.path)
         resource.add_route(route.method, handler)
         if route.method == "GET":
@@ -431,16 +443,67 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
         resource.add_route("*", routes.method_not_allowed)
     # [\s\S]: also paths with a (percent-encoded) newline, which "." does not match.
     app.router.add_route("*", r"/{tail:[\s\S]*}", routes.not_found)
+    if auth is not None and auth.limited:
+        app.on_response_prepare.append(_add_rate_limit_headers)
     return app
 
 
+_RATE_HEADERS = web.RequestKey("kvmesh_rate_limit_headers", dict)
+
+
+def _protected(path: str, auth: GatewayAuth) -> bool:
+    if path.startswith("/v2/health/"):
+        return False  # KServe's probes, like /health and /live
+    return path.startswith(("/v1/", "/v2")) or (path == "/metrics" and auth.protect_metrics)
+
+
+def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIService) -> Handler:
+    """`handler` behind the gateway's API keys: a missing or unknown `Authorization: Bearer`
+    key gets an OpenAI-shaped 401, a key over its rate limit a 429 (with x-ratelimit-*
+    headers, which every answer to a limited key carries)."""
+
+    async def guard(request: web.Request) -> web.StreamResponse:
+        try:
+            key = auth.check(request.headers.get("Authorization"))
+            if auth.limited:
+                tokens = 0
+                if auth.tpm and request.method == "POST":
+                    try:
+                        tokens = estimate_tokens(await request.read())
+                    except web.HTTPException:
+                        tokens = 0  # too large: the handler answers 413
+                request[_RATE_HEADERS] = auth.admit(key, tokens)
+        except KvmeshError as exc:
+            status, payload = error_from_exception(exc)
+            service.metrics.request_done(endpoint, status)
+            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            if status == 429:
+                headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
+            return _json_response(status, orjson.dumps(payload), headers)
+        return await handler(request)
+
+    return guard
+
+
+async def _add_rate_limit_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    headers = request.get(_RATE_HEADERS) if isinstance(request, web.Request) else None
+    if headers:
+        response.headers.update(headers)
+
+
 async def serve_http(
-    app: web.Application, host: str, port: int, **runner_kwargs: Any
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    tls: ServerSslContext | None = None,
+    **runner_kwargs: Any,
 ) -> tuple[web.AppRunner, int]:
     """Start serving `app` on host:port (0 = any free port); return (runner, bound port).
 
     Stop with `await runner.cleanup()`. Backlog and keep-alive come from the app's
-    FrontendConfig. `runner_kwargs` go to web.AppRunner.
+    FrontendConfig. `tls`: serve HTTPS (certificates reloaded when their files change).
+    `runner_kwargs` go to web.AppRunner.
     """
     config = app.get(CONFIG_KEY) or FrontendConfig()
     kwargs: dict[str, Any] = {
@@ -451,7 +514,8 @@ async def serve_http(
     kwargs.update(runner_kwargs)
     runner = web.AppRunner(app, **kwargs)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=config.backlog)
+    ssl_context = tls.context if tls is not None else None
+    site = web.TCPSite(runner, host, port, backlog=config.backlog, ssl_context=ssl_context)
     try:
         await site.start()
     except BaseException:

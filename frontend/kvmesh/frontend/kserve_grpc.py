@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -29,11 +29,19 @@ import grpc
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2 as pb
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from kvmesh.frontend import kserve
+from kvmesh.frontend.auth import GatewayAuth
 from kvmesh.frontend.dataplane import CompletionResult
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound, RequestTooLarge
-from kvmesh.runtime.grpcutil import GrpcServer, status_for
+from kvmesh.runtime.grpcutil import (
+    HEALTH_METHODS,
+    GrpcServer,
+    ServerSecurity,
+    reloading_server_credentials,
+    status_for,
+)
+from kvmesh.runtime.tls import ReloadingTls
 from kvmesh.runtime.tracing import TraceContext
 
 __all__ = ["KSERVE_SERVICE", "KServeServicer", "serve_kserve_grpc"]
@@ -385,12 +393,49 @@ def _stream_response(resp: InferResponse) -> pb.ModelStreamInferResponse:
     return pb.ModelStreamInferResponse(infer_response=encode_response(resp))
 
 
-async def serve_kserve_grpc(service: OpenAIService, host: str, port: int) -> GrpcServer:
+async def serve_kserve_grpc(
+    service: OpenAIService,
+    host: str,
+    port: int,
+    *,
+    auth: GatewayAuth | None = None,
+    tls: ReloadingTls | None = None,
+) -> GrpcServer:
     """Start `inference.GRPCInferenceService` (plus health and reflection) on host:port
-    (0: any free port); stop it with `await server.stop(grace)`."""
-    server = GrpcServer(host, port)
+    (0: any free port); stop it with `await server.stop(grace)`.
+
+    `auth`: every call but the probes (ServerLive, ServerReady, grpc.health.v1) needs an API
+    key in its `authorization` metadata ("Bearer KEY", as tritonclient's `headers=` sends it),
+    else UNAUTHENTICATED; a key over its requests-per-minute limit gets RESOURCE_EXHAUSTED.
+    `tls`: TLS with the gateway's certificate (reloaded when its files change)."""
+    security = ServerSecurity(
+        credentials=(
+            reloading_server_credentials(tls, require_client_certificate=False)
+            if tls is not None
+            else None
+        ),
+        authorize=_authorizer(auth) if auth is not None else None,
+        open_methods=(HEALTH_METHODS, *_PROBES),
+    )
+    server = GrpcServer(host, port, security=security)
     server.add(
         pb_grpc.add_GRPCInferenceServiceServicer_to_server, KServeServicer(service), KSERVE_SERVICE
     )
     await server.start()
     return server
+
+
+_PROBES = tuple(f"/{KSERVE_SERVICE}/{m}" for m in ("ServerLive", "ServerReady"))
+
+
+def _authorizer(auth: GatewayAuth) -> Callable[[grpc.aio.ServicerContext[Any, Any]], None]:
+    def authorize(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        given: str | None = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                given = value.decode() if isinstance(value, bytes) else value
+        api_key = auth.check(given)
+        if auth.limited:
+            auth.admit(api_key, 0)
+
+    return authorize

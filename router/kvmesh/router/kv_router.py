@@ -72,7 +72,11 @@ class KvRouter:
         self.subscriber = KvSubscriber(
             self.scheduler, clock=self.clock, load_interval_ms=load_interval_ms
         )
-        self.peer_sync = PeerLoadSync(self.scheduler, peers, clock=self.clock) if peers else None
+        self.peer_sync = (
+            PeerLoadSync(self.scheduler, peers, clock=self.clock, security=pool.security)
+            if peers
+            else None
+        )
         self._booked: dict[str, WorkerHandle] = {}
         pool.add_listener(self._on_pool_change)
 

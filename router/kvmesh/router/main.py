@@ -13,8 +13,9 @@ from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args, opt
-from kvmesh.runtime.grpcutil import GrpcServer
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +28,13 @@ class RouterServerConfig:
     port: int = opt(0, "router gRPC port; 0 picks a free one")
 
 
-async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
+async def serve_router(
+    config: RouterServerConfig, mesh: MeshConfig, security: MeshSecurity | None = None
+) -> None:
     """Run `kvmesh router` until SIGINT/SIGTERM."""
-    pool, router = build_router(mesh)
+    pool, router = build_router(mesh, security)
     await pool.start()
-    server = GrpcServer(config.host, config.port)
+    server = mesh_server(config.host, config.port, security)
     server.add(
         rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(pool, router), ROUTER_SERVICE
     )
@@ -46,7 +49,8 @@ async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh router`: serve until SIGINT/SIGTERM."""
-    run(serve_router(from_args(RouterServerConfig, ns), from_args(MeshConfig, ns)))
+    security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
+    run(serve_router(from_args(RouterServerConfig, ns), from_args(MeshConfig, ns), security))
     return 0
 
 
@@ -54,6 +58,6 @@ ENTRY = Entry(
     "router",
     "the router as a standalone gRPC service (RouterService)",
     # A router routes itself: it cannot delegate to another one.
-    Flags.of(RouterServerConfig, MeshConfig, skip={"router_address"}),
+    Flags.of(RouterServerConfig, MeshConfig, TlsConfig, skip={"router_address"}),
     main,
 )

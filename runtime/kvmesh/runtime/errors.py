@@ -88,3 +88,21 @@ class DeadlineExceeded(KvmeshError):
     http_status = 504
     code = "timeout"
     reason = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(KvmeshError):
+    """The call carries no valid credentials: no API key or an unknown one, no mesh token or a
+    wrong one (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+    http_status = 401
+    code = "invalid_request_error"
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KvmeshError):
+    """The caller is authenticated but may not call this, e.g. a client certificate whose
+    identity is not one of the mesh's (gRPC PERMISSION_DENIED, HTTP 403)."""
+
+    http_status = 403
+    code = "permission_error"
+    reason = "PERMISSION_DENIED"

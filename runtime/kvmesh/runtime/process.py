@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -91,11 +91,13 @@ class ChildProcess:
     with no SIGCHLD handler. Create it on the loop that waits for it.
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        """Start `argv` with this process's environment plus `env` (e.g. secrets, which a
+        command line would show to every user of the machine)."""
         self.pid = os.posix_spawn(
             argv[0],
             list(argv),
-            os.environ,
+            {**os.environ, **env} if env else os.environ,
             setsid=True,
             setsigmask=(),
             # As subprocess does: Python ignores these, and an ignored signal stays ignored

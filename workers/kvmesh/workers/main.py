@@ -16,8 +16,10 @@ from typing import Any
 
 from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.errors import Unimplemented
+from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.tls import TlsConfig
 from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.config import EngineKind, WorkerConfig
@@ -151,10 +153,13 @@ def build_engine(config: WorkerConfig, ns: argparse.Namespace) -> Engine:
 
 
 async def serve_worker(
-    config: WorkerConfig, ns: argparse.Namespace, ready: Callable[[Worker], None] | None = None
+    config: WorkerConfig,
+    ns: argparse.Namespace,
+    ready: Callable[[Worker], None] | None = None,
+    security: MeshSecurity | None = None,
 ) -> None:
     """Run a worker until SIGINT/SIGTERM."""
-    worker = Worker(config, build_engine(config, ns))
+    worker = Worker(config, build_engine(config, ns), security)
     await worker.start()
     if ready is not None:
         ready(worker)
@@ -164,13 +169,14 @@ async def serve_worker(
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh worker`: serve until SIGINT/SIGTERM."""
-    run(serve_worker(from_args(WorkerConfig, ns), ns))
+    security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
+    run(serve_worker(from_args(WorkerConfig, ns), ns, security=security))
     return 0
 
 
 ENTRY = Entry(
     "worker",
     "a worker process serving one engine (WorkerService)",
-    Flags.of(WorkerConfig, KvTierConfig, *(spec.config for spec in ENGINES.values())),
+    Flags.of(WorkerConfig, KvTierConfig, TlsConfig, *(spec.config for spec in ENGINES.values())),
     main,
 )

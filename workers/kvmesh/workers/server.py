@@ -33,7 +33,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import Instance, Registration, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
-from kvmesh.runtime.grpcutil import GrpcServer, status_of
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server, status_of
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, Role
 from kvmesh.workers.config import WorkerConfig
@@ -360,13 +360,18 @@ class _StreamRequest:
 
 
 class Worker:
-    """A running worker: engine + gRPC server + discovery registration."""
+    """A running worker: engine + gRPC server + discovery registration.
 
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+    `security`: how its server authenticates callers and its ReleaseKvBlocks client itself
+    (mTLS or the mesh token); None: plaintext."""
+
+    def __init__(
+        self, config: WorkerConfig, engine: Engine, security: MeshSecurity | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:12]}"
-        self.releaser = GrpcKvReleaser()
+        self.releaser = GrpcKvReleaser(security=security)
         engine.configure_disaggregation(
             DisaggSettings(
                 role=config.role,
@@ -376,7 +381,7 @@ class Worker:
             )
         )
         self.servicer = WorkerServicer(engine, self.worker_id)
-        self.server = GrpcServer(config.host, config.port)
+        self.server = mesh_server(config.host, config.port, security)
         self.server.add(wpb_grpc.add_WorkerServiceServicer_to_server, self.servicer, WORKER_SERVICE)
         self._registration: Registration | None = None
 

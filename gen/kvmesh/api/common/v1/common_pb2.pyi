@@ -206,6 +206,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The request was cancelled (CANCELLED)."""
     ERROR_REASON_DEADLINE_EXCEEDED: _ErrorReason.ValueType  # 9
     """A deadline passed (DEADLINE_EXCEEDED)."""
+    ERROR_REASON_UNAUTHENTICATED: _ErrorReason.ValueType  # 10
+    """The call carries no credentials, or ones that are not valid: no mesh token or a wrong one,
+    no API key or an unknown one (UNAUTHENTICATED).
+    """
+    ERROR_REASON_PERMISSION_DENIED: _ErrorReason.ValueType  # 11
+    """The caller is authenticated but not allowed to call this: a client certificate whose
+    identity is not one of the mesh's (PERMISSION_DENIED).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The kind of an error, for callers that need more than its gRPC status code. Every error a
@@ -241,6 +249,14 @@ ERROR_REASON_CANCELLED: ErrorReason.ValueType  # 8
 """The request was cancelled (CANCELLED)."""
 ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 9
 """A deadline passed (DEADLINE_EXCEEDED)."""
+ERROR_REASON_UNAUTHENTICATED: ErrorReason.ValueType  # 10
+"""The call carries no credentials, or ones that are not valid: no mesh token or a wrong one,
+no API key or an unknown one (UNAUTHENTICATED).
+"""
+ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 11
+"""The caller is authenticated but not allowed to call this: a client certificate whose
+identity is not one of the mesh's (PERMISSION_DENIED).
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
