@@ -29,7 +29,8 @@ workloads' cells is scored on the held-out one. Score of a cell: geometric mean 
 p99, each relative to round-robin's in the same cell (lower is better).
 
 Usage (from the repository root; Dynamo optional; results are appended, so a run resumes):
-    .venv/bin/python tests/benchmarks/routing_matrix.py                  # the matrix (~1 h here)
+    .venv/bin/python tests/benchmarks/routing_matrix.py --workers 4      # ~20 min a policy here
+    .venv/bin/python tests/benchmarks/routing_matrix.py                  # 2-16 workers: hours
     .venv/bin/python tests/benchmarks/routing_matrix.py --cv             # choose the defaults
     .venv/bin/python tests/benchmarks/routing_matrix.py --quick          # 2 workloads x 4 workers
   --jobs N: simulations in parallel (default 2); --out DIR (default .cache/routing_matrix).
