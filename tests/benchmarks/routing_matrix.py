@@ -18,8 +18,8 @@ Cells: every workload x arrival x workers x load of the lists below.
 Per cell and policy: TTFT mean and p99, ITL p99, prefix reuse (prompt tokens served from cache),
 load imbalance (requests on the busiest worker / mean) and, for kvmesh, busy-time imbalance.
 
-Policies: `kv` (kvmesh's default KV routing: the ttft policy with its defaults), `kv-cost`
-(the previous linear cost), `round-robin`; Dynamo's `kv_router` and `round_robin` (median of 3
+Policies: `kv` (KV routing with the ttft policy and its defaults), `kv-cost` (the linear
+cost, kvmesh's default), `round-robin`; Dynamo's `kv_router` and `round_robin` (median of 3
 runs: its KV router is not deterministic) when its venv exists (--dynamo-python).
 
 `--cv` chooses the ttft policy's ITL-penalty defaults by leave-one-workload-out cross-validation

@@ -83,13 +83,16 @@ def cache(sched: KvScheduler, worker: str, tokens: list[int]) -> None:
 
 
 def make(n: int = 2, **cfg: float) -> KvScheduler:
-    sched = KvScheduler(KvRouterConfig(**cfg), router_id="r")  # type: ignore[arg-type]
+    """A ttft-policy scheduler (the default policy is still the linear cost)."""
+    config = KvRouterConfig(policy=KvPolicyKind.TTFT, **cfg)  # type: ignore[arg-type]
+    sched = KvScheduler(config, router_id="r")
     for i in range(n):
         sched.add_worker(f"w{i}", block_size=BS, kv_total_blocks=65536, max_num_seqs=4)
     return sched
 
 
-def test_ttft_is_the_default_and_scores_are_predicted_ms() -> None:
+def test_ttft_scores_are_predicted_ms() -> None:
+    assert KvRouterConfig().policy is KvPolicyKind.COST  # ttft is opt-in (README)
     sched = make()
     assert sched.config.policy is KvPolicyKind.TTFT
     prompt = list(range(1600))

@@ -69,9 +69,10 @@ class KvPolicyKind(enum.Enum):
     """How KvScheduler scores workers."""
 
     TTFT = "ttft"
-    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor): the default."""
+    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in until
+    it is at or below Dynamo's KV router across the routing matrix (README)."""
     COST = "cost"
-    """The linear cost over blocks to prefill and blocks decoding (cost_score)."""
+    """The linear cost over blocks to prefill and blocks decoding (cost_score): the default."""
 
 
 @dataclass
@@ -80,7 +81,7 @@ class KvPolicyFlags:
     `kvmesh replay` (ReplayConfig)."""
 
     router_policy: KvPolicyKind = opt(
-        KvPolicyKind.TTFT,
+        KvPolicyKind.COST,
         "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
         "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
     )

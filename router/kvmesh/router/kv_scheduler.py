@@ -116,7 +116,7 @@ class KvRouterConfig:
     instead of being corrected away."""
     seed: int = 0
     """Seed of tie-breaking and sampling."""
-    policy: KvPolicyKind = KvPolicyKind.TTFT
+    policy: KvPolicyKind = KvPolicyKind.COST
     """How workers are scored (kvmesh.router.kv_policy): predicted TTFT, or the linear cost."""
     itl_weight: float = DEFAULT_ITL_WEIGHT
     """ttft: weight of the ITL penalty: the request's expected output tokens times the ms of
