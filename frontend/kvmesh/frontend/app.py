@@ -45,6 +45,8 @@ from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, 
 from kvmesh.frontend.errors import error_body, error_from_exception, error_payload
 from kvmesh.frontend.kserve_http import KSERVE_ROUTES, KServeRoutes
 from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvmesh.frontend.metrics import error_type
+from kvmesh.frontend.observe import X_REQUEST_ID, Observed, observe_http
 from kvmesh.frontend.openapi import JSON, SSE, Reply, Route, openapi_document
 from kvmesh.frontend.protocol import (
     DONE_EVENT,
@@ -211,7 +213,12 @@ class _Routes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(
-            request, CHAT_PATH, parse_chat_request, self.service.chat_completion, ChatChunkEncoder
+            request,
+            CHAT_PATH,
+            parse_chat_request,
+            self.service.chat_completion,
+            ChatChunkEncoder,
+            "chat",
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -221,7 +228,11 @@ class _Routes:
             parse_completion_request,
             self.service.completion,
             TextChunkEncoder,
+            "text_completion",
         )
+
+    def _observed(self, request: web.Request, route: str) -> Observed:
+        return observe_http(self.service, request, _ENDPOINTS[route])
 
     async def _generate(
         self,
@@ -230,24 +241,24 @@ class _Routes:
         parse: Callable[[bytes], Req],
         call: Callable[[Req, TraceContext | None], Awaitable[CompletionStream | CompletionResult]],
         encoder_cls: type[ChatChunkEncoder] | type[TextChunkEncoder],
+        operation: str,
     ) -> web.StreamResponse:
+        obs = self._observed(request, endpoint)
         try:
             parsed = parse(await request.read())
-            headers = request.headers
-            traceparent = headers.get("traceparent")
-            trace = (
-                TraceContext.from_headers(traceparent, headers.get("tracestate"))
-                if traceparent
-                else None
-            )
-            result = await call(parsed, trace)
+            obs.request(parsed.model, parsed.options, operation, stream=parsed.stream)
+            result = await call(parsed, obs.context)
         except web.HTTPException as exc:
-            return self._http_error(endpoint, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(endpoint, exc)
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
         if isinstance(result, CompletionResult):
-            self.metrics.request_done(endpoint, 200)
-            return _json_response(200, encode_result(result))
+            obs.result(result)
+            obs.done(200)
+            return _json_response(200, encode_result(result), _request_id(obs))
         if result.parsed and encoder_cls is ChatChunkEncoder:
             encoder_cls = ParsedChatChunkEncoder
         encoder = encoder_cls(
@@ -257,18 +268,22 @@ class _Routes:
             include_usage=parsed.include_usage,
             system_fingerprint=result.system_fingerprint,
         )
-        return await self._stream(request, endpoint, result, encoder, parsed.include_usage)
+        return await self._stream(request, obs, result, encoder, parsed.include_usage)
 
     async def _stream(
         self,
         request: web.Request,
-        endpoint: str,
+        obs: Observed,
         stream: CompletionStream,
         encoder: ChatChunkEncoder | TextChunkEncoder,
         include_usage: bool,
     ) -> web.StreamResponse:
         resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        if obs.request_id:
+            resp.headers[X_REQUEST_ID] = obs.request_id
         status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
         events: _EventWriter | None = None
         task = asyncio.current_task()
         if task is not None:
@@ -283,6 +298,7 @@ class _Routes:
             async for delta in stream:
                 data = encode(delta)
                 if delta.finish_reason is not None:
+                    finish_reasons.append(delta.finish_reason)
                     remaining -= 1
                     if remaining == 0:
                         tail = data  # coalesced with [DONE] below
@@ -294,8 +310,8 @@ class _Routes:
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
-            _status, payload = error_from_exception(exc)
-            self.metrics.error(str(payload["error"]["type"]))
+            failed, payload = error_from_exception(exc)
+            error = error_type(failed)
             pending = events.take() if events is not None else b""
             try:
                 await resp.write_eof(pending + encode_error_event(payload))
@@ -304,46 +320,51 @@ class _Routes:
         except asyncio.CancelledError:
             aborting = self.aborting
             if aborting is not None and events is not None:  # cut by abort_streams
-                self.metrics.error(str(aborting["error"]["type"]))
                 events.write_final(encode_error_event(aborting))
-            self.metrics.request_done(endpoint, _CLIENT_CLOSED)
+            obs.done(503 if aborting is not None else _CLIENT_CLOSED)
             raise
         finally:
             if task is not None:
                 self.streams.discard(task)
             await stream.aclose()
-        self.metrics.request_done(endpoint, status)
+        obs.streamed(stream, finish_reasons)
+        obs.done(status, error=error if status == 200 else None)
         return resp
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        obs = self._observed(request, EMBEDDINGS_PATH)
         try:
             parsed = parse_embedding_request(await request.read())
-            headers = request.headers
-            trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
-            result = await self.service.embeddings(parsed, trace)
+            obs.request(parsed.model, None, "embeddings", stream=False)
+            result = await self.service.embeddings(parsed, obs.context)
         except web.HTTPException as exc:
-            return self._http_error(EMBEDDINGS_PATH, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(EMBEDDINGS_PATH, exc)
-        self.metrics.request_done(EMBEDDINGS_PATH, 200)
-        return _json_response(200, encode_embeddings(result, parsed.encoding_format))
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        body = encode_embeddings(result, parsed.encoding_format)
+        return _json_response(200, body, _request_id(obs))
 
     # -- errors ----------------------------------------------------------------------------
 
-    def _error(self, endpoint: str, exc: Exception) -> web.Response:
+    def _error(self, obs: Observed, exc: Exception) -> web.Response:
         status, payload = error_from_exception(exc)
-        self.metrics.error(str(payload["error"]["type"]))
-        self.metrics.request_done(endpoint, status)
-        return _json_response(status, orjson.dumps(payload), retry_after_header(status, exc))
+        obs.done(status)
+        headers = _request_id(obs) or {}
+        headers.update(retry_after_header(status, exc) or {})
+        return _json_response(status, orjson.dumps(payload), headers or None)
 
-    def _http_error(self, endpoint: str, exc: web.HTTPException) -> web.Response:
+    def _http_error(self, obs: Observed, exc: web.HTTPException) -> web.Response:
         status = exc.status
         if status == 413:
             message = f"request body too large (limit {self._max_bytes()} bytes)"
         else:
             message = exc.reason
-        self.metrics.request_done(endpoint, status)
-        return _json_response(status, error_body(status, message))
+        obs.done(status)
+        return _json_response(status, error_body(status, message), _request_id(obs))
 
     def _max_bytes(self) -> int:
         return self.service.config.max_request_bytes
@@ -352,7 +373,6 @@ class _Routes:
 
     async def models(self, request: web.Request) -> web.Response:
         body = encode_models(self.service.models(), int(time.time()))
-        self.metrics.request_done("/v1/models", 200)
         return _json_response(200, body)
 
     async def model(self, request: web.Request) -> web.Response:
@@ -395,6 +415,19 @@ class _Routes:
 
     async def not_found(self, request: web.Request) -> web.Response:
         return _json_response(404, error_body(404, f"no route for {request.path}"))
+
+
+_ENDPOINTS = {
+    CHAT_PATH: "chat_completions",
+    COMPLETIONS_PATH: "completions",
+    EMBEDDINGS_PATH: "embeddings",
+}
+"""The metrics' endpoint label of each OpenAI route (Dynamo's values)."""
+
+
+def _request_id(obs: Observed) -> dict[str, str] | None:
+    """The x-request-id response header (the client's), if it sent one."""
+    return {X_REQUEST_ID: obs.request_id} if obs.request_id else None
 
 
 def _allowed_methods(request: web.Request) -> list[str]:
@@ -535,7 +568,7 @@ def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIS
                 request[_RATE_HEADERS] = auth.admit(key, tokens)
         except KvmeshError as exc:
             status, payload = error_from_exception(exc)
-            service.metrics.request_done(endpoint, status)
+            observe_http(service, request, endpoint).done(status)  # counted and traced
             headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             if status == 429:
                 headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}

@@ -24,7 +24,8 @@ from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.process import Entry, GlobalConfig, run, wait_for_signal
+from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
 from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, TlsConfig, TlsError, TlsFiles
 from kvmesh.runtime.types import ModelInfo
 
@@ -50,11 +51,25 @@ def gateway_tls(config: FrontendConfig) -> ReloadingTls | None:
 
 
 async def serve_frontend(
-    config: FrontendConfig, mesh: MeshConfig, security: MeshSecurity | None = None
+    config: FrontendConfig,
+    mesh: MeshConfig,
+    security: MeshSecurity | None = None,
+    tracing: TracingConfig | None = None,
+    log_content: bool = False,
 ) -> bool:
     """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop (a second signal, or
     `drain_timeout_s`, ends the streams still open with an error event); whether every request
-    finished."""
+    finished (tracing: see kvmesh.runtime.telemetry; `log_content`: log prompts and outputs)."""
+    setup_tracing(tracing or TracingConfig(), "frontend")
+    try:
+        return await _serve(config, mesh, security, log_content)
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(
+    config: FrontendConfig, mesh: MeshConfig, security: MeshSecurity | None, log_content: bool
+) -> bool:
     # Imported here, not at the top: every `kvmesh` command reads ENTRY to build its parser,
     # and only the frontend needs the gateway (aiohttp app, tokenizers, chat templates).
     from kvmesh.frontend.app import abort_streams, build_app, serve_http
@@ -86,6 +101,7 @@ async def serve_frontend(
     await pool.start()
     backend = MeshBackend(pool, router, configured, disagg=mesh)
     service = OpenAIService(backend, tokenizers, config)
+    service.log_content = log_content
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
@@ -157,7 +173,13 @@ def main(ns: argparse.Namespace) -> int:
     requests short."""
     security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
     drained = run(
-        serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns), security)
+        serve_frontend(
+            from_args(FrontendConfig, ns),
+            from_args(MeshConfig, ns),
+            security,
+            from_args(TracingConfig, ns),
+            from_args(GlobalConfig, ns).log_content,
+        )
     )
     return 0 if drained else 1
 
@@ -165,6 +187,6 @@ def main(ns: argparse.Namespace) -> int:
 ENTRY = Entry(
     "frontend",
     "OpenAI HTTP gateway and KServe v2 front doors (REST; gRPC with --kserve-grpc-port)",
-    Flags.of(FrontendConfig, MeshConfig, TlsConfig),
+    Flags.of(FrontendConfig, MeshConfig, TlsConfig, TracingConfig),
     main,
 )

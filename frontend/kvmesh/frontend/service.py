@@ -39,6 +39,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import logging
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -72,6 +73,7 @@ from kvmesh.frontend.reasoning import (
 )
 from kvmesh.frontend.tokenizer import Tokenizer, TokenizerRegistry
 from kvmesh.frontend.tool_parsers import (
+    TOOL_PARSERS,
     JsonListParser,
     NamedToolCallStream,
     ToolCallStream,
@@ -89,6 +91,7 @@ from kvmesh.runtime.errors import (
     Unavailable,
     Unimplemented,
 )
+from kvmesh.runtime.telemetry import tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -103,6 +106,8 @@ from kvmesh.runtime.types import (
 )
 
 __all__ = ["CompletionStream", "OpenAIService"]
+
+log = logging.getLogger(__name__)
 
 _FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 _perf = time.perf_counter
@@ -296,21 +301,31 @@ async def _encode(
 
 
 class _InflightSlot:
-    """Releases a request's in-flight count exactly once."""
+    """A request's in-flight (and, until its first token, queued) count, released exactly
+    once."""
 
-    __slots__ = ("_metrics", "_released", "_service")
+    __slots__ = ("_metrics", "_queued", "_released", "_service")
 
     def __init__(self, service: OpenAIService, metrics: ModelMetrics) -> None:
         self._service = service
         self._metrics = metrics
         self._released = False
+        self._queued = True
         service._inflight += 1
         metrics.inflight += 1
+        metrics.queued += 1
+
+    def first_token(self) -> None:
+        """The request is no longer waiting for its first token."""
+        if self._queued:
+            self._queued = False
+            self._metrics.queued -= 1
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        self.first_token()
         self._metrics.inflight -= 1
         service = self._service
         service._inflight -= 1
@@ -359,6 +374,8 @@ class OpenAIService:
         self._tool_parsers: dict[str, type[ToolParser] | None] = {}
         self._reasoning_parsers: dict[str, ReasoningParser | None] = {}
         self._fingerprints: dict[tuple[str, str, str], str] = {}
+        self.log_content = False
+        """Log each request's prompt and output text (`--log-content`; off: never)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -424,10 +441,14 @@ class OpenAIService:
 
         Raises kvmesh.runtime.errors exceptions before anything is streamed (see the module
         docstring).
-        `trace`: the caller's context (the service makes a child span for the backend).
+        `trace`: the context of the caller's (server) span: the preprocess span and the backend's
+        spans are its children.
         """
         start = _perf()
         info, tok = await self._resolve(request.model)
+        recording = trace is not None and trace.sampled and tracer().enabled
+        began = time.time_ns() if recording else 0
+        resolved = _perf()
         messages = [m.to_template() for m in request.messages]
         prompt = tok.apply_chat_template(
             messages,
@@ -435,7 +456,13 @@ class OpenAIService:
             add_generation_prompt=request.add_generation_prompt,
             template_kwargs=request.chat_template_kwargs,
         )
+        templated = _perf()
         ids = await _encode(tok, info, prompt, add_special_tokens=False, param="messages")
+        if recording:
+            assert trace is not None
+            _preprocessed(trace, began, templated - resolved, _perf() - templated, len(ids))
+        if self.log_content:
+            log.info("chat prompt (%d tokens): %r", len(ids), prompt)
         options, parsers = self._chat_output(request, info, tok, prompt)
         return await self._start(
             "chat",
@@ -458,6 +485,9 @@ class OpenAIService:
         """Run a text completion (one or several prompts x n choices); see chat_completion."""
         start = _perf()
         info, tok = await self._resolve(request.model)
+        recording = trace is not None and trace.sampled and tracer().enabled
+        began = time.time_ns() if recording else 0
+        resolved = _perf()
         prompts: list[list[int]] = []
         echoes: list[str] | None = [] if request.echo else None
         for prompt in request.prompts:
@@ -477,6 +507,11 @@ class OpenAIService:
                 prompts.append(prompt)
                 if echoes is not None:
                     echoes.append(tok.decode(prompt, skip_special_tokens=False))
+        if recording:
+            assert trace is not None
+            _preprocessed(trace, began, 0.0, _perf() - resolved, sum(len(p) for p in prompts))
+        if self.log_content:
+            log.info("completion prompts: %r", request.prompts)
         max_tokens = request.options.max_tokens
         if max_tokens is None:
             max_tokens = self.config.default_completion_max_tokens
@@ -535,7 +570,7 @@ class OpenAIService:
                     f"input has {len(ids)} tokens.",
                     param="input",
                 )
-        span = trace.child() if trace is not None else TraceContext.new()
+        span = trace if trace is not None else TraceContext.new()
         slot = _InflightSlot(self, self.metrics.model(info.served_model_name))
         try:
             vectors = await backend.embed(request.model, prompts, span)
@@ -600,7 +635,7 @@ class OpenAIService:
                 )
             what = f"tool_choice {choice.name or choice.mode!r}"
             self._require_guided(info, request.model, "tool_choice", what)
-            schema = _tool_schema(tools, choice.name)
+            schema = _tool_schema(tools, choice.name, request.parallel_tool_calls)
             options = _with(
                 options, guided=GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(schema))
             )
@@ -620,7 +655,7 @@ class OpenAIService:
                 raise InvalidRequest(
                     f"tool calling is not set up for model `{request.model}`: its chat template "
                     "names no known tool-call format; start the frontend with "
-                    "--tool-call-parser (hermes, llama3_json, mistral or pythonic)",
+                    f"--tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})",
                     param="tools",
                 )
             names = [n for n in (tool_name(t) for t in tools) if n is not None]
@@ -632,6 +667,8 @@ class OpenAIService:
                 options = _with(options, skip_special_tokens=False)
         if options.guided is not None and options.guided_param != "tool_choice":
             self._require_guided(info, request.model, options.guided_param, "structured output")
+        if reasoning is not None and reasoning.needs_special_tokens and options.skip_special_tokens:
+            options = _with(options, skip_special_tokens=False)
         if reasoning is None and make_tools is None:
             return options, None
         return options, lambda: _OutputParser(
@@ -715,7 +752,7 @@ class OpenAIService:
         self._check(tok, info, prompts, options, max_tokens)
         mm = self.metrics.model(info.served_model_name)
         request_id = self._new_id(kind)
-        span = trace.child() if trace is not None else TraceContext.new()
+        span = trace if trace is not None else TraceContext.new()
         n = options.n
         total = len(prompts) * n
         choices: list[_Choice] = []
@@ -766,6 +803,7 @@ class OpenAIService:
                         )
                     )
             await self._prime(choices)
+            slot.first_token()
         except BaseException:
             for ch in choices:
                 await _close(ch.iterator)
@@ -878,6 +916,7 @@ class OpenAIService:
         want_ids = ch.token_ids
         last = start
         first_token = True
+        texts: list[str] | None = [] if self.log_content else None
         try:
             if ch.echo:
                 yield ChoiceDelta(index, ch.echo)
@@ -917,13 +956,16 @@ class OpenAIService:
                 logprobs = (
                     _logprob_infos(tok, out.logprobs) if ch.logprobs and out.logprobs else None
                 )
+                if texts is not None:
+                    texts.append(text)
+                if reason is not None:
+                    ch.finish_reason = reason  # before the yield: a consumer may stop there
                 if want_ids:
                     if text or reason is not None or logprobs or ids:
                         yield ChoiceDelta(index, text, reason, logprobs, list(ids))
                 elif text or reason is not None or logprobs:
                     yield ChoiceDelta(index, text, reason, logprobs)
                 if reason is not None:
-                    ch.finish_reason = reason
                     return
                 try:
                     out = await next_output()
@@ -933,8 +975,31 @@ class OpenAIService:
                     ) from None
         finally:
             mm.osl.observe(ch.completion_tokens)
+            mm.output_tokens += ch.completion_tokens
+            final = ch.final
+            if final is not None and final.usage is not None:
+                mm.cached.observe(final.usage.cached_tokens)
             mm.duration.observe(_perf() - start)
+            if texts is not None:
+                log.info("choice %d output (%s): %r", index, ch.finish_reason, "".join(texts))
             await _close(iterator)
+
+
+def _preprocessed(
+    trace: TraceContext, began_ns: int, template_s: float, tokenize_s: float, tokens: int
+) -> None:
+    """Record the `preprocess` span (chat template, tokenization), a child of `trace`."""
+    span = tracer().start(
+        "preprocess",
+        trace,
+        attributes={
+            "kvmesh.preprocess.template_ms": template_s * 1000.0,
+            "kvmesh.preprocess.tokenize_ms": tokenize_s * 1000.0,
+            "gen_ai.usage.input_tokens": tokens,
+        },
+        start_ns=began_ns,
+    )
+    span.end()
 
 
 class _OutputParser:
@@ -1012,9 +1077,14 @@ def _tool_parameters(tool: Mapping[str, Any]) -> Any:
     return params if isinstance(params, (dict, bool)) else {"type": "object"}
 
 
-def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[str, Any]:
+def _tool_schema(
+    tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool = True
+) -> dict[str, Any]:
     """JSON Schema forcing a tool call: the named function's arguments, or (tool_choice
-    "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them."""
+    "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them, with
+    no other keys (as xgrammar's strict mode, vLLM's default, enforces: a grammar that allows
+    extra keys lets a model write them instead of ending the call); one call at most when
+    `parallel` (parallel_tool_calls) is false."""
     if name is not None:
         for tool in tools:
             if tool_name(tool) == name:
@@ -1027,11 +1097,19 @@ def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[s
                 "parameters": _tool_parameters(tool),
             },
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         }
         for tool in tools
         if (function := tool_name(tool)) is not None
     ]
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": variants},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def _with(options: GenerationOptions, **changes: Any) -> GenerationOptions:

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +39,7 @@ from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import error_from_rpc
+from kvmesh.runtime.telemetry import tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -212,13 +213,23 @@ class DisaggStats:
 class _Progress:
     """What one request produced so far, over every worker it ran on."""
 
-    __slots__ = ("admitted", "generated", "migrations", "prompt_tokens", "resumed", "worker")
+    __slots__ = (
+        "admitted",
+        "generated",
+        "migration",
+        "migrations",
+        "prompt_tokens",
+        "resumed",
+        "worker",
+    )
 
     def __init__(self, request: EngineRequest) -> None:
         self.prompt_tokens = len(request.prompt)
         self.generated: list[int] = []
         """Output tokens delivered to the consumer."""
         self.migrations = 0
+        self.migration: tuple[MigrationReason, str] | None = None
+        """The last move: why, and from which worker."""
         self.resumed = False
         """An attempt continued after earlier output (usage is then recounted)."""
         self.admitted = False
@@ -344,6 +355,7 @@ class MeshBackend:
             )
             return False
         progress.migrations += 1
+        progress.migration = (reason, worker.worker_id)
         exclude.append(worker.worker_id)
         self.stats.migrations[reason] += 1
         log.warning(
@@ -363,24 +375,35 @@ class MeshBackend:
         model: str,
         prompt: Sequence[int],
         request: EngineRequest,
+        trace: TraceContext | None,
         progress: _Progress,
         *,
         exclude: Sequence[str] = (),
         role: Role | None = None,
     ) -> RouteDecision:
         """Admit the request (or, once admitted, re-admit it at the head of the queue) and book a
-        worker for it."""
+        worker for it (a `route` span; after a migration it says why and from where)."""
         progress.worker = None
+        moved: dict[str, str | bool | int | float | list[str]] = {}
+        if progress.migration is not None:
+            reason, source = progress.migration
+            moved = {
+                "kvmesh.migration.reason": reason.value,
+                "kvmesh.migration.from_worker_id": source,
+                "kvmesh.migration.count": progress.migrations,
+                "kvmesh.migration.resumed_tokens": len(progress.generated),
+            }
 
         def route() -> Awaitable[RouteDecision]:
-            return self.router.route(
+            return self._traced_route(
                 model,
                 prompt,
+                request,
+                trace,
                 request.request_id,
-                lora_name=request.lora_name,
                 exclude=exclude,
                 role=role,
-                expected_output_tokens=request.stop.max_tokens or 0,
+                attributes=moved,
             )
 
         admitted = progress.admitted
@@ -423,7 +446,9 @@ class MeshBackend:
                 )
                 return
         prompt = [*request.prompt, *done] if done else request.prompt
-        decision = await self._route(model, prompt, request, progress, exclude=exclude, role=role)
+        decision = await self._route(
+            model, prompt, request, trace, progress, exclude=exclude, role=role
+        )
         try:
             attempt = resume_request(request, done, decision.worker.info)
             if attempt is None:
@@ -452,12 +477,12 @@ class MeshBackend:
         *,
         first_token: bool,
     ) -> AsyncGenerator[EngineOutput, None]:
-        """Stream `request` from `worker`; `first_token`: tell the router when it arrives."""
-        child = trace.child() if trace is not None else None
+        """Stream `request` from `worker`; `first_token`: tell the router when it arrives.
+        The worker's spans are children of `trace` (the gateway's span)."""
         limit = self.config.max_buffered_outputs
         stream = worker.session.generate(
             wire.request_to_pb(request),
-            child,
+            trace,
             max_buffered=limit,
             pausable=bool(limit) and resume_request(request, [0], worker.info) is not None,
             on_stop=self._paused,
@@ -497,7 +522,9 @@ class MeshBackend:
         progress: _Progress,
     ) -> AsyncGenerator[EngineOutput, None]:
         rid = request.request_id
-        decision = await self._route(model, request.prompt, request, progress, role=Role.DECODE)
+        decision = await self._route(
+            model, request.prompt, request, trace, progress, role=Role.DECODE
+        )
         decode = decision.worker
         try:
             reason = self._local_reason(model, request, decode, decision.overlap_blocks)
@@ -564,18 +591,17 @@ class MeshBackend:
         Errors the decode worker would raise too (invalid request) propagate."""
         prid = f"{request.request_id}/prefill"
         try:
-            decision = await self.router.route(
-                model, request.prompt, prid, lora_name=request.lora_name, role=Role.PREFILL
+            decision = await self._traced_route(
+                model, request.prompt, request, trace, prid, role=Role.PREFILL
             )
         except Unavailable:
             return None, LocalPrefill.PREFILL_SATURATED
         worker = decision.worker
-        child = trace.child() if trace is not None else None
         try:
             resp = await worker.stub.PrefillRemote(
                 wire.prefill_request_to_pb(request, decode.worker_id),
                 timeout=self.disagg.disagg_prefill_timeout_s,
-                metadata=child.grpc_metadata() if child is not None else None,
+                metadata=trace.grpc_metadata() if trace is not None else None,
             )
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
@@ -593,6 +619,57 @@ class MeshBackend:
         finally:
             self.router.finished(prid)
         return (wire.prefill_result_from_pb(resp), worker), None
+
+    async def _traced_route(
+        self,
+        model: str,
+        prompt: Sequence[int],
+        request: EngineRequest,
+        trace: TraceContext | None,
+        request_id: str,
+        *,
+        role: Role | None = None,
+        exclude: Sequence[str] = (),
+        attributes: Mapping[str, str | bool | int | float | list[str]] | None = None,
+    ) -> RouteDecision:
+        """The router's choice for `prompt` of `request` (booked under `request_id`), recorded
+        as a `route` span (chosen worker, overlap, cost, policy, and `attributes`) when the trace
+        is sampled."""
+        route = self.router.route(
+            model,
+            prompt,
+            request_id,
+            lora_name=request.lora_name,
+            exclude=exclude,
+            role=role,
+            expected_output_tokens=0 if role is Role.PREFILL else request.stop.max_tokens or 0,
+        )
+        t = tracer()
+        if trace is None or not trace.sampled or not t.enabled:
+            return await route
+        span = t.start("route", trace)
+        if attributes:
+            span.update(attributes)
+        try:
+            decision = await route
+        except BaseException as exc:
+            span.error(type(exc).__name__, str(exc))
+            span.end()
+            raise
+        span.update(
+            {
+                "kvmesh.request_id": request.request_id,
+                "kvmesh.route.worker_id": decision.worker.worker_id,
+                "kvmesh.route.role": decision.worker.info.role.value,
+                "kvmesh.route.overlap_blocks": decision.overlap_blocks,
+                "kvmesh.route.prompt_blocks": decision.prompt_blocks,
+                "kvmesh.route.cost": decision.cost,
+                "kvmesh.route.policy": decision.policy,
+                "kvmesh.route.overhead_us": decision.routing_overhead_s * 1e6,
+            }
+        )
+        span.end()
+        return decision
 
     def _release_later(self, worker: WorkerHandle, transfer_id: str) -> None:
         async def release() -> None:

@@ -25,7 +25,7 @@ from kvmesh.router.kv_scheduler import (
 )
 from kvmesh.router.kv_subscriber import KvSubscriber, PeerLoadSync
 from kvmesh.router.pool import WorkerHandle, WorkerPool
-from kvmesh.router.routing import RouteDecision, RoutingStats, pick_candidates
+from kvmesh.router.routing import RouteDecision, RouterMode, RoutingStats, pick_candidates
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.types import Role
 
@@ -68,7 +68,7 @@ class KvRouter:
         self.clock: Clock = clock if clock is not None else RealClock()
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.scheduler = KvScheduler(config, router_id=self.router_id)
-        self.stats = RoutingStats()
+        self.stats = RoutingStats(policy=RouterMode.KV.value)
         self.subscriber = KvSubscriber(
             self.scheduler, clock=self.clock, load_interval_ms=load_interval_ms
         )
@@ -115,7 +115,13 @@ class KvRouter:
         by_id = {h.worker_id: h for h in handles}
         sched = self.scheduler
         now = self.clock.now()
-        selection = sched.select(token_ids, now, candidates=by_id, lora_name=lora_name)
+        selection = sched.select(
+            token_ids,
+            now,
+            candidates=by_id,
+            lora_name=lora_name,
+            expected_output_tokens=expected_output_tokens,
+        )
         sched.book(request_id, selection, now, expected_output_tokens=expected_output_tokens)
         chosen = by_id[selection.worker_id]
         previous = self._booked.pop(request_id, None)
@@ -126,7 +132,12 @@ class KvRouter:
         overhead = time.perf_counter() - t0
         self.stats.observe(overhead, selection.overlap_blocks, selection.prompt_blocks)
         return RouteDecision(
-            chosen, selection.overlap_blocks, selection.prompt_blocks, routing_overhead_s=overhead
+            chosen,
+            selection.overlap_blocks,
+            selection.prompt_blocks,
+            routing_overhead_s=overhead,
+            cost=selection.cost,
+            policy=RouterMode.KV.value,
         )
 
     def first_token(self, request_id: str) -> None:

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvmesh.runtime.kv_events import KvTier
+from kvmesh.runtime.tracing import TraceContext
 
 
 class FinishReason(enum.Enum):
@@ -229,6 +230,9 @@ class EngineRequest:
     before (on another worker, or before it was paused); the engine continues that output (they
     count as output for penalties and the sampling stream). `stop` counts only what is still to
     generate. Needs the RESUME capability. 0: a new request."""
+    trace: TraceContext | None = None
+    """The caller's span (W3C trace context from gRPC metadata): the engine's spans (queue,
+    prefill, kv_transfer, decode) are its children. None: no trace."""
 
 
 @dataclass(slots=True)
