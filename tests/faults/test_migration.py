@@ -28,6 +28,8 @@ from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import RouterMode, SimpleRouter
 from kvmesh.runtime import errors
 from kvmesh.runtime.discovery import FileDiscovery
+from kvmesh.runtime.telemetry import Protocol, TracingConfig, setup_tracing, shutdown_tracing
+from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -43,6 +45,7 @@ from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.server import Worker
 
 from ..integration.test_worker_contract import make_engine
+from ..otlp_receiver import OtlpReceiver
 from .mesh import start_pool
 
 pytestmark = pytest.mark.integration
@@ -98,12 +101,12 @@ async def crash(w: Worker) -> None:
 
 
 async def collect(
-    backend: MeshBackend, req: EngineRequest
+    backend: MeshBackend, req: EngineRequest, trace: TraceContext | None = None
 ) -> tuple[list[int], list[TokenLogprob], EngineOutput]:
     tokens: list[int] = []
     logprobs: list[TokenLogprob] = []
     final: EngineOutput | None = None
-    async for out in backend.generate("tiny", req, None):
+    async for out in backend.generate("tiny", req, trace):
         tokens += out.token_ids
         logprobs += out.logprobs or []
         if out.finish_reason is not None:
@@ -190,6 +193,53 @@ async def test_the_migration_limit_bounds_moves(mesh: Mesh) -> None:
         assert sum(backend.stats.migrations.values()) == 0
     finally:
         await pool.stop()
+
+
+async def test_a_migration_shows_on_the_trace(mesh: Mesh) -> None:
+    """The attempt after a migration routes again: its `route` span (a child of the caller's,
+    as the first one) says why the request moved, from which worker and after how many tokens."""
+    receiver = OtlpReceiver().start()
+    config = TracingConfig(otel_endpoint=receiver.endpoint, otel_protocol=Protocol.GRPC)
+    t = setup_tracing(config, "frontend")
+    parent = TraceContext.parse_traceparent(
+        "00-5af7183fb1d4cf5f21b34b2b1c9e4a01-00f067aa0ba902b7-01"
+    )
+    assert parent is not None
+    pool = None
+    try:
+        for i in range(2):
+            await mesh.add(f"w{i}", speedup=2.0)
+        pool = await pool_of(mesh, 2)
+        backend = MeshBackend(pool, SimpleRouter(pool, RouterMode.ROUND_ROBIN))
+        task = asyncio.create_task(collect(backend, request(3), parent))
+        victim = None
+        async with asyncio.timeout(30):
+            while victim is None:
+                victim = next((w for w in mesh.workers if w.engine.load().num_running), None)
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # mid-stream
+        await crash(victim)
+        tokens, _, _ = await asyncio.wait_for(task, 60)
+        assert len(tokens) == OUTPUT
+        assert t.flush()
+        routes = [s for s in receiver.spans(parent.trace_id) if s.name == "route"]
+        assert len(routes) == 2, routes
+        first, second = sorted(routes, key=lambda s: s.start_ns)
+        assert {first.parent_span_id, second.parent_span_id} == {parent.span_id}
+        assert "kvmesh.migration.reason" not in first.attributes
+        assert first.attributes["kvmesh.route.worker_id"] == victim.config.worker_id
+        moved = second.attributes
+        assert moved["kvmesh.migration.reason"] == MigrationReason.STREAM_LOST.value
+        assert moved["kvmesh.migration.from_worker_id"] == victim.config.worker_id
+        assert moved["kvmesh.route.worker_id"] != victim.config.worker_id
+        assert moved["kvmesh.migration.count"] == 1
+        assert 0 < moved["kvmesh.migration.resumed_tokens"] < OUTPUT
+    finally:
+        if pool is not None:
+            await pool.stop()
+        shutdown_tracing()
+        setup_tracing(TracingConfig(), "test")  # back to off
+        receiver.stop()
 
 
 def test_what_can_be_resumed() -> None:
