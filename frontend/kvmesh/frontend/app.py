@@ -31,6 +31,20 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
+from kvmesh.frontend.anthropic_api import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    CreateMessageRequest,
+    MessageResponse,
+    MessageStreamEncoder,
+    anthropic_error_body,
+    encode_count,
+    encode_message,
+    error_event,
+    parse_count_tokens_request,
+    parse_message_request,
+)
 from kvmesh.frontend.auth import GatewayAuth, estimate_tokens
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
@@ -76,6 +90,8 @@ CONFIG_KEY = web.AppKey("kvmesh_frontend_config", FrontendConfig)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _SSE_HEADERS = {"Content-Type": SSE, "Cache-Control": "no-cache"}
 _CLIENT_CLOSED = 499
 
@@ -197,14 +213,7 @@ class _Routes:
     ) -> web.StreamResponse:
         try:
             parsed = parse(await request.read())
-            headers = request.headers
-            traceparent = headers.get("traceparent")
-            trace = (
-                TraceContext.from_headers(traceparent, headers.get("tracestate"))
-                if traceparent
-                else None
-            )
-            result = await call(parsed, trace)
+            result = await call(parsed, _trace(request))
         except web.HTTPException as exc:
             return self._http_error(endpoint, exc)
         except Exception as exc:
@@ -270,12 +279,88 @@ class _Routes:
         self.metrics.request_done(endpoint, status)
         return resp
 
+    # -- the Anthropic Messages API -----------------------------------------------------------
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        try:
+            parsed = parse_message_request(await request.read())
+            result = await self.service.chat_completion(parsed, _trace(request))
+        except web.HTTPException as exc:
+            return self._anthropic_error(MESSAGES_PATH, exc.status, self._reason(exc))
+        except Exception as exc:
+            status, payload = error_from_exception(exc)
+            self.metrics.error(str(payload["error"]["type"]))
+            return self._anthropic_error(MESSAGES_PATH, status, str(payload["error"]["message"]))
+        if isinstance(result, CompletionResult):
+            self.metrics.request_done(MESSAGES_PATH, 200)
+            return _json_response(200, encode_message(result))
+        return await self._message_stream(request, result)
+
+    async def _message_stream(
+        self, request: web.Request, stream: CompletionStream
+    ) -> web.StreamResponse:
+        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        status = 200
+        events: _EventWriter | None = None
+        encoder = MessageStreamEncoder()
+        try:
+            writer = await resp.prepare(request)
+            events = _EventWriter(resp, writer)
+            await events.write(encoder.start(stream.id, stream.model, stream.prompt_tokens(0)))
+            tail = b""
+            async for delta in stream:
+                data = encoder.delta(delta)
+                if delta.finish_reason is not None:
+                    tail = data + encoder.finish(
+                        delta.finish_reason, delta.stop_sequence, stream.completion_tokens(0)
+                    )
+                    break
+                if data:
+                    await events.write(data)
+            await resp.write_eof(events.take() + tail)
+        except ConnectionResetError:
+            status = _CLIENT_CLOSED
+        except Exception as exc:
+            err_status, payload = error_from_exception(exc)
+            self.metrics.error(str(payload["error"]["type"]))
+            pending = events.take() if events is not None else b""
+            try:
+                await resp.write_eof(
+                    pending + error_event(err_status, str(payload["error"]["message"]))
+                )
+            except ConnectionResetError:
+                status = _CLIENT_CLOSED
+        except asyncio.CancelledError:
+            self.metrics.request_done(MESSAGES_PATH, _CLIENT_CLOSED)
+            raise
+        finally:
+            await stream.aclose()
+        self.metrics.request_done(MESSAGES_PATH, status)
+        return resp
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            parsed = parse_count_tokens_request(await request.read())
+            tokens = await self.service.count_chat_tokens(parsed)
+        except web.HTTPException as exc:
+            return self._anthropic_error(COUNT_TOKENS_PATH, exc.status, self._reason(exc))
+        except Exception as exc:
+            status, payload = error_from_exception(exc)
+            self.metrics.error(str(payload["error"]["type"]))
+            message = str(payload["error"]["message"])
+            return self._anthropic_error(COUNT_TOKENS_PATH, status, message)
+        self.metrics.request_done(COUNT_TOKENS_PATH, 200)
+        return _json_response(200, encode_count(tokens))
+
+    def _anthropic_error(self, endpoint: str, status: int, message: str) -> web.Response:
+        self.metrics.request_done(endpoint, status)
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        return _json_response(status, anthropic_error_body(status, message), headers)
+
     async def embeddings(self, request: web.Request) -> web.Response:
         try:
             parsed = parse_embedding_request(await request.read())
-            headers = request.headers
-            trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
-            result = await self.service.embeddings(parsed, trace)
+            result = await self.service.embeddings(parsed, _trace(request))
         except web.HTTPException as exc:
             return self._http_error(EMBEDDINGS_PATH, exc)
         except Exception as exc:
@@ -294,12 +379,13 @@ class _Routes:
 
     def _http_error(self, endpoint: str, exc: web.HTTPException) -> web.Response:
         status = exc.status
-        if status == 413:
-            message = f"request body too large (limit {self._max_bytes()} bytes)"
-        else:
-            message = exc.reason
         self.metrics.request_done(endpoint, status)
-        return _json_response(status, error_body(status, message))
+        return _json_response(status, error_body(status, self._reason(exc)))
+
+    def _reason(self, exc: web.HTTPException) -> str:
+        if exc.status == 413:
+            return f"request body too large (limit {self._max_bytes()} bytes)"
+        return exc.reason
 
     def _max_bytes(self) -> int:
         return self.service.config.max_request_bytes
@@ -353,6 +439,15 @@ class _Routes:
         return _json_response(404, error_body(404, f"no route for {request.path}"))
 
 
+def _trace(request: web.Request) -> TraceContext | None:
+    """The caller's trace context (W3C traceparent / tracestate headers), if it sent one."""
+    headers = request.headers
+    traceparent = headers.get("traceparent")
+    if not traceparent:
+        return None
+    return TraceContext.from_headers(traceparent, headers.get("tracestate"))
+
+
 def _allowed_methods(request: web.Request) -> list[str]:
     resource = request.match_info.route.resource
     if resource is None:
@@ -382,6 +477,10 @@ def _replies(ok: Reply, *errors: int) -> dict[int, Reply]:
     return {200: ok, **{s: Reply(ErrorResponse, _ERRORS[s]) for s in errors}}
 
 
+def _anthropic_replies(ok: Reply, *errors: int) -> dict[int, Reply]:
+    return {200: ok, **{s: Reply(AnthropicErrorResponse, _ERRORS[s]) for s in errors}}
+
+
 _GENERATION_ERRORS = (400, 404, 413, 429, 503)
 _CHAT = Reply(
     CreateChatCompletionResponse, "A chat.completion, or chat.completion.chunk events", (JSON, SSE)
@@ -399,6 +498,15 @@ OPENAI_ROUTES: tuple[Route, ...] = (
           _replies(Reply(CreateEmbeddingResponse, "One vector per input"), *_GENERATION_ERRORS,
                    501),
           CreateEmbeddingRequest),
+    Route(MESSAGES_PATH, "POST", _Routes.messages,
+          "Anthropic Messages API (stream: Server-Sent Events); Anthropic-shaped errors",
+          _anthropic_replies(Reply(MessageResponse, "A message, or its events", (JSON, SSE)),
+                             *_GENERATION_ERRORS),
+          CreateMessageRequest),
+    Route(COUNT_TOKENS_PATH, "POST", _Routes.count_tokens,
+          "Anthropic Messages API: prompt tokens of a request",
+          _anthropic_replies(Reply(CountTokensResponse, "The count"), 400, 404, 413),
+          CountTokensRequest),
     Route("/v1/models", "GET", _Routes.models, "Models served now",
           _replies(Reply(ListModelsResponse, "Model list"))),
     Route("/v1/models/{model}", "GET", _Routes.model, "One model",
@@ -460,11 +568,18 @@ def _protected(path: str, auth: GatewayAuth) -> bool:
 def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIService) -> Handler:
     """`handler` behind the gateway's API keys: a missing or unknown `Authorization: Bearer`
     key gets an OpenAI-shaped 401, a key over its rate limit a 429 (with x-ratelimit-*
-    headers, which every answer to a limited key carries)."""
+    headers, which every answer to a limited key carries). The Anthropic routes (/v1/messages)
+    also take the key from `x-api-key` and answer Anthropic-shaped errors."""
+
+    anthropic = endpoint.startswith(MESSAGES_PATH)
 
     async def guard(request: web.Request) -> web.StreamResponse:
         try:
-            key = auth.check(request.headers.get("Authorization"))
+            headers = request.headers
+            authorization = headers.get("Authorization")
+            if anthropic and not authorization and headers.get("x-api-key"):
+                authorization = "Bearer " + headers["x-api-key"]  # Anthropic clients' header
+            key = auth.check(authorization)
             if auth.limited:
                 tokens = 0
                 if auth.tpm and request.method == "POST":
@@ -476,10 +591,11 @@ def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIS
         except KvmeshError as exc:
             status, payload = error_from_exception(exc)
             service.metrics.request_done(endpoint, status)
-            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            reply_headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             if status == 429:
-                headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
-            return _json_response(status, orjson.dumps(payload), headers)
+                reply_headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
+            body = anthropic_error_body(status, exc.message) if anthropic else orjson.dumps(payload)
+            return _json_response(status, body, reply_headers)
         return await handler(request)
 
     return guard

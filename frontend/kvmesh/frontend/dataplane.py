@@ -206,6 +206,8 @@ class ChoiceDelta(Struct, gc=False):
     token_ids: list[int] | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    stop_sequence: str | None = None
+    """The stop string that ended the choice (finish_reason "stop"), if one did."""
 
 
 class UsageInfo(Struct):
@@ -232,6 +234,8 @@ class ChoiceResult(Struct):
     reasoning: str | None = None
     """Reasoning text separated by the reasoning parser (None: no parser, or none found)."""
     tool_calls: list[ToolCall] | None = None
+    stop_sequence: str | None = None
+    """The stop string that ended the choice, if one did."""
 
 
 class CompletionResult(Struct):

@@ -400,14 +400,7 @@ class OpenAIService:
         """
         start = _perf()
         info, tok = await self._resolve(request.model)
-        messages = [m.to_template() for m in request.messages]
-        prompt = tok.apply_chat_template(
-            messages,
-            tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt,
-            template_kwargs=request.chat_template_kwargs,
-        )
-        ids = tok.encode(prompt, add_special_tokens=False)
+        prompt, ids = self._chat_prompt(request, tok)
         options, parsers = self._chat_output(request, info, tok, prompt)
         return await self._start(
             "chat",
@@ -423,6 +416,22 @@ class OpenAIService:
             start=start,
             parsers=parsers,
         )
+
+    async def count_chat_tokens(self, request: ChatCompletionRequest) -> int:
+        """The number of prompt tokens `request` would send (its rendered chat template)."""
+        _info, tok = await self._resolve(request.model)
+        return len(self._chat_prompt(request, tok)[1])
+
+    @staticmethod
+    def _chat_prompt(request: ChatCompletionRequest, tok: Tokenizer) -> tuple[str, list[int]]:
+        """The chat's prompt: its rendered chat template, and that text's token ids."""
+        prompt = tok.apply_chat_template(
+            [m.to_template() for m in request.messages],
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            template_kwargs=request.chat_template_kwargs,
+        )
+        return prompt, tok.encode(prompt, add_special_tokens=False)
 
     async def completion(
         self, request: CompletionRequest, trace: TraceContext | None = None
@@ -784,6 +793,7 @@ class OpenAIService:
         token_ids: list[list[int] | None] = [None] * n
         reasoning: list[list[str] | None] = [None] * n
         calls: list[list[ToolCallDelta]] = [[] for _ in range(n)]
+        stop_sequences: list[str | None] = [None] * n
         async for delta in stream:
             i = delta.index
             if delta.text:
@@ -810,6 +820,7 @@ class OpenAIService:
                 calls[i].extend(delta.tool_calls)
             if delta.finish_reason is not None:
                 finish[i] = delta.finish_reason
+                stop_sequences[i] = delta.stop_sequence
         choices = [
             ChoiceResult(
                 i,
@@ -819,6 +830,7 @@ class OpenAIService:
                 token_ids[i],
                 "".join(parts) if (parts := reasoning[i]) is not None else None,
                 collect_calls(calls[i]) if calls[i] else None,
+                stop_sequences[i],
             )
             for i in range(n)
         ]
@@ -885,7 +897,16 @@ class OpenAIService:
                 logprobs = (
                     _logprob_infos(tok, out.logprobs) if ch.logprobs and out.logprobs else None
                 )
-                if want_ids:
+                if reason is not None and stops is not None and stops.matched is not None:
+                    yield ChoiceDelta(
+                        index,
+                        text,
+                        reason,
+                        logprobs,
+                        list(ids) if want_ids else None,
+                        stop_sequence=stops.matched,
+                    )
+                elif want_ids:
                     if text or reason is not None or logprobs or ids:
                         yield ChoiceDelta(index, text, reason, logprobs, list(ids))
                 elif text or reason is not None or logprobs:
@@ -966,7 +987,14 @@ async def _parse_choice(
             elif not (text or reasoning or calls or d.logprobs or d.token_ids):
                 continue
             yield ChoiceDelta(
-                d.index, text, reason, d.logprobs, d.token_ids, reasoning or None, calls or None
+                d.index,
+                text,
+                reason,
+                d.logprobs,
+                d.token_ids,
+                reasoning or None,
+                calls or None,
+                d.stop_sequence,
             )
             if reason is not None:
                 return
