@@ -9,6 +9,7 @@ prompt at a time, so the only differences are kernel-level float noise).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -160,3 +161,43 @@ def test_embedding_head_resolution(tmp_path: Path) -> None:
     assert EmbeddingHead.resolve(tmp_path, Pooling.AUTO, EmbeddingNormalize.AUTO) == (
         EmbeddingHead(Pooling.CLS, False)  # a sentence-transformers model without Normalize
     )
+
+
+async def test_kserve_infer_on_the_embedding_model(
+    client: tuple[openai.AsyncOpenAI, OpenAIService], embed_model: tuple[Path, str]
+) -> None:
+    """The `embedding` output of KServe v2 REST infer (the real tritonclient.http, binary
+    tensors): text_input batches and input_ids, as the OpenAI door computes them."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    path, mode = embed_model
+    oai, _service = client
+    host = str(oai.base_url).removeprefix("http://").removesuffix("/v1/")
+    expected = reference(path, mode, TEXTS)
+
+    def infer(inputs: list[Any], outputs: list[str]) -> Any:
+        c = httpclient.InferenceServerClient(host)
+        try:
+            return c.infer(
+                "tiny", inputs, outputs=[httpclient.InferRequestedOutput(o) for o in outputs]
+            )
+        finally:
+            c.close()
+
+    texts = httpclient.InferInput("text_input", [len(TEXTS)], "BYTES")
+    texts.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=np.object_))
+    result = await asyncio.to_thread(infer, [texts], ["embedding"])
+    got = result.as_numpy("embedding")
+    assert got.shape == (3, 64) and got.dtype == np.float32
+    assert float(np.abs(got - np.array(expected)).max()) < TOL
+
+    ids = Tokenizer.from_pretrained(path).encode(TEXTS[1], add_special_tokens=True)
+    tokens = httpclient.InferInput("input_ids", [1, len(ids)], "INT64")
+    tokens.set_data_from_numpy(np.array([ids], dtype=np.int64))
+    by_ids = (await asyncio.to_thread(infer, [tokens], ["embedding"])).as_numpy("embedding")
+    assert float(np.abs(by_ids[0] - np.array(expected[1])).max()) < TOL
+
+    with pytest.raises(InferenceServerException, match="one output"):
+        await asyncio.to_thread(infer, [texts], ["embedding", "text_output"])

@@ -276,13 +276,20 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> Any:
         endpoint = "/inference.GRPCInferenceService/ModelInfer"
         try:
-            call = kserve.to_generation(decode_request(request), allow_stream=False)
+            decoded = decode_request(request)
             trace = TraceContext.from_grpc_metadata(context.invocation_metadata())
-            result = await self.service.completion(call.request, trace)
-            assert isinstance(result, CompletionResult)
-            response = encode_response(
-                kserve.InferEncoder(call, request.model_name, request.id).result(result)
-            )
+            if kserve.wants_embedding(decoded):
+                embedded = await self.service.embeddings(kserve.to_embedding(decoded), trace)
+                response = encode_response(
+                    kserve.embedding_response(embedded, request.model_name, request.id)
+                )
+            else:
+                call = kserve.to_generation(decoded, allow_stream=False)
+                result = await self.service.completion(call.request, trace)
+                assert isinstance(result, CompletionResult)
+                response = encode_response(
+                    kserve.InferEncoder(call, request.model_name, request.id).result(result)
+                )
         except Exception as exc:
             code, message = _status(exc)
             self._done(endpoint, code, _error_type(exc))

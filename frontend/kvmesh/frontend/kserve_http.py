@@ -469,9 +469,7 @@ class KServeRoutes:
         call = kserve.to_generation(infer, allow_stream=stream)
         if stream:
             call.request.stream = call.stream = True
-        headers = request.headers
-        trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
-        return call, await self.service.completion(call.request, trace)
+        return call, await self.service.completion(call.request, _trace(request))
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         endpoint = "/v2/models/infer"
@@ -480,9 +478,15 @@ class KServeRoutes:
             infer, binary_all, binary_outputs = decode_infer(
                 await request.read(), request.headers.get(HEADER_LENGTH), model, version
             )
-            call, result = await self._complete(request, infer, stream=False)
-            assert isinstance(result, CompletionResult)
-            resp = kserve.InferEncoder(call, model, infer.id).result(result)
+            if kserve.wants_embedding(infer):
+                embedded = await self.service.embeddings(
+                    kserve.to_embedding(infer), _trace(request)
+                )
+                resp = kserve.embedding_response(embedded, model, infer.id)
+            else:
+                call, result = await self._complete(request, infer, stream=False)
+                assert isinstance(result, CompletionResult)
+                resp = kserve.InferEncoder(call, model, infer.id).result(result)
             body, header_length = encode_infer(resp, binary_all, binary_outputs)
         except web.HTTPException as exc:
             return self._http_fail(endpoint, exc)
@@ -661,3 +665,8 @@ KSERVE_ROUTES: tuple[Route, ...] = (
     *_model_routes(),
 )  # fmt: skip
 """The KServe v2 REST routes, in registration order (kvmesh.frontend.app adds them)."""
+
+
+def _trace(request: web.Request) -> TraceContext | None:
+    headers = request.headers
+    return TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
