@@ -114,6 +114,7 @@ ALL_ERRORS = [
     errors.DeadlineExceeded("slow"),
     errors.Unauthenticated("who?"),
     errors.PermissionDenied("not you"),
+    errors.Aborted("busy"),
 ]
 
 

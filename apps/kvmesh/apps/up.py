@@ -4,10 +4,18 @@ Starts N workers, optionally a standalone router, and the frontend, all pointed 
 file registry (a temporary directory). Waits for the gateway to report healthy and prints how
 to call it. While running it keeps each worker pool at its target size (a worker that dies is
 replaced) and serves `ScalingService` on a control port, so a planner (or an operator with
-grpcurl) can scale the pools: scale-up starts workers, scale-down drains the newest ones (they
-leave discovery first, finish their requests, then exit). On Ctrl-C / SIGTERM it shuts down in
-order: frontend first (drains), then router and workers (each drains), killing whatever is
-still alive `--drain-timeout-s` + 10 s after it was asked to stop.
+grpcurl) can scale the pools: scale-up starts workers; scale-down drains the workers with the
+least cached value (kvmesh.planner.drain: still starting first, then the fewest prefix-cache
+blocks): each leaves discovery first, keeps serving `--leave-delay-s` while the routers notice,
+finishes its in-flight requests within `--drain-timeout-s` (the grace period), then exits.
+`Scale` is checked whole before anything changes: an unknown pool, a count over `--max-workers`
+(a negative count sent by a client as a signed int arrives as a huge unsigned one) or over the
+`--max-total-workers` budget is INVALID_ARGUMENT, and a Scale while the previous one is still
+being applied is ABORTED; a pool whose new workers cannot be started is left as it was.
+`--planner sla|queue` runs the planner (kvmesh.planner.main.PlannerLoop) in this process,
+reading the frontend's /metrics and scaling through the control port. On Ctrl-C / SIGTERM it
+shuts down in order: frontend first (drains), then router and workers (each drains), killing
+whatever is still alive `--drain-timeout-s` + 10 s after it was asked to stop.
 
 Flags: UpConfig's, plus every flag of the processes it starts (their entry points' `Flags`),
 but the ones `up` sets itself (SET_BY_UP: where each process listens and registers, and a
@@ -55,28 +63,40 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
+from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.frontend import main as frontend_main
 from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
+from kvmesh.planner.connectors import GrpcConnector
+from kvmesh.planner.drain import DrainCandidate, drain_order
+from kvmesh.planner.main import PlannerLoop
+from kvmesh.planner.metrics import MetricsScraper
+from kvmesh.planner.profile import PerfProfile
 from kvmesh.router import main as router_main
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
 from kvmesh.runtime.config import ConfigError, Flags, from_args, opt, to_argv
 from kvmesh.runtime.discovery import EventKind, open_discovery
-from kvmesh.runtime.errors import InvalidRequest, NotFound
-from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
+from kvmesh.runtime.errors import Aborted, InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_channel, mesh_server
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
 from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
+from kvmesh.runtime.wire import device_cached_blocks, role_from_pb, role_to_pb
+from kvmesh.sim.profiler import profile_mocker
 from kvmesh.workers import main as worker_main
 from kvmesh.workers.batching.tiers import KvTierConfig
-from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.config import EngineKind, WorkerConfig
 
 SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 STOP_MARGIN_S = 10.0
 """How long past its --drain-timeout-s a child may take to exit before it is killed."""
+LOAD_TIMEOUT_S = 1.0
+"""How long a scale-down waits for each worker's load metrics (its cache size)."""
 
 IDENTITIES = ("kvmesh-up", "kvmesh-frontend", "kvmesh-router", "kvmesh-worker", "kvmesh-planner")
 """The mesh identities `kvmesh up --tls` issues certificates for (subject CN = the name)."""
@@ -97,7 +117,13 @@ class UpConfig:
         0, "number of prefill worker processes (disaggregated serving, with --decode-workers)"
     )
     decode_workers: int = opt(0, "number of decode worker processes (disaggregated serving)")
-    max_workers: int = opt(64, "largest pool size Scale accepts")
+    max_workers: int = opt(64, "most workers per pool (the largest size Scale accepts)")
+    max_total_workers: int = opt(0, "budget: most workers over all pools (0: no budget)")
+    planner: PlannerPolicy | None = opt(
+        None,
+        "run the planner in this process with this policy (sla: needs --profile unless the "
+        "engine is the mocker; queue: the reactive baseline); its flags are PlannerConfig's",
+    )
     control_port: int = opt(0, "port of the ScalingService (gRPC); 0 picks a free one")
     router_process: bool = opt(
         False, "run the router as its own process (kvmesh router) instead of inside the frontend"
@@ -113,6 +139,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
             raise ValueError("worker counts must be >= 0")
+        if self.max_total_workers < 0:
+            raise ValueError("--max-total-workers must be >= 0")
         if self.prefill_workers and not self.decode_workers:
             raise ValueError("--prefill-workers needs --decode-workers (they decode)")
 
@@ -141,7 +169,8 @@ SET_BY_UP: dict[str, frozenset[str]] = {
 
 def _flags() -> Flags:
     processes = (worker_main.ENTRY, frontend_main.ENTRY, router_main.ENTRY)
-    flags = Flags.of(UpConfig)
+    # PlannerConfig's --max-workers and --max-total-workers are UpConfig's: one flag sets both.
+    flags = Flags.of(UpConfig, PlannerConfig)
     for entry in processes:
         flags += entry.flags.without(*SET_BY_UP[entry.name])
     # The same meaning as for `kvmesh frontend` (0: a free port); `up` serves it by default.
@@ -161,6 +190,7 @@ class UpArgs:
     frontend: FrontendConfig
     mesh: MeshConfig
     router: RouterServerConfig
+    planning: PlannerConfig
     tls: TlsConfig
 
     @classmethod
@@ -176,6 +206,7 @@ class UpArgs:
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
             router=from_args(RouterServerConfig, ns),
+            planning=from_args(PlannerConfig, ns),
             tls=from_args(TlsConfig, ns),
         )
 
@@ -236,7 +267,9 @@ class Supervisor:
         self.args = args
         self.config = args.up
         model_dir = resolve_model_dir(args.worker.model)
-        self.served = args.worker.served_model_name or ModelDirInfo.load(model_dir).name
+        info = ModelDirInfo.load(model_dir)
+        self.served = args.worker.served_model_name or info.name
+        self.context_length = info.context_length
         self.registry: Path | None = None
         self.discovery = self.config.discovery
         if not self.discovery:
@@ -280,6 +313,12 @@ class Supervisor:
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
+        self.addresses: dict[str, str] = {}
+        """Registered workers' addresses."""
+        self.loads: dict[str, cpb.LoadMetrics] = {}
+        """Workers' load metrics as last read (for the drain choice)."""
+        self._applying: Role | None = None
+        """The pool a Scale call is changing right now."""
         self._pid = os.getpid()
 
     def tls(self, identity: str) -> TlsConfig:
@@ -343,8 +382,8 @@ class Supervisor:
         pool = self.pools.get(role)
         return pool.active() if pool is not None else []
 
-    def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
-        """Set a pool's target; start or drain workers now. Returns the previous target."""
+    def pool(self, role: Role) -> _Pool:
+        """The pool of `role`; InvalidRequest naming the pools when the mesh runs none."""
         pool = self.pools.get(role)
         if pool is None:
             raise InvalidRequest(
@@ -353,31 +392,117 @@ class Supervisor:
                 + ")",
                 param="role",
             )
-        if replicas > self.config.max_workers:
+        return pool
+
+    def check_scale(self, replicas: int, role: Role) -> _Pool:
+        """The pool of `role`, if `replicas` is within every limit (else InvalidRequest)."""
+        pool = self.pool(role)
+        if not 0 <= replicas <= self.config.max_workers:
             raise InvalidRequest(
-                f"replicas {replicas} exceeds --max-workers {self.config.max_workers}",
+                f"replicas {replicas} is outside 0..{self.config.max_workers} (--max-workers)",
                 param="replicas",
             )
-        previous, pool.target = pool.target, replicas
-        self.reconcile()
-        return previous
+        budget = self.config.max_total_workers
+        total = replicas + sum(p.target for r, p in self.pools.items() if r is not role)
+        if budget and total > budget:
+            raise InvalidRequest(
+                f"{total} workers over all pools would exceed --max-total-workers {budget}",
+                param="replicas",
+            )
+        return pool
+
+    async def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
+        """Set a pool's target and start or drain workers now, all or nothing (see the module
+        doc). Returns the previous target."""
+        pool = self.check_scale(replicas, role)
+        if self._applying is not None:
+            raise Aborted(
+                f"a Scale of the {self._applying.value} pool is still being applied; "
+                "retry once it has returned"
+            )
+        self._applying = role
+        try:
+            if replicas < len(pool.active()):
+                await self.refresh_loads(pool)  # the drain choice reads fresh cache sizes
+            previous, pool.target = pool.target, replicas
+            before = len(pool.children)
+            try:
+                self._converge(pool)
+            except OSError as exc:  # a worker could not be started: undo this call
+                started = pool.children[before:]
+                del pool.children[before:]
+                for child in started:
+                    child.terminate()
+                pool.target = previous
+                raise Unavailable(
+                    f"could not start a {role.value} worker ({exc}); the pool is unchanged"
+                ) from None
+            return previous
+        finally:
+            self._applying = None
+
+    async def refresh_loads(self, pool: _Pool) -> None:
+        """Read the load metrics (cached blocks, requests in flight) of the pool's registered
+        workers; one that does not answer within LOAD_TIMEOUT_S counts as holding nothing."""
+
+        async def read(child: Child) -> None:
+            self.loads.pop(child.name, None)
+            address = self.addresses.get(child.name)
+            if address is None:
+                return
+            channel = mesh_channel(address, self.security)
+            try:
+                reply = await wpb_grpc.WorkerServiceStub(channel).GetLoadMetrics(
+                    wpb.GetLoadMetricsRequest(), timeout=LOAD_TIMEOUT_S
+                )
+                self.loads[child.name] = reply.metrics
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                await channel.close()
+
+        await asyncio.gather(*(read(c) for c in pool.active()))
 
     def reconcile(self) -> None:
         """Reap exited workers, replace dead ones, drain extra ones, in every pool."""
         for pool in self.pools.values():
             for w in [w for w in pool.children if not w.alive()]:
                 pool.children.remove(w)
+                self.loads.pop(w.name, None)
                 if not w.draining:
                     print(
                         f"kvmesh up: {w.name} exited with {w.proc.returncode}; replacing it",
                         file=sys.stderr,
                     )
-            active = pool.active()
-            for _ in range(pool.target - len(active)):
-                self.start_worker(pool.role)
-            for w in sorted(active, key=lambda c: c.started)[pool.target :]:
-                w.draining = True
-                w.terminate()  # the worker deregisters, finishes its requests, exits
+            self._converge(pool)
+
+    def _converge(self, pool: _Pool) -> None:
+        """Start or drain workers of `pool` until its active workers match its target."""
+        active = pool.active()
+        for _ in range(pool.target - len(active)):
+            self.start_worker(pool.role)
+        extra = len(active) - pool.target
+        if extra <= 0:
+            return
+        candidates = []
+        for w in active:
+            load = self.loads.get(w.name)
+            candidates.append(
+                DrainCandidate(
+                    worker_id=w.name,
+                    started=w.started,
+                    serving=w.name in self.registered,
+                    cached_blocks=device_cached_blocks(load) if load is not None else 0,
+                    inflight=load.num_running_requests + load.num_waiting_requests
+                    if load is not None
+                    else 0,
+                )
+            )
+        by_name = {w.name: w for w in active}
+        for cand in drain_order(candidates)[:extra]:
+            w = by_name[cand.worker_id]
+            w.draining = True
+            w.terminate()  # it leaves discovery, finishes its requests, exits
 
     def pool_status(self, role: Role = Role.AGGREGATED) -> spb.PoolStatus:
         pool = self.pools[role]
@@ -385,7 +510,7 @@ class Supervisor:
         ready = sum(1 for w in active if w.name in self.registered)
         return spb.PoolStatus(
             model=self.served,
-            role=_ROLE_TO_PB[role],
+            role=role_to_pb(role),
             target_replicas=pool.target,
             ready_replicas=ready,
             starting_replicas=len(active) - ready,
@@ -394,10 +519,13 @@ class Supervisor:
 
     async def watch_registrations(self) -> None:
         async for event in open_discovery(self.discovery).watch("worker"):
+            name = event.instance.instance_id
             if event.kind is EventKind.ADDED:
-                self.registered.add(event.instance.instance_id)
+                self.registered.add(name)
+                self.addresses[name] = event.instance.address
             else:
-                self.registered.discard(event.instance.instance_id)
+                self.registered.discard(name)
+                self.addresses.pop(name, None)
 
     async def shutdown(self) -> None:
         # Frontend first so no new work arrives, then everything else; each drains first.
@@ -415,14 +543,6 @@ class Supervisor:
             shutil.rmtree(self.pki.directory, ignore_errors=True)
 
 
-_ROLE_TO_PB: dict[Role, cpb.WorkerRole.ValueType] = {
-    Role.AGGREGATED: cpb.WORKER_ROLE_AGGREGATED,
-    Role.PREFILL: cpb.WORKER_ROLE_PREFILL,
-    Role.DECODE: cpb.WORKER_ROLE_DECODE,
-}
-_ROLE_FROM_PB: dict[int, Role] = {v: k for k, v in _ROLE_TO_PB.items()}
-
-
 class ScalingServicer(spb_grpc.ScalingServiceServicer):
     """ScalingService over the local supervisor (its aggregated, or prefill and decode, pools)."""
 
@@ -434,10 +554,11 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
             raise NotFound(f"this mesh serves {self.sup.served!r}, not {model!r}")
 
     def _role(self, role: int) -> Role:
-        found = _ROLE_FROM_PB.get(role)
-        if found is None or found not in self.sup.pools:
-            pools = ", ".join(cpb.WorkerRole.Name(_ROLE_TO_PB[r]) for r in self.sup.pools)
-            raise InvalidRequest(f"this mesh runs the pools {pools}; role must be one of them")
+        found = role_from_pb(role)
+        if found is None:
+            pools = ", ".join(cpb.WorkerRole.Name(role_to_pb(r)) for r in self.sup.pools)
+            raise InvalidRequest(f"role must be one of this mesh's pools: {pools}", param="role")
+        self.sup.pool(found)  # an unknown pool: InvalidRequest naming the pools
         return found
 
     async def Scale(
@@ -445,7 +566,7 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
     ) -> spb.ScaleResponse:
         self._check(request.model)
         role = self._role(request.role)
-        previous = self.sup.scale(request.replicas, role)
+        previous = await self.sup.scale(request.replicas, role)
         if request.reason:
             print(
                 f"kvmesh up: scaling {role.value} to {request.replicas} ({request.reason})",
@@ -470,9 +591,28 @@ async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
+def planner_profile(args: UpArgs, served: str, context_length: int) -> PerfProfile | None:
+    """The profile `--planner sla` plans with: --profile, or the mocker's measured in virtual
+    time (its flags, speedup included); None for the queue policy."""
+    if args.up.planner is not PlannerPolicy.SLA:
+        return None
+    if args.planning.profile:
+        return PerfProfile.load(args.planning.profile)
+    if args.worker.engine is not EngineKind.MOCKER:
+        raise InvalidRequest(
+            f"--planner sla with --engine {args.worker.engine.value} needs --profile FILE "
+            "(kvmesh profile --engine ... makes one)"
+        )
+    engine = args.engine
+    return profile_mocker(
+        engine, max_model_len=engine.max_model_len or context_length, model=served
+    )
+
+
 async def _up(args: UpArgs) -> int:
     sup = Supervisor(args)
     config = args.up
+    profile = planner_profile(args, sup.served, sup.context_length)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -482,6 +622,8 @@ async def _up(args: UpArgs) -> int:
         spb_grpc.add_ScalingServiceServicer_to_server, ScalingServicer(sup), SCALING_SERVICE
     )
     watcher = asyncio.create_task(sup.watch_registrations())
+    planner: PlannerLoop | None = None
+    planner_task: asyncio.Task[None] | None = None
     try:
         frontend = sup.start()
         await control.start()
@@ -510,6 +652,20 @@ async def _up(args: UpArgs) -> int:
                 await asyncio.sleep(0.2)
         kserve = f"{host}:{fe.kserve_grpc_port}" if fe.kserve_grpc_port > 0 else ""
         _banner(base, sup, control.address, kserve)
+        if config.planner is not None:
+            planner = PlannerLoop(
+                args.planning,
+                config.planner,
+                MetricsScraper(frontend_urls=[base + "/metrics"], model=sup.served),
+                GrpcConnector(control.address, sup.served, security=sup.security),
+                profile,
+            )
+            planner_task = asyncio.create_task(planner.run(stop))
+            print(
+                f"kvmesh up: {config.planner.value} planner every "
+                f"{args.planning.adjustment_interval_s:g} s",
+                file=sys.stderr,
+            )
         while not stop.is_set():
             if not frontend.alive():
                 print("kvmesh up: the frontend exited; shutting down", file=sys.stderr)
@@ -519,6 +675,11 @@ async def _up(args: UpArgs) -> int:
                 await asyncio.wait_for(stop.wait(), 0.5)
         return 0
     finally:
+        stop.set()
+        if planner_task is not None:
+            await planner_task
+        if planner is not None:
+            await planner.close()
         watcher.cancel()
         await control.stop(0)
         await sup.shutdown()

@@ -66,6 +66,15 @@ class Unavailable(KvmeshError):
     reason = "UNAVAILABLE"
 
 
+class Aborted(KvmeshError):
+    """The operation conflicts with another one still in progress; retry once it is done
+    (gRPC ABORTED, HTTP 409)."""
+
+    http_status = 409
+    code = "conflict"
+    reason = "ABORTED"
+
+
 class Unimplemented(KvmeshError):
     """The engine or component does not support this operation (gRPC UNIMPLEMENTED, HTTP 501)."""
 

@@ -4,9 +4,10 @@ Thin transport: each RPC converts protobuf to the engine's typed messages (runti
 calls one engine method and converts back. Domain exceptions become gRPC status codes in the
 ErrorInterceptor.
 
-Shutdown (SIGTERM/SIGINT or Drain): stop accepting (new requests get UNAVAILABLE, health goes
-NOT_SERVING, the discovery registration is removed so routers stop sending), wait for in-flight
-requests up to the drain timeout, cancel what is left, stop the engine.
+Shutdown (SIGTERM/SIGINT): leave discovery, so routers stop sending, and keep serving for
+`--leave-delay-s` while they notice; then stop accepting (new requests get UNAVAILABLE, health
+goes NOT_SERVING), wait for in-flight requests up to the drain timeout (`--drain-timeout-s`, the
+grace period), cancel what is left, stop the engine. Drain (the RPC) stops accepting at once.
 
 Roles (`--role`): an aggregated worker serves Generate; a prefill worker also serves
 PrefillRemote (its engine pins the prompt's KV and the servicer stamps the handle with this
@@ -442,6 +443,8 @@ class Worker:
         if self._registration is not None:
             await self._registration.close()
             self._registration = None
+            if self.config.leave_delay_s > 0:
+                await asyncio.sleep(self.config.leave_delay_s)  # routers see us leave first
         await self.server.set_serving(False)
         cancelled = await self.servicer.drain(self.config.drain_timeout_s)
         if cancelled:

@@ -214,6 +214,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The caller is authenticated but not allowed to call this: a client certificate whose
     identity is not one of the mesh's (PERMISSION_DENIED).
     """
+    ERROR_REASON_ABORTED: _ErrorReason.ValueType  # 12
+    """The operation conflicts with another one still in progress, e.g. a Scale while the
+    previous Scale of the pool is still being applied; retry once it is done (ABORTED).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The kind of an error, for callers that need more than its gRPC status code. Every error a
@@ -256,6 +260,10 @@ no API key or an unknown one (UNAUTHENTICATED).
 ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 11
 """The caller is authenticated but not allowed to call this: a client certificate whose
 identity is not one of the mesh's (PERMISSION_DENIED).
+"""
+ERROR_REASON_ABORTED: ErrorReason.ValueType  # 12
+"""The operation conflicts with another one still in progress, e.g. a Scale while the
+previous Scale of the pool is still being applied; retry once it is done (ABORTED).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
