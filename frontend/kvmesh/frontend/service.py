@@ -57,6 +57,7 @@ from kvmesh.frontend.dataplane import (
     tool_name,
 )
 from kvmesh.frontend.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kvmesh.frontend.media import load_images
 from kvmesh.frontend.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.frontend.reasoning import (
     ReasoningParser,
@@ -90,6 +91,7 @@ from kvmesh.runtime.types import (
     FinishReason,
     GuidedDecoding,
     GuidedKind,
+    MediaInput,
     ModelInfo,
     SamplingParams,
     StopParams,
@@ -104,6 +106,7 @@ _SEED_MOD = 2**64
 """Seeds travel as uint64: a negative seed (or seed + i past the range) wraps around."""
 GUIDED_DECODING = "GUIDED_DECODING"
 EMBEDDINGS = "EMBEDDINGS"
+MULTIMODAL = "MULTIMODAL"
 
 
 class _Choice:
@@ -400,6 +403,14 @@ class OpenAIService:
         """
         start = _perf()
         info, tok = await self._resolve(request.model)
+        urls = [url for m in request.messages for url in m.images]
+        media = await load_images(urls, self.config) if urls else ()
+        if media and MULTIMODAL not in info.capabilities:
+            raise InvalidRequest(
+                f"model `{request.model}` does not take images (its engine "
+                f"{info.engine or 'unknown'!r} does not advertise the MULTIMODAL capability)",
+                param="messages",
+            )
         prompt, ids = self._chat_prompt(request, tok)
         options, parsers = self._chat_output(request, info, tok, prompt)
         return await self._start(
@@ -415,6 +426,7 @@ class OpenAIService:
             trace=trace,
             start=start,
             parsers=parsers,
+            media=media,
         )
 
     async def count_chat_tokens(self, request: ChatCompletionRequest) -> int:
@@ -688,6 +700,7 @@ class OpenAIService:
         trace: TraceContext | None,
         start: float,
         parsers: Callable[[], _OutputParser] | None = None,
+        media: tuple[MediaInput, ...] = (),
     ) -> CompletionStream | CompletionResult:
         self._check(tok, info, prompts, options, max_tokens)
         mm = self.metrics.model(info.served_model_name)
@@ -727,6 +740,7 @@ class OpenAIService:
                         ),
                         lora_name=model if model != info.served_model_name else "",
                         priority=options.priority,
+                        media=media,
                     )
                     choices.append(
                         _Choice(
