@@ -702,10 +702,15 @@ def _messages(messages: list[ChatCompletionRequestMessage]) -> list[ChatMessage]
                 if isinstance(p, str):
                     texts.append(p)
                 elif p.type == "image_url":
-                    if not isinstance(p.image_url, ImageUrl) or m.role != "user":
+                    if not isinstance(p.image_url, ImageUrl):
                         raise InvalidRequest(
-                            f"messages[{i}]: image_url parts need an 'image_url' object with a "
-                            "'url', in user messages",
+                            f"messages[{i}] image_url part needs an 'image_url' object with a "
+                            "'url'",
+                            param="messages",
+                        )
+                    if m.role != "user":
+                        raise InvalidRequest(
+                            f"messages[{i}] image_url parts are only allowed in user messages",
                             param="messages",
                         )
                     images.append(p.image_url.url)
