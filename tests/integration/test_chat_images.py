@@ -66,6 +66,7 @@ async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
     )
     media_dir = tmp_path / "media"
     media_dir.mkdir()
+
     # a local "remote" image server
     async def red(_request: web.Request) -> web.Response:
         return web.Response(body=png(), content_type="image/png")
