@@ -24,7 +24,6 @@ from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
 from kvmesh.frontend.tokenizer import Tokenizer
-from kvmesh.runtime.tinymodel import create_tiny_model
 from tests.integration.test_openai_features import WireBackend
 
 pytestmark = pytest.mark.integration
@@ -49,10 +48,9 @@ HERMES_CALLS = (
 )
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    path: Path = create_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
-    return Tokenizer.from_pretrained(path)
+@pytest.fixture
+def tok(tiny_model: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(tiny_model)
 
 
 @dataclass

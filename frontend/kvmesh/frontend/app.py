@@ -285,12 +285,8 @@ class _Routes:
         try:
             parsed = parse_message_request(await request.read())
             result = await self.service.chat_completion(parsed, _trace(request))
-        except web.HTTPException as exc:
-            return self._anthropic_error(MESSAGES_PATH, exc.status, self._reason(exc))
         except Exception as exc:
-            status, payload = error_from_exception(exc)
-            self.metrics.error(str(payload["error"]["type"]))
-            return self._anthropic_error(MESSAGES_PATH, status, str(payload["error"]["message"]))
+            return self._anthropic_failure(MESSAGES_PATH, exc)
         if isinstance(result, CompletionResult):
             self.metrics.request_done(MESSAGES_PATH, 200)
             return _json_response(200, encode_message(result))
@@ -342,15 +338,17 @@ class _Routes:
         try:
             parsed = parse_count_tokens_request(await request.read())
             tokens = await self.service.count_chat_tokens(parsed)
-        except web.HTTPException as exc:
-            return self._anthropic_error(COUNT_TOKENS_PATH, exc.status, self._reason(exc))
         except Exception as exc:
-            status, payload = error_from_exception(exc)
-            self.metrics.error(str(payload["error"]["type"]))
-            message = str(payload["error"]["message"])
-            return self._anthropic_error(COUNT_TOKENS_PATH, status, message)
+            return self._anthropic_failure(COUNT_TOKENS_PATH, exc)
         self.metrics.request_done(COUNT_TOKENS_PATH, 200)
         return _json_response(200, encode_count(tokens))
+
+    def _anthropic_failure(self, endpoint: str, exc: Exception) -> web.Response:
+        if isinstance(exc, web.HTTPException):
+            return self._anthropic_error(endpoint, exc.status, self._reason(exc))
+        status, payload = error_from_exception(exc)
+        self.metrics.error(str(payload["error"]["type"]))
+        return self._anthropic_error(endpoint, status, str(payload["error"]["message"]))
 
     def _anthropic_error(self, endpoint: str, status: int, message: str) -> web.Response:
         self.metrics.request_done(endpoint, status)
