@@ -243,6 +243,11 @@ def test_probes_grace_periods_and_resources(name: str) -> None:
                     continue
                 grpc = c[probe]["grpc"]
                 assert grpc == {"port": ns.port, "service": WORKER_SERVICE}, where
+            annotations = obj["spec"]["template"]["metadata"]["annotations"]
+            assert ns.metrics_port > 0 and ports["metrics"] == ns.metrics_port, where
+            assert annotations["prometheus.io/scrape"] == "true", where
+            assert annotations["prometheus.io/port"] == str(ns.metrics_port), where
+            assert annotations["prometheus.io/path"] == "/metrics", where
             assert ports[c["livenessProbe"]["tcpSocket"]["port"]] == ns.port, where
             gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
             assert (gpus == 1) == (name in GPU_OVERLAYS), f"{where}: GPU limit {gpus}"
@@ -366,3 +371,49 @@ def test_kserve_runtimes_and_inference_services_fit_together() -> None:
         assert model["protocolVersion"] in rt["spec"]["protocolVersions"]
         if model["protocolVersion"].startswith("grpc"):
             assert model["ports"] == [{"name": "h2c", "containerPort": 8081, "protocol": "TCP"}]
+
+
+# --- monitoring --------------------------------------------------------------------------------
+
+PODMONITORS = ROOT / "deploy" / "kubernetes" / "monitoring" / "podmonitors.yaml"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_podmonitors_select_every_kvmesh_pod_by_a_port_it_serves_metrics_on(name: str) -> None:
+    monitors = load_yaml_docs(PODMONITORS)
+    assert {m["kind"] for m in monitors} == {"PodMonitor"}
+    objs = render(OVERLAYS[name])
+    for obj, _spec, c in iter_containers(objs):
+        if obj["kind"] != "Deployment" or c["name"] == "fetch-model":
+            continue
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        selecting = [
+            m for m in monitors if m["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
+        where = f"{name}: {obj['metadata']['name']}"
+        assert len(selecting) == 1, f"{where} is selected by {len(selecting)} PodMonitors"
+        (endpoint,) = selecting[0]["spec"]["podMetricsEndpoints"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        annotations = obj["spec"]["template"]["metadata"]["annotations"]
+        assert str(ports[endpoint["port"]]) == annotations["prometheus.io/port"], where
+        assert endpoint["path"] == annotations["prometheus.io/path"], where
+
+
+@needs_kubectl
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_kvmesh_pods_get_the_otlp_settings_and_name_themselves_in_traces(name: str) -> None:
+    objs = render(OVERLAYS[name])
+    cms = configmaps(objs)
+    for obj, _spec, c in iter_containers(objs):
+        if kvmesh_argv(c, container_env(c, cms)) is None or c["name"] == "fetch-model":
+            continue
+        env = container_env(c, cms)
+        where = f"{name}: {obj['metadata']['name']}"
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" in env and env["OTEL_EXPORTER_OTLP_PROTOCOL"] in (
+            "grpc",
+            "http/protobuf",
+        ), where
+        assert env["OTEL_RESOURCE_ATTRIBUTES"] == (
+            "k8s.pod.name=kvmesh-pod-0,k8s.namespace.name=kvmesh"
+        ), where

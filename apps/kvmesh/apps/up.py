@@ -83,6 +83,7 @@ from kvmesh.runtime.errors import Aborted, InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_channel, mesh_server
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
+from kvmesh.runtime.telemetry import TracingConfig
 from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
 from kvmesh.runtime.wire import device_cached_blocks, role_from_pb, role_to_pb
@@ -106,7 +107,8 @@ IDENTITIES = ("kvmesh-up", "kvmesh-frontend", "kvmesh-router", "kvmesh-worker", 
 class UpConfig:
     """Settings of `kvmesh up` itself. The flags after these are those of the processes it
     starts, passed to each process that takes them, but for the ones `up` sets itself
-    (--host, --advertise-host, --port, --discovery, --worker-id, --role, --router-address)."""
+    (--host, --advertise-host, --port, --discovery, --worker-id, --role, --router-address,
+    --metrics-port: `up` assigns the workers' and the router's metrics ports and prints them)."""
 
     workers: int = opt(
         -1,
@@ -135,6 +137,11 @@ class UpConfig:
         "generate a throwaway CA and certificates for this machine (deleted on exit): mTLS on "
         "every mesh link, HTTPS and TLS KServe gRPC at the gateway",
     )
+    metrics_targets: str = opt(
+        "",
+        "write every process's metrics endpoint to this file as a Prometheus file_sd target "
+        "list (rewritten as workers come and go; see deploy/prometheus)",
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
@@ -161,8 +168,10 @@ class UpConfig:
 
 SET_BY_UP: dict[str, frozenset[str]] = {
     "frontend": frozenset({"discovery", "router_address"}),
-    "router": frozenset({"host", "port", "discovery"}),
-    "worker": frozenset({"host", "advertise_host", "port", "discovery", "worker_id", "role"}),
+    "router": frozenset({"host", "port", "discovery", "metrics_port"}),
+    "worker": frozenset(
+        {"host", "advertise_host", "port", "discovery", "worker_id", "role", "metrics_port"}
+    ),
 }
 """Fields of each process that `kvmesh up` sets itself: they are not flags of `up`."""
 
@@ -192,6 +201,7 @@ class UpArgs:
     router: RouterServerConfig
     planning: PlannerConfig
     tls: TlsConfig
+    tracing: TracingConfig
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> UpArgs:
@@ -208,6 +218,7 @@ class UpArgs:
             router=from_args(RouterServerConfig, ns),
             planning=from_args(PlannerConfig, ns),
             tls=from_args(TlsConfig, ns),
+            tracing=from_args(TracingConfig, ns),
         )
 
 
@@ -228,8 +239,12 @@ class _Pool:
 class Child:
     """A process `kvmesh up` started (in its own session, so Ctrl-C reaches only `up`)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], metrics: str = "", env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
+        self.metrics = metrics
+        """host:port of its /metrics ("" if none)."""
         self.proc = ChildProcess(argv, env)
         self.started = time.monotonic()
         self.draining = False
@@ -252,6 +267,11 @@ class Child:
 def _kvmesh(command: str, *configs: Any) -> list[str]:
     """The argv of `kvmesh <command>` with the non-default fields of `configs` as flags."""
     return [sys.executable, "-m", "kvmesh", command, *(a for c in configs for a in to_argv(c))]
+
+
+def _reachable(host: str) -> str:
+    """The address to reach a server bound to `host` on this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def _free_port(host: str) -> int:
@@ -328,26 +348,31 @@ class Supervisor:
             return self.args.tls
         return self.pki.config(identity, IDENTITIES)
 
-    def worker_argv(self, role: Role, worker_id: str, slot: str = "worker-0") -> list[str]:
+    def worker_argv(
+        self, role: Role, worker_id: str, slot: str = "worker-0", metrics_port: int = -1
+    ) -> list[str]:
         """The command line of one worker (`slot`: its pool and index, naming its disk KV
-        tier's directory under --kv-disk-dir)."""
-        worker = replace(self.worker, role=role, worker_id=worker_id)
+        tier's directory under --kv-disk-dir; `metrics_port`: its /metrics, -1: none)."""
+        worker = replace(self.worker, role=role, worker_id=worker_id, metrics_port=metrics_port)
         tiers = self.args.tiers
         if tiers.kv_disk_dir:
             tiers = replace(tiers, kv_disk_dir=str(Path(tiers.kv_disk_dir) / slot))
         tls = self.tls("kvmesh-worker")
-        return _kvmesh("worker", self.args.log, worker, tiers, self.args.engine, tls)
+        return _kvmesh(
+            "worker", self.args.log, worker, tiers, self.args.engine, tls, self.args.tracing
+        )
 
-    def router_argv(self, port: int) -> list[str]:
+    def router_argv(self, port: int, metrics_port: int = -1) -> list[str]:
         """The command line of the standalone router (--router-process)."""
-        router = replace(self.args.router, host="127.0.0.1", port=port)
-        return _kvmesh("router", self.args.log, router, self.mesh, self.tls("kvmesh-router"))
+        router = replace(self.args.router, host="127.0.0.1", port=port, metrics_port=metrics_port)
+        tls = self.tls("kvmesh-router")
+        return _kvmesh("router", self.args.log, router, self.mesh, tls, self.args.tracing)
 
     def frontend_argv(self, router_address: str = "") -> list[str]:
         """The command line of the frontend."""
         mesh = replace(self.mesh, router_address=router_address)
         tls = self.tls("kvmesh-frontend")
-        return _kvmesh("frontend", self.args.log, self.frontend, mesh, tls)
+        return _kvmesh("frontend", self.args.log, self.frontend, mesh, tls, self.args.tracing)
 
     @property
     def workers(self) -> list[Child]:
@@ -359,7 +384,10 @@ class Supervisor:
         i, pool.next_index = pool.next_index, pool.next_index + 1
         prefix = "worker" if role is Role.AGGREGATED else role.value
         wid = f"{prefix}-{i}-{self._pid}"
-        pool.children.append(Child(wid, self.worker_argv(role, wid, f"{prefix}-{i}")))
+        metrics = _free_port(self.worker.host)
+        argv = self.worker_argv(role, wid, f"{prefix}-{i}", metrics)
+        pool.children.append(Child(wid, argv, f"{_reachable(self.worker.host)}:{metrics}"))
+        self.write_targets()
 
     def start(self) -> Child:
         """Start workers, router and frontend; returns the frontend."""
@@ -368,12 +396,42 @@ class Supervisor:
                 self.start_worker(pool.role)
         router_address = ""
         if self.config.router_process:
-            port = _free_port("127.0.0.1")
-            self.others.append(Child("router", self.router_argv(port)))
+            port, metrics = _free_port("127.0.0.1"), _free_port("127.0.0.1")
+            self.others.append(
+                Child("router", self.router_argv(port, metrics), f"127.0.0.1:{metrics}")
+            )
             router_address = f"127.0.0.1:{port}"
-        frontend = Child("frontend", self.frontend_argv(router_address), self.frontend_env)
+        fe = self.frontend
+        frontend = Child(
+            "frontend",
+            self.frontend_argv(router_address),
+            f"{_reachable(fe.http_host)}:{fe.http_port}",
+            env=self.frontend_env,
+        )
         self.others.insert(0, frontend)
+        self.write_targets()
         return frontend
+
+    def metrics_endpoints(self) -> list[tuple[Child, str]]:
+        """(process, its component) of every live process with a /metrics endpoint."""
+        out = [(c, c.name) for c in self.others if c.metrics]
+        for pool in self.pools.values():
+            out += [(w, "worker") for w in pool.children if w.alive() and not w.draining]
+        return out
+
+    def write_targets(self) -> None:
+        """Write --metrics-targets (a Prometheus file_sd list), if asked for, atomically."""
+        path = self.config.metrics_targets
+        if not path:
+            return
+        groups = []
+        for child, component in self.metrics_endpoints():
+            labels = {"component": component, "kvmesh_process": child.name}
+            groups.append({"targets": [child.metrics], "labels": labels})
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(groups, f, indent=1)
+        os.replace(tmp, path)
 
     # -- pool ----------------------------------------------------------------------------------
 
@@ -503,6 +561,7 @@ class Supervisor:
             w = by_name[cand.worker_id]
             w.draining = True
             w.terminate()  # it leaves discovery, finishes its requests, exits
+        self.write_targets()
 
     def pool_status(self, role: Role = Role.AGGREGATED) -> spb.PoolStatus:
         pool = self.pools[role]
@@ -708,12 +767,18 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
     cacert = f"--cacert {sup.pki.ca} " if sup.pki is not None else ""
     keyed = sup.frontend_env or os.environ.get(API_KEY_ENV)
     auth = '-H "Authorization: Bearer $KVMESH_API_KEY" ' if keyed else ""
+    metrics = "\n               ".join(
+        f"http://{c.metrics}/metrics ({c.name})" for c, _ in sup.metrics_endpoints()
+    )
+    if config.metrics_targets:
+        metrics += f"\n               Prometheus file_sd targets: {config.metrics_targets}"
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
     print(
         f"\nkvmesh is up: {sup.worker.engine.value} workers ({pools}), router {router}\n"
         f"  OpenAI API : {base}/v1   (model {sup.served!r})\n"
-        f"  health     : {base}/health    metrics: {base}/metrics\n"
+        f"  health     : {base}/health\n"
+        f"  metrics    : {metrics}\n"
         f"  KServe v2  : {base}/v2 (REST)"
         + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
         + "\n"

@@ -51,6 +51,8 @@ from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, 
 from kvmesh.frontend.errors import error_body, error_from_exception
 from kvmesh.frontend.kserve_http import KSERVE_ROUTES, KServeRoutes
 from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvmesh.frontend.metrics import error_type
+from kvmesh.frontend.observe import X_REQUEST_ID, Observed, observe_http
 from kvmesh.frontend.openapi import JSON, SSE, Reply, Route, openapi_document
 from kvmesh.frontend.protocol import (
     DONE_EVENT,
@@ -191,7 +193,12 @@ class _Routes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(
-            request, CHAT_PATH, parse_chat_request, self.service.chat_completion, ChatChunkEncoder
+            request,
+            CHAT_PATH,
+            parse_chat_request,
+            self.service.chat_completion,
+            ChatChunkEncoder,
+            "chat",
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -201,7 +208,11 @@ class _Routes:
             parse_completion_request,
             self.service.completion,
             TextChunkEncoder,
+            "text_completion",
         )
+
+    def _observed(self, request: web.Request, route: str) -> Observed:
+        return observe_http(self.service, request, _ENDPOINTS[route])
 
     async def _generate(
         self,
@@ -210,17 +221,24 @@ class _Routes:
         parse: Callable[[bytes], Req],
         call: Callable[[Req, TraceContext | None], Awaitable[CompletionStream | CompletionResult]],
         encoder_cls: type[ChatChunkEncoder] | type[TextChunkEncoder],
+        operation: str,
     ) -> web.StreamResponse:
+        obs = self._observed(request, endpoint)
         try:
             parsed = parse(await request.read())
-            result = await call(parsed, _trace(request))
+            obs.request(parsed.model, parsed.options, operation, stream=parsed.stream)
+            result = await call(parsed, obs.context)
         except web.HTTPException as exc:
-            return self._http_error(endpoint, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(endpoint, exc)
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
         if isinstance(result, CompletionResult):
-            self.metrics.request_done(endpoint, 200)
-            return _json_response(200, encode_result(result))
+            obs.result(result)
+            obs.done(200)
+            return _json_response(200, encode_result(result), _request_id(obs))
         if result.parsed and encoder_cls is ChatChunkEncoder:
             encoder_cls = ParsedChatChunkEncoder
         encoder = encoder_cls(
@@ -230,18 +248,22 @@ class _Routes:
             include_usage=parsed.include_usage,
             system_fingerprint=result.system_fingerprint,
         )
-        return await self._stream(request, endpoint, result, encoder, parsed.include_usage)
+        return await self._stream(request, obs, result, encoder, parsed.include_usage)
 
     async def _stream(
         self,
         request: web.Request,
-        endpoint: str,
+        obs: Observed,
         stream: CompletionStream,
         encoder: ChatChunkEncoder | TextChunkEncoder,
         include_usage: bool,
     ) -> web.StreamResponse:
         resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        if obs.request_id:
+            resp.headers[X_REQUEST_ID] = obs.request_id
         status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
         events: _EventWriter | None = None
         try:
             writer = await resp.prepare(request)
@@ -253,6 +275,7 @@ class _Routes:
             async for delta in stream:
                 data = encode(delta)
                 if delta.finish_reason is not None:
+                    finish_reasons.append(delta.finish_reason)
                     remaining -= 1
                     if remaining == 0:
                         tail = data  # coalesced with [DONE] below
@@ -264,39 +287,50 @@ class _Routes:
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
-            _status, payload = error_from_exception(exc)
-            self.metrics.error(str(payload["error"]["type"]))
+            failed, payload = error_from_exception(exc)
+            error = error_type(failed)
             pending = events.take() if events is not None else b""
             try:
                 await resp.write_eof(pending + encode_error_event(payload))
             except ConnectionResetError:
                 status = _CLIENT_CLOSED
         except asyncio.CancelledError:
-            self.metrics.request_done(endpoint, _CLIENT_CLOSED)
+            obs.done(_CLIENT_CLOSED)
             raise
         finally:
             await stream.aclose()
-        self.metrics.request_done(endpoint, status)
+        obs.streamed(stream, finish_reasons)
+        obs.done(status, error=error if status == 200 else None)
         return resp
 
     # -- the Anthropic Messages API -----------------------------------------------------------
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
+        obs = self._observed(request, MESSAGES_PATH)
         try:
             parsed = parse_message_request(await request.read())
-            result = await self.service.chat_completion(parsed, _trace(request))
+            obs.request(parsed.model, parsed.options, "chat", stream=parsed.stream)
+            result = await self.service.chat_completion(parsed, obs.context)
         except Exception as exc:
-            return self._anthropic_failure(MESSAGES_PATH, exc)
+            return self._anthropic_failure(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
         if isinstance(result, CompletionResult):
-            self.metrics.request_done(MESSAGES_PATH, 200)
-            return _json_response(200, encode_message(result))
-        return await self._message_stream(request, result)
+            obs.result(result)
+            obs.done(200)
+            return _json_response(200, encode_message(result), _request_id(obs))
+        return await self._message_stream(request, obs, result)
 
     async def _message_stream(
-        self, request: web.Request, stream: CompletionStream
+        self, request: web.Request, obs: Observed, stream: CompletionStream
     ) -> web.StreamResponse:
         resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        if obs.request_id:
+            resp.headers[X_REQUEST_ID] = obs.request_id
         status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
         events: _EventWriter | None = None
         encoder = MessageStreamEncoder()
         try:
@@ -307,6 +341,7 @@ class _Routes:
             async for delta in stream:
                 data = encoder.delta(delta)
                 if delta.finish_reason is not None:
+                    finish_reasons.append(delta.finish_reason)
                     tail = data + encoder.finish(
                         delta.finish_reason, delta.stop_sequence, stream.completion_tokens(0)
                     )
@@ -317,68 +352,81 @@ class _Routes:
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
-            err_status, payload = error_from_exception(exc)
-            self.metrics.error(str(payload["error"]["type"]))
+            failed, payload = error_from_exception(exc)
+            error = error_type(failed)
             pending = events.take() if events is not None else b""
             try:
                 await resp.write_eof(
-                    pending + error_event(err_status, str(payload["error"]["message"]))
+                    pending + error_event(failed, str(payload["error"]["message"]))
                 )
             except ConnectionResetError:
                 status = _CLIENT_CLOSED
         except asyncio.CancelledError:
-            self.metrics.request_done(MESSAGES_PATH, _CLIENT_CLOSED)
+            obs.done(_CLIENT_CLOSED)
             raise
         finally:
             await stream.aclose()
-        self.metrics.request_done(MESSAGES_PATH, status)
+        obs.streamed(stream, finish_reasons)
+        obs.done(status, error=error if status == 200 else None)
         return resp
 
     async def count_tokens(self, request: web.Request) -> web.Response:
+        obs = self._observed(request, COUNT_TOKENS_PATH)
         try:
             parsed = parse_count_tokens_request(await request.read())
+            obs.request(parsed.model, None, "chat", stream=False)
             tokens = await self.service.count_chat_tokens(parsed)
         except Exception as exc:
-            return self._anthropic_failure(COUNT_TOKENS_PATH, exc)
-        self.metrics.request_done(COUNT_TOKENS_PATH, 200)
-        return _json_response(200, encode_count(tokens))
+            return self._anthropic_failure(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        return _json_response(200, encode_count(tokens), _request_id(obs))
 
-    def _anthropic_failure(self, endpoint: str, exc: Exception) -> web.Response:
+    def _anthropic_failure(self, obs: Observed, exc: Exception) -> web.Response:
         if isinstance(exc, web.HTTPException):
-            return self._anthropic_error(endpoint, exc.status, self._reason(exc))
-        status, payload = error_from_exception(exc)
-        self.metrics.error(str(payload["error"]["type"]))
-        return self._anthropic_error(endpoint, status, str(payload["error"]["message"]))
-
-    def _anthropic_error(self, endpoint: str, status: int, message: str) -> web.Response:
-        self.metrics.request_done(endpoint, status)
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return _json_response(status, anthropic_error_body(status, message), headers)
+            status, message = exc.status, self._reason(exc)
+        else:
+            status, payload = error_from_exception(exc)
+            message = str(payload["error"]["message"])
+        obs.done(status)
+        headers = _request_id(obs) or {}
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
+        return _json_response(status, anthropic_error_body(status, message), headers or None)
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        obs = self._observed(request, EMBEDDINGS_PATH)
         try:
             parsed = parse_embedding_request(await request.read())
-            result = await self.service.embeddings(parsed, _trace(request))
+            obs.request(parsed.model, None, "embeddings", stream=False)
+            result = await self.service.embeddings(parsed, obs.context)
         except web.HTTPException as exc:
-            return self._http_error(EMBEDDINGS_PATH, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(EMBEDDINGS_PATH, exc)
-        self.metrics.request_done(EMBEDDINGS_PATH, 200)
-        return _json_response(200, encode_embeddings(result, parsed.encoding_format))
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        body = encode_embeddings(result, parsed.encoding_format)
+        return _json_response(200, body, _request_id(obs))
 
     # -- errors ----------------------------------------------------------------------------
 
-    def _error(self, endpoint: str, exc: Exception) -> web.Response:
+    def _error(self, obs: Observed, exc: Exception) -> web.Response:
         status, payload = error_from_exception(exc)
-        self.metrics.error(str(payload["error"]["type"]))
-        self.metrics.request_done(endpoint, status)
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return _json_response(status, orjson.dumps(payload), headers)
+        obs.done(status)
+        headers = _request_id(obs) or {}
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
+        return _json_response(status, orjson.dumps(payload), headers or None)
 
-    def _http_error(self, endpoint: str, exc: web.HTTPException) -> web.Response:
+    def _http_error(self, obs: Observed, exc: web.HTTPException) -> web.Response:
         status = exc.status
-        self.metrics.request_done(endpoint, status)
-        return _json_response(status, error_body(status, self._reason(exc)))
+        obs.done(status)
+        return _json_response(status, error_body(status, self._reason(exc)), _request_id(obs))
 
     def _reason(self, exc: web.HTTPException) -> str:
         if exc.status == 413:
@@ -392,7 +440,6 @@ class _Routes:
 
     async def models(self, request: web.Request) -> web.Response:
         body = encode_models(self.service.models(), int(time.time()))
-        self.metrics.request_done("/v1/models", 200)
         return _json_response(200, body)
 
     async def model(self, request: web.Request) -> web.Response:
@@ -437,13 +484,19 @@ class _Routes:
         return _json_response(404, error_body(404, f"no route for {request.path}"))
 
 
-def _trace(request: web.Request) -> TraceContext | None:
-    """The caller's trace context (W3C traceparent / tracestate headers), if it sent one."""
-    headers = request.headers
-    traceparent = headers.get("traceparent")
-    if not traceparent:
-        return None
-    return TraceContext.from_headers(traceparent, headers.get("tracestate"))
+_ENDPOINTS = {
+    CHAT_PATH: "chat_completions",
+    COMPLETIONS_PATH: "completions",
+    EMBEDDINGS_PATH: "embeddings",
+    MESSAGES_PATH: "messages",
+    COUNT_TOKENS_PATH: "count_tokens",
+}
+"""The metrics' endpoint label of each OpenAI route (Dynamo's values)."""
+
+
+def _request_id(obs: Observed) -> dict[str, str] | None:
+    """The x-request-id response header (the client's), if it sent one."""
+    return {X_REQUEST_ID: obs.request_id} if obs.request_id else None
 
 
 def _allowed_methods(request: web.Request) -> list[str]:
@@ -588,7 +641,7 @@ def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIS
                 request[_RATE_HEADERS] = auth.admit(key, tokens)
         except KvmeshError as exc:
             status, payload = error_from_exception(exc)
-            service.metrics.request_done(endpoint, status)
+            observe_http(service, request, endpoint).done(status)  # counted and traced
             reply_headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             if status == 429:
                 reply_headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}

@@ -32,6 +32,7 @@ from kvmesh.frontend import kserve
 from kvmesh.frontend.auth import GatewayAuth
 from kvmesh.frontend.dataplane import CompletionResult
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
+from kvmesh.frontend.observe import Observed, observe_grpc
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound, RequestTooLarge
 from kvmesh.runtime.grpcutil import (
@@ -42,7 +43,6 @@ from kvmesh.runtime.grpcutil import (
     status_for,
 )
 from kvmesh.runtime.tls import ReloadingTls
-from kvmesh.runtime.tracing import TraceContext
 
 __all__ = ["KSERVE_SERVICE", "KServeServicer", "serve_kserve_grpc"]
 
@@ -274,27 +274,41 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
-        endpoint = "/inference.GRPCInferenceService/ModelInfer"
+        obs = observe_grpc(
+            self.service,
+            context.invocation_metadata(),
+            KSERVE_SERVICE,
+            "ModelInfer",
+            "kserve_grpc_infer",
+        )
         try:
             decoded = decode_request(request)
-            trace = TraceContext.from_grpc_metadata(context.invocation_metadata())
             if kserve.wants_embedding(decoded):
-                embedded = await self.service.embeddings(kserve.to_embedding(decoded), trace)
+                embedding = kserve.to_embedding(decoded)
+                obs.request(embedding.model, None, "embeddings", stream=False)
+                embedded = await self.service.embeddings(embedding, obs.context)
                 response = encode_response(
                     kserve.embedding_response(embedded, request.model_name, request.id)
                 )
             else:
                 call = kserve.to_generation(decoded, allow_stream=False)
-                result = await self.service.completion(call.request, trace)
+                generation = call.request
+                obs.request(generation.model, generation.options, "text_completion", stream=False)
+                result = await self.service.completion(generation, obs.context)
                 assert isinstance(result, CompletionResult)
+                obs.result(result)
                 response = encode_response(
                     kserve.InferEncoder(call, request.model_name, request.id).result(result)
                 )
+        except asyncio.CancelledError:
+            # The client cancelled the call (or its deadline passed).
+            _done(obs, grpc.StatusCode.CANCELLED)
+            raise
         except Exception as exc:
             code, message = _status(exc)
-            self._done(endpoint, code, _error_type(exc))
+            _done(obs, code)
             await context.abort(code, message)
-        self._done(endpoint, grpc.StatusCode.OK)
+        _done(obs, grpc.StatusCode.OK)
         return response
 
     async def ModelStreamInfer(
@@ -304,12 +318,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         queue: asyncio.Queue[pb.ModelStreamInferResponse | BaseException | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
-        trace = TraceContext.from_grpc_metadata(context.invocation_metadata())
+        metadata = context.invocation_metadata()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    task = asyncio.create_task(self._stream_one(request, queue, trace))
+                    task = asyncio.create_task(self._stream_one(request, queue, metadata))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 while tasks:
@@ -339,23 +353,31 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self,
         request: pb.ModelInferRequest,
         queue: asyncio.Queue[pb.ModelStreamInferResponse | BaseException | None],
-        trace: TraceContext | None,
+        metadata: Any,
     ) -> None:
-        endpoint = "/inference.GRPCInferenceService/ModelStreamInfer"
+        obs = observe_grpc(
+            self.service, metadata, KSERVE_SERVICE, "ModelStreamInfer", "kserve_grpc_stream_infer"
+        )
         put = queue.put_nowait
         empty_final = False
         stream: CompletionStream | None = None
+        finish_reasons: list[str] = []
         try:
             decoded = decode_request(request)
             empty_final = decoded.parameters.get("triton_enable_empty_final_response") is True
             call = kserve.to_generation(decoded, allow_stream=True)
             encoder = kserve.InferEncoder(call, request.model_name, request.id)
-            result = await self.service.completion(call.request, trace)
+            generation = call.request
+            obs.request(generation.model, generation.options, "text_completion", stream=call.stream)
+            result = await self.service.completion(generation, obs.context)
             if isinstance(result, CompletionResult):
+                obs.result(result)
                 put(_stream_response(encoder.result(result)))
             else:
                 stream = result
                 async for delta in stream:
+                    if delta.finish_reason is not None:
+                        finish_reasons.append(delta.finish_reason)
                     put(
                         _stream_response(
                             encoder.delta(
@@ -365,13 +387,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     )
             if call.empty_final:
                 put(_stream_response(encoder.final()))
-            self._done(endpoint, grpc.StatusCode.OK)
+            if stream is not None:
+                obs.streamed(stream, finish_reasons)
+            _done(obs, grpc.StatusCode.OK)
         except asyncio.CancelledError:
-            self._done(endpoint, grpc.StatusCode.CANCELLED)
+            _done(obs, grpc.StatusCode.CANCELLED)
             raise
         except Exception as exc:
             code, message = _status(exc)
-            self._done(endpoint, code, _error_type(exc))
+            _done(obs, code)
             error = pb.ModelStreamInferResponse(
                 error_message=message,
                 infer_response=pb.ModelInferResponse(
@@ -386,14 +410,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if stream is not None:
                 await stream.aclose()
 
-    def _done(self, endpoint: str, code: grpc.StatusCode, error: str | None = None) -> None:
-        self.metrics.request_done(endpoint, _HTTP_OF.get(code, 500))
-        if error is not None:
-            self.metrics.error(error)
 
-
-def _error_type(exc: BaseException) -> str:
-    return exc.code if isinstance(exc, KvmeshError) else "internal_error"
+def _done(obs: Observed, code: grpc.StatusCode) -> None:
+    """End `obs` with gRPC status `code` (counted as its HTTP equivalent)."""
+    obs.done(_HTTP_OF.get(code, 500), grpc_code=code.value[0])
 
 
 def _stream_response(resp: InferResponse) -> pb.ModelStreamInferResponse:

@@ -22,7 +22,8 @@ from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.process import Entry, GlobalConfig, run, wait_for_signal
+from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
 from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, TlsConfig, TlsError, TlsFiles
 from kvmesh.runtime.types import ModelInfo
 
@@ -45,9 +46,24 @@ def gateway_tls(config: FrontendConfig) -> ReloadingTls | None:
 
 
 async def serve_frontend(
-    config: FrontendConfig, mesh: MeshConfig, security: MeshSecurity | None = None
+    config: FrontendConfig,
+    mesh: MeshConfig,
+    security: MeshSecurity | None = None,
+    tracing: TracingConfig | None = None,
+    log_content: bool = False,
 ) -> None:
-    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
+    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop (tracing: see
+    kvmesh.runtime.telemetry; `log_content`: log prompts and outputs)."""
+    setup_tracing(tracing or TracingConfig(), "frontend")
+    try:
+        await _serve(config, mesh, security, log_content)
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(
+    config: FrontendConfig, mesh: MeshConfig, security: MeshSecurity | None, log_content: bool
+) -> None:
     # Imported here, not at the top: every `kvmesh` command reads ENTRY to build its parser,
     # and only the frontend needs the gateway (aiohttp app, tokenizers, chat templates).
     from kvmesh.frontend.app import build_app, serve_http
@@ -79,6 +95,7 @@ async def serve_frontend(
     await pool.start()
     backend = MeshBackend(pool, router, configured, disagg=mesh)
     service = OpenAIService(backend, tokenizers, config)
+    service.log_content = log_content
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
@@ -125,13 +142,21 @@ async def serve_frontend(
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh frontend`: serve until SIGINT/SIGTERM."""
     security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
-    run(serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns), security))
+    run(
+        serve_frontend(
+            from_args(FrontendConfig, ns),
+            from_args(MeshConfig, ns),
+            security,
+            from_args(TracingConfig, ns),
+            from_args(GlobalConfig, ns).log_content,
+        )
+    )
     return 0
 
 
 ENTRY = Entry(
     "frontend",
     "OpenAI HTTP gateway and KServe v2 front doors (REST; gRPC with --kserve-grpc-port)",
-    Flags.of(FrontendConfig, MeshConfig, TlsConfig),
+    Flags.of(FrontendConfig, MeshConfig, TlsConfig, TracingConfig),
     main,
 )

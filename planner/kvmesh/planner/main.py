@@ -45,6 +45,7 @@ from kvmesh.runtime.config import Flags, from_args, opt
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError
 from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.telemetry import Span, TracingConfig, setup_tracing, shutdown_tracing, tracer
 from kvmesh.runtime.tls import TlsConfig
 
 __all__ = ["ENTRY", "ConnectorKind", "PlannerLoop", "PlannerProcessConfig"]
@@ -104,7 +105,18 @@ class PlannerLoop:
         self.steps = {"ok": 0, "error": 0}
 
     async def step(self, previous: Snapshot | None) -> Snapshot:
-        """One interval: scrape, decide, scale. Returns the snapshot to compare with next."""
+        """One interval: scrape, decide, scale (one `plan` span when tracing is on). Returns the
+        snapshot to compare with next."""
+        span = tracer().start("plan", None, attributes={"kvmesh.planner.policy": self.policy.value})
+        try:
+            return await self._step(previous, span)
+        except KvmeshError as exc:
+            span.error(type(exc).__name__, str(exc))
+            raise
+        finally:
+            span.end()
+
+    async def _step(self, previous: Snapshot | None, span: Span) -> Snapshot:
         snap = await self.scraper.scrape()
         pools = await self.connector.pools()
         if self.planner is None:
@@ -125,6 +137,9 @@ class PlannerLoop:
                     decision.reasons.get(role, ""),
                 )
             reason = "; ".join(decision.reasons.get(r, "") for r in changes)
+            for role, replicas in changes.items():
+                span.set(f"kvmesh.planner.{role.value}.replicas", replicas)
+            span.set("kvmesh.planner.reason", reason)
             await self.connector.scale(changes, f"planner: {reason}"[:500])
         return snap
 
@@ -225,8 +240,23 @@ async def serve_planner(
     k8s: KubernetesConfig,
     virtual: VirtualConfig,
     security: MeshSecurity | None = None,
+    tracing: TracingConfig | None = None,
 ) -> None:
-    """Run `kvmesh planner` until SIGINT/SIGTERM."""
+    """Run `kvmesh planner` until SIGINT/SIGTERM (tracing: see kvmesh.runtime.telemetry)."""
+    setup_tracing(tracing or TracingConfig(), "planner")
+    try:
+        await _serve_planner(process, config, k8s, virtual, security)
+    finally:
+        shutdown_tracing()
+
+
+async def _serve_planner(
+    process: PlannerProcessConfig,
+    config: PlannerConfig,
+    k8s: KubernetesConfig,
+    virtual: VirtualConfig,
+    security: MeshSecurity | None,
+) -> None:
     profile = None
     if process.policy is PlannerPolicy.SLA:
         if not config.profile:
@@ -264,6 +294,7 @@ def main(ns: argparse.Namespace) -> int:
             from_args(KubernetesConfig, ns),
             from_args(VirtualConfig, ns),
             MeshSecurity.load(from_args(TlsConfig, ns)),  # bad certificates stop it here
+            from_args(TracingConfig, ns),
         )
     )
     return 0
@@ -272,6 +303,13 @@ def main(ns: argparse.Namespace) -> int:
 ENTRY = Entry(
     "planner",
     "the SLA planner: scales worker pools to meet TTFT/ITL targets",
-    Flags.of(PlannerProcessConfig, PlannerConfig, KubernetesConfig, VirtualConfig, TlsConfig),
+    Flags.of(
+        PlannerProcessConfig,
+        PlannerConfig,
+        KubernetesConfig,
+        VirtualConfig,
+        TlsConfig,
+        TracingConfig,
+    ),
     main,
 )

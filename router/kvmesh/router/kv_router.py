@@ -25,7 +25,7 @@ from kvmesh.router.kv_scheduler import (
 )
 from kvmesh.router.kv_subscriber import KvSubscriber, PeerLoadSync
 from kvmesh.router.pool import WorkerHandle, WorkerPool
-from kvmesh.router.routing import RouteDecision, RoutingStats, pick_candidates
+from kvmesh.router.routing import RouteDecision, RouterMode, RoutingStats, pick_candidates
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.types import Role
 
@@ -68,7 +68,7 @@ class KvRouter:
         self.clock: Clock = clock if clock is not None else RealClock()
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.scheduler = KvScheduler(config, router_id=self.router_id)
-        self.stats = RoutingStats()
+        self.stats = RoutingStats(policy=RouterMode.KV.value)
         self.subscriber = KvSubscriber(
             self.scheduler, clock=self.clock, load_interval_ms=load_interval_ms
         )
@@ -126,7 +126,12 @@ class KvRouter:
         overhead = time.perf_counter() - t0
         self.stats.observe(overhead, selection.overlap_blocks, selection.prompt_blocks)
         return RouteDecision(
-            chosen, selection.overlap_blocks, selection.prompt_blocks, routing_overhead_s=overhead
+            chosen,
+            selection.overlap_blocks,
+            selection.prompt_blocks,
+            routing_overhead_s=overhead,
+            cost=selection.cost,
+            policy=RouterMode.KV.value,
         )
 
     def first_token(self, request_id: str) -> None:

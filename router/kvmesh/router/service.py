@@ -200,7 +200,7 @@ class RemoteRouter:
             raise error_from_rpc(exc) from None
         for w in self.pool.workers():
             if w.worker_id == resp.worker_id:
-                return RouteDecision(w, resp.overlap_blocks, resp.prompt_blocks)
+                return RouteDecision(w, resp.overlap_blocks, resp.prompt_blocks, policy="remote")
         self._report(request_id, rpb.REQUEST_STATE_CANCELLED)
         raise NotFound(
             f"router chose worker {resp.worker_id} which this frontend does not know yet"

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
+from kvmesh.runtime.metrics import METRICS_PORT_HELP
 from kvmesh.runtime.types import Role
 
 
@@ -54,6 +55,7 @@ class WorkerConfig:
         "on shutdown, keep serving this long after leaving discovery, so that routers stop "
         "sending before the worker refuses new requests (0: refuse at once)",
     )
+    metrics_port: int = opt(-1, METRICS_PORT_HELP)
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s >= 0 or not self.leave_delay_s >= 0:

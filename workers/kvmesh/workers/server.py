@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
@@ -35,11 +36,14 @@ from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import Instance, Registration, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server, status_of
+from kvmesh.runtime.metrics import MetricsServer
+from kvmesh.runtime.telemetry import LOG_CONTEXT, LogContext, SpanKind, tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, Role
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.disagg.release import GrpcKvReleaser
 from kvmesh.workers.engine import DisaggSettings, Engine, RequestHandle
+from kvmesh.workers.metrics import WorkerCollector
 from kvmesh.workers.validation import validate_wire_request
 
 log = logging.getLogger(__name__)
@@ -69,9 +73,8 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         if self.draining:
             raise Unavailable(f"worker {self.worker_id} is draining")
         req = self.engine_request(request, uuid.uuid4().hex)
-        trace = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
-        if trace is not None and log.isEnabledFor(logging.DEBUG):
-            log.debug("generate %s trace %s", req.request_id, trace.traceparent)
+        req.trace = trace = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
+        _log_context(req.request_id, trace)
         task = asyncio.current_task()
         assert task is not None
         self._begin(task, task.cancel)
@@ -135,18 +138,45 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             raise Unavailable(f"worker {self.worker_id} is draining")
         validate_wire_request(request, self.engine.info)
         req = wire.prefill_request_from_pb(request, default_id=uuid.uuid4().hex)
+        parent = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
+        span = tracer().start(
+            "PrefillRemote",
+            parent,
+            kind=SpanKind.SERVER,
+            remote=True,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": WORKER_SERVICE,
+                "rpc.method": "PrefillRemote",
+                "kvmesh.request_id": req.request_id,
+                "kvmesh.worker_id": self.worker_id,
+                "gen_ai.usage.input_tokens": len(req.prompt),
+            },
+        )
+        req.trace = span.context
+        _log_context(req.request_id, span.context)
         task = asyncio.current_task()
         assert task is not None
         self._begin(task, task.cancel)
         try:
             # Cancelling the call (the gateway went away) aborts the prefill and frees its blocks.
             result = await self.engine.prefill_remote(req)
+        except BaseException as exc:
+            span.error(type(exc).__name__)
+            raise
         finally:
             self._end(task)
+            span.end()
         handle = result.remote.handle
         if handle is not None:
             handle.prefill_worker_id = self.worker_id
             handle.prefill_address = self.address
+            span.update(
+                {
+                    "kvmesh.kv_transfer.id": handle.transfer_id,
+                    "kvmesh.kv_transfer.blocks": len(handle.blocks),
+                }
+            )
         return wire.prefill_result_to_pb(result)
 
     async def ReleaseKvBlocks(
@@ -250,6 +280,15 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         return 0
 
 
+def _log_context(request_id: str, trace: TraceContext | None) -> None:
+    """Name the request in every log line of the current task (JSON logs)."""
+    LOG_CONTEXT.set(
+        LogContext(trace.trace_id, trace.span_id, request_id)
+        if trace is not None
+        else LogContext(request_id=request_id)
+    )
+
+
 class _StreamSession:
     """The requests of one GenerateStream, outputs batched per engine step.
 
@@ -312,11 +351,13 @@ class _StreamSession:
         if self.servicer.draining:
             self.fail(rid, Unavailable(f"worker {self.servicer.worker_id} is draining"))
             return
-        if start.traceparent and log.isEnabledFor(logging.DEBUG):
-            log.debug("generate %s trace %s", rid, start.traceparent)
         req = _StreamRequest(self, rid)
         try:
             engine_request = self.servicer.engine_request(start.request, rid)
+            if start.traceparent:
+                engine_request.trace = TraceContext.from_headers(
+                    start.traceparent, start.tracestate
+                )
             req.handle = self.servicer.engine.submit(engine_request, req)
         except Exception as exc:
             self.fail(rid, exc)
@@ -402,6 +443,14 @@ class Worker:
         self.server = mesh_server(config.host, config.port, security)
         self.server.add(wpb_grpc.add_WorkerServiceServicer_to_server, self.servicer, WORKER_SERVICE)
         self._registration: Registration | None = None
+        self.metrics: MetricsServer | None = None
+        """The Prometheus endpoint (--metrics-port; None: none)."""
+        if config.metrics_port >= 0:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(
+                WorkerCollector(self.worker_id, lambda: engine.info, engine.load, engine.stats)
+            )
+            self.metrics = MetricsServer(registry, config.host, config.metrics_port)
 
     @property
     def address(self) -> str:
@@ -414,6 +463,13 @@ class Worker:
         """Start the engine, the server, then register (undoing it all if that fails)."""
         await self.engine.start()
         await self.server.start()
+        if self.metrics is not None:
+            try:
+                await self.metrics.start()
+            except BaseException:
+                await self.server.stop(0)
+                await self.engine.stop()
+                raise
         self.servicer.address = self.address
         if self.config.discovery:
             info = self.engine.info
@@ -427,15 +483,17 @@ class Worker:
                     )
                 )
             except BaseException:
+                await self._stop_metrics()
                 await self.server.stop(0)
                 await self.engine.stop()
                 raise
         log.info(
-            "worker %s serving %s (%s) on %s",
+            "worker %s serving %s (%s) on %s%s",
             self.worker_id,
             self.engine.info.engine,
             self.engine.info.role.value,
             self.address,
+            f", metrics on :{self.metrics.port}/metrics" if self.metrics is not None else "",
         )
 
     async def stop(self) -> None:
@@ -450,8 +508,13 @@ class Worker:
         if cancelled:
             log.warning("drain timed out; cancelled %d requests", cancelled)
         await self.server.stop(1.0)
+        await self._stop_metrics()
         await self.engine.stop()
         await self.releaser.close()
+
+    async def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.stop()
 
     async def kill(self) -> None:
         """Stop at once, as a crash would look to peers: deregister, drop every call without
@@ -461,5 +524,6 @@ class Worker:
             await self._registration.close()
             self._registration = None
         await self.server.stop(0)
+        await self._stop_metrics()
         await self.engine.stop()
         await self.releaser.close()
