@@ -31,6 +31,20 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
+from kvmesh.frontend.anthropic_api import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    CreateMessageRequest,
+    MessageResponse,
+    MessageStreamEncoder,
+    anthropic_error_body,
+    encode_count,
+    encode_message,
+    error_event,
+    parse_count_tokens_request,
+    parse_message_request,
+)
 from kvmesh.frontend.auth import GatewayAuth, estimate_tokens
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
@@ -78,6 +92,8 @@ CONFIG_KEY = web.AppKey("kvmesh_frontend_config", FrontendConfig)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _SSE_HEADERS = {"Content-Type": SSE, "Cache-Control": "no-cache"}
 _CLIENT_CLOSED = 499
 
@@ -287,6 +303,99 @@ class _Routes:
         obs.done(status, error=error if status == 200 else None)
         return resp
 
+    # -- the Anthropic Messages API -----------------------------------------------------------
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        obs = self._observed(request, MESSAGES_PATH)
+        try:
+            parsed = parse_message_request(await request.read())
+            obs.request(parsed.model, parsed.options, "chat", stream=parsed.stream)
+            result = await self.service.chat_completion(parsed, obs.context)
+        except Exception as exc:
+            return self._anthropic_failure(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        if isinstance(result, CompletionResult):
+            obs.result(result)
+            obs.done(200)
+            return _json_response(200, encode_message(result), _request_id(obs))
+        return await self._message_stream(request, obs, result)
+
+    async def _message_stream(
+        self, request: web.Request, obs: Observed, stream: CompletionStream
+    ) -> web.StreamResponse:
+        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        if obs.request_id:
+            resp.headers[X_REQUEST_ID] = obs.request_id
+        status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
+        events: _EventWriter | None = None
+        encoder = MessageStreamEncoder()
+        try:
+            writer = await resp.prepare(request)
+            events = _EventWriter(resp, writer)
+            await events.write(encoder.start(stream.id, stream.model, stream.prompt_tokens(0)))
+            tail = b""
+            async for delta in stream:
+                data = encoder.delta(delta)
+                if delta.finish_reason is not None:
+                    finish_reasons.append(delta.finish_reason)
+                    tail = data + encoder.finish(
+                        delta.finish_reason, delta.stop_sequence, stream.completion_tokens(0)
+                    )
+                    break
+                if data:
+                    await events.write(data)
+            await resp.write_eof(events.take() + tail)
+        except ConnectionResetError:
+            status = _CLIENT_CLOSED
+        except Exception as exc:
+            failed, payload = error_from_exception(exc)
+            error = error_type(failed)
+            pending = events.take() if events is not None else b""
+            try:
+                await resp.write_eof(
+                    pending + error_event(failed, str(payload["error"]["message"]))
+                )
+            except ConnectionResetError:
+                status = _CLIENT_CLOSED
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        finally:
+            await stream.aclose()
+        obs.streamed(stream, finish_reasons)
+        obs.done(status, error=error if status == 200 else None)
+        return resp
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        obs = self._observed(request, COUNT_TOKENS_PATH)
+        try:
+            parsed = parse_count_tokens_request(await request.read())
+            obs.request(parsed.model, None, "chat", stream=False)
+            tokens = await self.service.count_chat_tokens(parsed)
+        except Exception as exc:
+            return self._anthropic_failure(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        return _json_response(200, encode_count(tokens), _request_id(obs))
+
+    def _anthropic_failure(self, obs: Observed, exc: Exception) -> web.Response:
+        if isinstance(exc, web.HTTPException):
+            status, message = exc.status, self._reason(exc)
+        else:
+            status, payload = error_from_exception(exc)
+            message = str(payload["error"]["message"])
+        obs.done(status)
+        headers = _request_id(obs) or {}
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
+        return _json_response(status, anthropic_error_body(status, message), headers or None)
+
     async def embeddings(self, request: web.Request) -> web.Response:
         obs = self._observed(request, EMBEDDINGS_PATH)
         try:
@@ -316,12 +425,13 @@ class _Routes:
 
     def _http_error(self, obs: Observed, exc: web.HTTPException) -> web.Response:
         status = exc.status
-        if status == 413:
-            message = f"request body too large (limit {self._max_bytes()} bytes)"
-        else:
-            message = exc.reason
         obs.done(status)
-        return _json_response(status, error_body(status, message), _request_id(obs))
+        return _json_response(status, error_body(status, self._reason(exc)), _request_id(obs))
+
+    def _reason(self, exc: web.HTTPException) -> str:
+        if exc.status == 413:
+            return f"request body too large (limit {self._max_bytes()} bytes)"
+        return exc.reason
 
     def _max_bytes(self) -> int:
         return self.service.config.max_request_bytes
@@ -378,6 +488,8 @@ _ENDPOINTS = {
     CHAT_PATH: "chat_completions",
     COMPLETIONS_PATH: "completions",
     EMBEDDINGS_PATH: "embeddings",
+    MESSAGES_PATH: "messages",
+    COUNT_TOKENS_PATH: "count_tokens",
 }
 """The metrics' endpoint label of each OpenAI route (Dynamo's values)."""
 
@@ -416,6 +528,10 @@ def _replies(ok: Reply, *errors: int) -> dict[int, Reply]:
     return {200: ok, **{s: Reply(ErrorResponse, _ERRORS[s]) for s in errors}}
 
 
+def _anthropic_replies(ok: Reply, *errors: int) -> dict[int, Reply]:
+    return {200: ok, **{s: Reply(AnthropicErrorResponse, _ERRORS[s]) for s in errors}}
+
+
 _GENERATION_ERRORS = (400, 404, 413, 429, 503)
 _CHAT = Reply(
     CreateChatCompletionResponse, "A chat.completion, or chat.completion.chunk events", (JSON, SSE)
@@ -433,6 +549,15 @@ OPENAI_ROUTES: tuple[Route, ...] = (
           _replies(Reply(CreateEmbeddingResponse, "One vector per input"), *_GENERATION_ERRORS,
                    501),
           CreateEmbeddingRequest),
+    Route(MESSAGES_PATH, "POST", _Routes.messages,
+          "Anthropic Messages API (stream: Server-Sent Events); Anthropic-shaped errors",
+          _anthropic_replies(Reply(MessageResponse, "A message, or its events", (JSON, SSE)),
+                             *_GENERATION_ERRORS),
+          CreateMessageRequest),
+    Route(COUNT_TOKENS_PATH, "POST", _Routes.count_tokens,
+          "Anthropic Messages API: prompt tokens of a request",
+          _anthropic_replies(Reply(CountTokensResponse, "The count"), 400, 404, 413),
+          CountTokensRequest),
     Route("/v1/models", "GET", _Routes.models, "Models served now",
           _replies(Reply(ListModelsResponse, "Model list"))),
     Route("/v1/models/{model}", "GET", _Routes.model, "One model",
@@ -494,11 +619,18 @@ def _protected(path: str, auth: GatewayAuth) -> bool:
 def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIService) -> Handler:
     """`handler` behind the gateway's API keys: a missing or unknown `Authorization: Bearer`
     key gets an OpenAI-shaped 401, a key over its rate limit a 429 (with x-ratelimit-*
-    headers, which every answer to a limited key carries)."""
+    headers, which every answer to a limited key carries). The Anthropic routes (/v1/messages)
+    also take the key from `x-api-key` and answer Anthropic-shaped errors."""
+
+    anthropic = endpoint.startswith(MESSAGES_PATH)
 
     async def guard(request: web.Request) -> web.StreamResponse:
         try:
-            key = auth.check(request.headers.get("Authorization"))
+            headers = request.headers
+            authorization = headers.get("Authorization")
+            if anthropic and not authorization and headers.get("x-api-key"):
+                authorization = "Bearer " + headers["x-api-key"]  # Anthropic clients' header
+            key = auth.check(authorization)
             if auth.limited:
                 tokens = 0
                 if auth.tpm and request.method == "POST":
@@ -510,10 +642,11 @@ def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIS
         except KvmeshError as exc:
             status, payload = error_from_exception(exc)
             observe_http(service, request, endpoint).done(status)  # counted and traced
-            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            reply_headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             if status == 429:
-                headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
-            return _json_response(status, orjson.dumps(payload), headers)
+                reply_headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
+            body = anthropic_error_body(status, exc.message) if anthropic else orjson.dumps(payload)
+            return _json_response(status, body, reply_headers)
         return await handler(request)
 
     return guard

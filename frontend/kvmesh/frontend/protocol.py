@@ -183,12 +183,22 @@ class _Generation(SamplingParameters, kw_only=True):
     user: str | None = None
 
 
-class ContentPart(Struct):
-    """A text part of a message's content (`refusal` parts carry their text in `refusal`)."""
+class ImageUrl(Struct):
+    """Where an image part's image is: a data: URI, a local file or an http(s) URL
+    (kvmesh.frontend.media)."""
 
-    type: Literal["text", "input_text", "refusal"]
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(Struct):
+    """A part of a message's content: text (`refusal` parts carry their text in `refusal`) or
+    an image (`image_url`)."""
+
+    type: Literal["text", "input_text", "refusal", "image_url"]
     text: str | UnsetType = UNSET
     refusal: Any = UNSET
+    image_url: ImageUrl | UnsetType = UNSET
 
 
 class ChatCompletionRequestMessage(Struct):
@@ -333,7 +343,11 @@ def _messages_error(value: Any) -> None:
         for part in content if isinstance(content, list) else ():
             if not isinstance(part, (str, dict)):
                 raise bad(f"{at}.content parts must be objects")
-            if isinstance(part, dict):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                image = part.get("image_url")
+                if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+                    raise bad(f"{at} image_url part needs an 'image_url' object with a 'url'")
+            elif isinstance(part, dict):
                 _part_text(part.get("type"), part.get("text", part.get("refusal")), i)
         _check_content(content, role, i)
         if not isinstance(raw.get("name"), (str, type(None))):
@@ -663,7 +677,7 @@ _TEXT_PARTS = ("text", "input_text", "refusal")
 def _part_text(kind: Any, text: Any, index: int) -> str:
     if kind not in _TEXT_PARTS:
         raise InvalidRequest(
-            f"content part type {kind!r} is not supported (text only)", param="messages"
+            f"content part type {kind!r} is not supported (text or image_url)", param="messages"
         )
     if not isinstance(text, str):
         raise InvalidRequest(
@@ -681,13 +695,30 @@ def _messages(messages: list[ChatCompletionRequestMessage]) -> list[ChatMessage]
     out: list[ChatMessage] = []
     for i, m in enumerate(messages):
         content = m.content
+        images: list[str] = []
         if isinstance(content, list):
-            content = "\n".join(
-                p
-                if isinstance(p, str)
-                else _part_text(p.type, p.text if p.text is not UNSET else p.refusal, i)
-                for p in content
-            )
+            texts: list[str] = []
+            for p in content:
+                if isinstance(p, str):
+                    texts.append(p)
+                elif p.type == "image_url":
+                    if not isinstance(p.image_url, ImageUrl):
+                        raise InvalidRequest(
+                            f"messages[{i}] image_url part needs an 'image_url' object with a "
+                            "'url'",
+                            param="messages",
+                        )
+                    if m.role != "user":
+                        raise InvalidRequest(
+                            f"messages[{i}] image_url parts are only allowed in user messages",
+                            param="messages",
+                        )
+                    images.append(p.image_url.url)
+                else:
+                    texts.append(
+                        _part_text(p.type, p.text if p.text is not UNSET else p.refusal, i)
+                    )
+            content = "\n".join(texts)
         _check_content(content, m.role, i)
         reasoning = m.reasoning_content if m.reasoning_content is not UNSET else m.reasoning
         out.append(
@@ -698,6 +729,7 @@ def _messages(messages: list[ChatCompletionRequestMessage]) -> list[ChatMessage]
                 m.tool_calls or None,
                 m.tool_call_id,
                 reasoning if isinstance(reasoning, str) else None,
+                tuple(images),
             )
         )
     return out

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -224,6 +225,28 @@ class MeshBackend:
                 yield wire.output_from_pb(msg)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+
+    # -- embeddings ------------------------------------------------------------------------------
+
+    async def embed(
+        self, model: str, prompts: list[list[int]], trace: TraceContext | None
+    ) -> list[list[float]]:
+        """Embed `prompts` on one worker of `model` (the router's pick for the first prompt)."""
+        rid = f"embed-{uuid.uuid4().hex}"
+        decision = await self.router.route(model, prompts[0], rid)
+        child = trace.child() if trace is not None else None
+        request = wpb.EmbedRequest(
+            request_id=rid, inputs=[wpb.EmbedInput(token_ids=p) for p in prompts]
+        )
+        try:
+            resp = await decision.worker.stub.Embed(
+                request, metadata=child.grpc_metadata() if child is not None else None
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            self.router.finished(rid)
+        return [list(v.values) for v in resp.embeddings]
 
     # -- disaggregated ---------------------------------------------------------------------------
 

@@ -213,6 +213,17 @@ class PrefillResult:
     stop_token_id: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class MediaInput:
+    """A non-text input (an image) of a request, referenced by placeholder tokens in its
+    prompt. The gateway decodes and checks images before sending them, so `data` is the
+    image file's bytes (never a URL to fetch)."""
+
+    mime_type: str
+    """e.g. "image/png"; "": the engine sniffs the data."""
+    data: bytes
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One generation request."""
@@ -225,6 +236,8 @@ class EngineRequest:
     priority: int = 0
     remote_prefill: RemotePrefill | None = None
     """Set on a decode worker: the prompt was prefilled remotely (see the module docstring)."""
+    media: tuple[MediaInput, ...] = ()
+    """Images the prompt's placeholder tokens stand for (engines with MULTIMODAL only)."""
     trace: TraceContext | None = None
     """The caller's span (W3C trace context from gRPC metadata): the engine's spans (queue,
     prefill, kv_transfer, decode) are its children. None: no trace."""

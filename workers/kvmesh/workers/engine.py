@@ -235,6 +235,12 @@ class Engine(abc.ABC):
         pinned."""
         return False
 
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """One embedding vector per prompt (non-empty token id lists), in order, pooled and
+        normalized as the engine is configured. Engines listing the EMBEDDINGS capability
+        implement it; InvalidRequest for a bad prompt. Default: Unimplemented."""
+        raise Unimplemented(f"engine {self.info.engine!r} does not compute embeddings")
+
     async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
         """Prefill `request`'s prompt, sample its first token and pin its KV for a decode
         worker (disaggregated serving). `request.stop` decides whether the first token already

@@ -243,6 +243,23 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         return wpb.DrainResponse(cancelled_requests=await self.drain(timeout))
 
+    async def Embed(
+        self, request: wpb.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.EmbedResponse:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
+        prompts = [list(item.token_ids) for item in request.inputs]
+        if not prompts or not all(prompts):
+            raise InvalidRequest("Embed needs at least one input, and no empty input")
+        task = asyncio.current_task()
+        assert task is not None
+        self._begin(task, task.cancel)
+        try:
+            vectors = await self.engine.embed(prompts)
+        finally:
+            self._end(task)
+        return wpb.EmbedResponse(embeddings=[wpb.EmbeddingVector(values=v) for v in vectors])
+
     async def drain(self, timeout_s: float | None) -> int:
         """Refuse new requests, wait for in-flight ones (and, on a prefill worker, for decode
         workers to pull its pinned blocks); cancel leftovers. Returns how many."""

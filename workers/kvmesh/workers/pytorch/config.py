@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
 
-__all__ = ["TorchConfig", "TorchDType"]
+__all__ = ["EmbeddingNormalize", "Pooling", "TorchConfig", "TorchDType"]
 
 
 class TorchDType(enum.Enum):
@@ -24,6 +24,27 @@ class TorchDType(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+
+
+class Pooling(enum.Enum):
+    """How /v1/embeddings pools a prompt's final hidden states into one vector."""
+
+    AUTO = "auto"
+    """The model's sentence-transformers pooling config (1_Pooling/config.json), else LAST."""
+    MEAN = "mean"
+    LAST = "last"
+    """The last token's hidden state (decoder embedding models: Qwen3-Embedding, e5-mistral)."""
+    CLS = "cls"
+    """The first token's hidden state."""
+
+
+class EmbeddingNormalize(enum.Enum):
+    """Whether embedding vectors are scaled to unit length."""
+
+    AUTO = "auto"
+    """As the model's sentence-transformers modules.json says (a Normalize module), else yes."""
+    YES = "yes"
+    NO = "no"
 
 
 @dataclass(slots=True)
@@ -65,6 +86,10 @@ class TorchConfig:
     )
     seed: int = opt(
         0, "seed of the per-request seeds drawn for unseeded sampled requests", flag="--torch-seed"
+    )
+    embedding_pooling: Pooling = opt(Pooling.AUTO, "pooling of embeddings (/v1/embeddings)")
+    embedding_normalize: EmbeddingNormalize = opt(
+        EmbeddingNormalize.AUTO, "scale embeddings to unit length"
     )
 
     def __post_init__(self) -> None:

@@ -125,12 +125,13 @@ class _EngineCapabilityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Engi
     ENGINE_CAPABILITY_GUIDED_DECODING: _EngineCapability.ValueType  # 2
     """Structured output (JSON schema, regex, grammar, choice)."""
     ENGINE_CAPABILITY_EMBEDDINGS: _EngineCapability.ValueType  # 3
-    """Pooled embeddings for /v1/embeddings. No kvmesh engine has it yet: the gateway answers
-    /v1/embeddings with a 400 naming the missing capability.
+    """Pooled embeddings (WorkerService.Embed) for /v1/embeddings and KServe embedding inference.
+    The torch engine has it; for engines without it the gateway answers /v1/embeddings with a
+    400 naming the missing capability.
     """
     ENGINE_CAPABILITY_MULTIMODAL: _EngineCapability.ValueType  # 4
     """Image / audio inputs (GenerateRequest.media). No kvmesh engine has it yet: workers refuse
-    media with INVALID_ARGUMENT, and the gateway refuses image and audio content parts.
+    media with INVALID_ARGUMENT, and the gateway answers 400 to (checked) images for them.
     """
     ENGINE_CAPABILITY_LORA: _EngineCapability.ValueType  # 5
     """LoRA adapters selectable per request (GenerateRequest.lora_name). Workers without it refuse
@@ -155,12 +156,13 @@ ENGINE_CAPABILITY_LOGPROBS: EngineCapability.ValueType  # 1
 ENGINE_CAPABILITY_GUIDED_DECODING: EngineCapability.ValueType  # 2
 """Structured output (JSON schema, regex, grammar, choice)."""
 ENGINE_CAPABILITY_EMBEDDINGS: EngineCapability.ValueType  # 3
-"""Pooled embeddings for /v1/embeddings. No kvmesh engine has it yet: the gateway answers
-/v1/embeddings with a 400 naming the missing capability.
+"""Pooled embeddings (WorkerService.Embed) for /v1/embeddings and KServe embedding inference.
+The torch engine has it; for engines without it the gateway answers /v1/embeddings with a
+400 naming the missing capability.
 """
 ENGINE_CAPABILITY_MULTIMODAL: EngineCapability.ValueType  # 4
 """Image / audio inputs (GenerateRequest.media). No kvmesh engine has it yet: workers refuse
-media with INVALID_ARGUMENT, and the gateway refuses image and audio content parts.
+media with INVALID_ARGUMENT, and the gateway answers 400 to (checked) images for them.
 """
 ENGINE_CAPABILITY_LORA: EngineCapability.ValueType  # 5
 """LoRA adapters selectable per request (GenerateRequest.lora_name). Workers without it refuse

@@ -92,6 +92,11 @@ class WorkerServiceStub:
                 request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/kvmesh.api.worker.v1.WorkerService/Embed',
+                request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -183,6 +188,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+        UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+        (see the engine's flags); truncation to fewer dimensions is the caller's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +249,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainRequest.FromString,
                     response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -515,6 +534,33 @@ class WorkerService:
             '/kvmesh.api.worker.v1.WorkerService/Drain',
             kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainRequest.SerializeToString,
             kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.api.worker.v1.WorkerService/Embed',
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedRequest.SerializeToString,
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,6 +74,11 @@ class WorkerServiceStub:
     """
     Drain: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.DrainRequest, _worker_service_pb2.DrainResponse]
     """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.EmbedRequest, _worker_service_pb2.EmbedResponse]
+    """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+    UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+    (see the engine's flags); truncation to fewer dimensions is the caller's.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -121,6 +126,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     Drain: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.DrainRequest, _worker_service_pb2.DrainResponse]  # type: ignore[assignment]
     """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
+    Embed: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.EmbedRequest, _worker_service_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+    UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+    (see the engine's flags); truncation to fewer dimensions is the caller's.
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """A worker: runs one engine for one model.
@@ -225,5 +235,16 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.DrainResponse, _abc.Awaitable[_worker_service_pb2.DrainResponse]]:
         """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _worker_service_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.EmbedResponse, _abc.Awaitable[_worker_service_pb2.EmbedResponse]]:
+        """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+        UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+        (see the engine's flags); truncation to fewer dimensions is the caller's.
+        """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
