@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
+from kvmesh.workers.adapters.config import parse_lora_modules
 
 __all__ = ["TorchConfig", "TorchDType"]
 
@@ -66,6 +67,14 @@ class TorchConfig:
     seed: int = opt(
         0, "seed of the per-request seeds drawn for unseeded sampled requests", flag="--torch-seed"
     )
+    max_loras: int = opt(
+        4,
+        "LoRA adapters kept loaded; loading one more unloads the least recently used",
+        flag="--torch-max-loras",
+    )
+    lora_modules: tuple[str, ...] = opt(
+        (), "peft LoRA adapters to load at start, as NAME=PATH", flag="--torch-lora-modules"
+    )
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -82,3 +91,6 @@ class TorchConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        parse_lora_modules(self.lora_modules, "--torch-lora-modules")

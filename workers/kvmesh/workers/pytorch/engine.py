@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -60,7 +61,9 @@ from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
+from kvmesh.workers.adapters.config import parse_lora_modules
 from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
+from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
 from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
 
@@ -167,6 +170,25 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             await loop.run_in_executor(self._executor, self._setup)
         if self._disagg.role is not Role.AGGREGATED:
             self._ensure_agent()  # fail at startup, not on the first request
+        await self._load_lora_modules(
+            parse_lora_modules(self.config.lora_modules, "--torch-lora-modules")
+        )
+
+    async def _open_lora(self, name: str, path: str) -> LoraAdapter:
+        loaded = self._loaded
+        assert loaded is not None
+        adapter: LoraAdapter = await self._on_executor(
+            functools.partial(
+                load_adapter,
+                name,
+                path,
+                num_layers=loaded.num_layers,
+                shapes=loaded.linear_shapes(),
+                device=loaded.device,
+                dtype=loaded.dtype,
+            )
+        )
+        return adapter
 
     def _setup(self) -> None:
         """Load the model, allocate the KV cache, build the scheduler (executor thread)."""

@@ -25,6 +25,7 @@ from kvmesh.workers.batching.scheduler import BatchScheduler, Seq, SeqOutput, Se
 from kvmesh.workers.batching.scheduler import ScheduledStep as _Step
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.pytorch.config import TorchConfig
+from kvmesh.workers.pytorch.lora import LoraAdapter
 from kvmesh.workers.pytorch.model_runner import SeqChunk
 from kvmesh.workers.pytorch.sampler import SampleSpec
 
@@ -34,10 +35,11 @@ __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
 class _Seq(Seq):
     """Scheduler state of one request, with what the sampler needs."""
 
-    __slots__ = ("bias_ids", "bias_values", "generator", "params", "suppress")
+    __slots__ = ("adapter", "bias_ids", "bias_values", "generator", "params", "suppress")
 
     def __init__(self, request: EngineRequest, arrival: int) -> None:
         super().__init__(request, arrival)
+        self.adapter: LoraAdapter | None = None
         self.params = request.sampling
         self.generator: torch.Generator | None = None
         self.suppress: tuple[int, ...] = ()
@@ -97,12 +99,6 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
     # -- requests ------------------------------------------------------------------------------
 
     def _check_request(self, request: EngineRequest) -> None:
-        if request.lora_name:
-            raise InvalidRequest(
-                f"LoRA adapter {request.lora_name!r} is not loaded (the torch engine serves no "
-                "adapters)",
-                param="lora_name",
-            )
         if getattr(request.sampling, "guided", None) is not None:
             raise InvalidRequest(
                 "the torch engine does not support guided decoding", param="response_format"
@@ -120,6 +116,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
     def _new_seq(self, request: EngineRequest, arrival: int, now: float) -> _Seq:
         vocab = self.vocab_size
         seq = _Seq(request, arrival)
+        if request.lora_name:
+            seq.adapter = self.loras.use(request.lora_name)
         stop_ids = set(request.stop.stop_token_ids)
         if not request.stop.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -154,7 +152,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                     seq.bias_values,
                 )
             step.chunks.append(
-                SeqChunk(seq.tokens[start : start + n], start, list(seq.blocks), spec)
+                SeqChunk(seq.tokens[start : start + n], start, list(seq.blocks), spec, seq.adapter)
             )
         self.num_computed_tokens += step.prefill_tokens + step.decode_tokens
         return step
