@@ -43,7 +43,13 @@ ADAPTERS: dict[str, dict[str, Any]] = {
         "r": 4,
         "lora_alpha": 16,
         "target_modules": [
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
         ],
     },
     # attention only, rsLoRA scaling, another rank
@@ -190,7 +196,7 @@ async def test_lru_bound_and_errors(
         await engine.load_lora("tiny", str(path_all))
     with pytest.raises(NotFound):
         await engine.unload_lora("b")
-    with pytest.raises(InvalidRequest, match="adapter_config.json"):
+    with pytest.raises(InvalidRequest, match=r"adapter_config\.json"):
         await engine.load_lora("d", str(tmp_path))
     # an adapter of another model (a projection of another width) is refused, not loaded
     bad = tmp_path / "bad"

@@ -48,9 +48,11 @@ from kvmesh.frontend.protocol import (
     CreateEmbeddingResponse,
     ErrorResponse,
     ListModelsResponse,
+    LoadLoraAdapterRequest,
     Model,
     ParsedChatChunkEncoder,
     TextChunkEncoder,
+    UnloadLoraAdapterRequest,
     encode_embeddings,
     encode_error_event,
     encode_model,
@@ -59,6 +61,7 @@ from kvmesh.frontend.protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
+    parse_lora_request,
 )
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.tracing import TraceContext
@@ -73,6 +76,8 @@ CONFIG_KEY = web.AppKey("kvmesh_frontend_config", FrontendConfig)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 _SSE_HEADERS = {"Content-Type": SSE, "Cache-Control": "no-cache"}
 _CLIENT_CLOSED = 499
 
@@ -280,6 +285,38 @@ class _Routes:
         self.metrics.request_done(EMBEDDINGS_PATH, 200)
         return _json_response(200, encode_embeddings(result, parsed.encoding_format))
 
+    # -- LoRA adapters (vLLM's runtime loading API) ----------------------------------------
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        path = LOAD_LORA_PATH
+        try:
+            parsed = parse_lora_request(LoadLoraAdapterRequest, await request.read())
+            await self.service.load_lora_adapter(parsed.lora_name, parsed.lora_path, parsed.model)
+        except web.HTTPException as exc:
+            return self._http_error(path, exc)
+        except Exception as exc:
+            return self._error(path, exc)
+        self.metrics.request_done(path, 200)
+        return web.Response(
+            text=f"Success: LoRA adapter '{parsed.lora_name}' added successfully.",
+            content_type="text/plain",
+        )
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        path = UNLOAD_LORA_PATH
+        try:
+            parsed = parse_lora_request(UnloadLoraAdapterRequest, await request.read())
+            await self.service.unload_lora_adapter(parsed.lora_name)
+        except web.HTTPException as exc:
+            return self._http_error(path, exc)
+        except Exception as exc:
+            return self._error(path, exc)
+        self.metrics.request_done(path, 200)
+        return web.Response(
+            text=f"Success: LoRA adapter '{parsed.lora_name}' removed successfully.",
+            content_type="text/plain",
+        )
+
     # -- errors ----------------------------------------------------------------------------
 
     def _error(self, endpoint: str, exc: Exception) -> web.Response:
@@ -310,9 +347,9 @@ class _Routes:
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        for info in self.service.models():
-            if info.served_model_name == name:
-                return _json_response(200, encode_model(info, int(time.time())))
+        body = encode_model(self.service.models(), name, int(time.time()))
+        if body is not None:
+            return _json_response(200, body)
         return _json_response(
             404,
             error_body(404, f"The model `{name}` does not exist.", param="model",
@@ -400,6 +437,14 @@ OPENAI_ROUTES: tuple[Route, ...] = (
           _replies(Reply(ListModelsResponse, "Model list"))),
     Route("/v1/models/{model}", "GET", _Routes.model, "One model",
           _replies(Reply(Model, "The model"), 404)),
+    Route(LOAD_LORA_PATH, "POST", _Routes.load_lora_adapter,
+          "Load a LoRA adapter on the workers of its base model (vLLM's API)",
+          _replies(Reply(str, "Loaded", ("text/plain",)), 400, 404, 413, 501, 503),
+          LoadLoraAdapterRequest),
+    Route(UNLOAD_LORA_PATH, "POST", _Routes.unload_lora_adapter,
+          "Unload a LoRA adapter from every worker (vLLM's API)",
+          _replies(Reply(str, "Unloaded", ("text/plain",)), 400, 404, 413, 501, 503),
+          UnloadLoraAdapterRequest),
     Route("/health", "GET", _Routes.health, "Readiness", _HEALTH),
     Route("/live", "GET", _Routes.live, "Liveness", {200: Reply(Health, "Alive")}),
     Route("/metrics", "GET", _Routes.metrics_text, "Prometheus metrics",

@@ -350,8 +350,8 @@ class BatchingEngine(Engine, Generic[SchedT]):
     def _capabilities(self) -> tuple[str, ...]:
         """The model card's capabilities: KV events if published, logprobs, LoRA adapters, and
         disaggregation in a prefill or decode role."""
-        caps = ("KV_EVENTS", "LOGPROBS") if self._events is not None else ("LOGPROBS",)
-        caps += ("LORA",)
+        caps: tuple[str, ...] = ("KV_EVENTS",) if self._events is not None else ()
+        caps += ("LOGPROBS", "LORA")
         return caps + (("DISAGGREGATION",) if self._disagg.role is not Role.AGGREGATED else ())
 
     async def prefill_remote(self, request: EngineRequest) -> PrefillResult:

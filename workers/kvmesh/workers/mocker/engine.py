@@ -87,7 +87,9 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
         )
 
     async def _open(self) -> None:
-        await self._load_lora_modules(parse_lora_modules(self.config.lora_modules, "--lora-modules"))
+        await self._load_lora_modules(
+            parse_lora_modules(self.config.lora_modules, "--lora-modules")
+        )
 
     async def _run_step(self, sched: MockerScheduler) -> Sequence[SeqOutput] | None:
         clock = self._clock

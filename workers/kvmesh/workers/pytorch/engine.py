@@ -54,6 +54,7 @@ from kvmesh.runtime.types import (
     PrefillResult,
     Role,
 )
+from kvmesh.workers.adapters.config import parse_lora_modules
 from kvmesh.workers.batching.block_files import BlockFiles
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.batching.tiers import KvTierConfig, Lane, TierJob
@@ -61,7 +62,6 @@ from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
-from kvmesh.workers.adapters.config import parse_lora_modules
 from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
 from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model

@@ -119,7 +119,9 @@ def load_adapter(
             raise _fail(root, f"weight {key!r} is not a LoRA weight of a supported module")
         layer, module, ab = int(m[1]), m[3], m[4]
         if module not in LORA_MODULES:
-            raise _fail(root, f"target module {module!r} is not supported ({', '.join(LORA_MODULES)})")
+            raise _fail(
+                root, f"target module {module!r} is not supported ({', '.join(LORA_MODULES)})"
+            )
         if not 0 <= layer < num_layers:
             raise _fail(root, f"layer {layer} is out of range (the base model has {num_layers})")
         pieces.setdefault((layer, module), {})[ab] = tensor
