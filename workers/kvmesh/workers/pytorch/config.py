@@ -75,6 +75,18 @@ class TorchConfig:
     lora_modules: tuple[str, ...] = opt(
         (), "peft LoRA adapters to load at start, as NAME=PATH", flag="--torch-lora-modules"
     )
+    num_speculative_tokens: int = opt(
+        0,
+        "speculative decoding: draft tokens per step by prompt lookup (n-gram) for greedy "
+        "requests; 0: off",
+        flag="--torch-num-speculative-tokens",
+    )
+    prompt_lookup_max: int = opt(
+        4, "longest n-gram the prompt-lookup drafter matches", flag="--torch-prompt-lookup-max"
+    )
+    prompt_lookup_min: int = opt(
+        1, "shortest n-gram the prompt-lookup drafter matches", flag="--torch-prompt-lookup-min"
+    )
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -94,3 +106,7 @@ class TorchConfig:
         if self.max_loras < 1:
             raise ValueError("max_loras must be >= 1")
         parse_lora_modules(self.lora_modules, "--torch-lora-modules")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")

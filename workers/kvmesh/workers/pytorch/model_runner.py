@@ -189,6 +189,10 @@ class SeqChunk:
     sample: SampleSpec | None = None
     lora: LoraAdapter | None = None
     """The request's LoRA adapter (None: the base model)."""
+    verify: bool = False
+    """Speculative decoding: the chunk ends with draft tokens; the runner sets `greedy`."""
+    greedy: list[int] | None = None
+    """With `verify`: the argmax token after each of the chunk's tokens (set by the runner)."""
 
 
 @dataclass(slots=True)
@@ -333,10 +337,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         specs: list[SampleSpec] = []
         adapters: list[tuple[LoraAdapter, int, int]] = []
+        verify: list[SeqChunk] = []
+        verify_rows: list[int] = []
         for c in chunks:
             n = len(c.token_ids)
             if c.lora is not None:
                 adapters.append((c.lora, offsets[-1], n))
+            if c.verify:
+                verify.append(c)
+                verify_rows.extend(range(offsets[-1], offsets[-1] + n))
             tokens.extend(c.token_ids)
             span = range(c.start, c.start + n)
             positions.extend(span)
@@ -388,6 +397,13 @@ class ModelRunner:
             up = lb.apply(li, "up_proj", x, mlp.up_proj(x))
             act = mlp.act_fn(gate) * up
             hidden = residual + lb.apply(li, "down_proj", act, mlp.down_proj(act))
+        if verify:
+            rows = torch.tensor(verify_rows, dtype=torch.long, device=device)
+            greedy = self._lm_head(self._decoder.norm(hidden[rows])).argmax(-1).tolist()
+            at = 0
+            for c in verify:
+                c.greedy = greedy[at : at + len(c.token_ids)]
+                at += len(c.token_ids)
         if not specs:
             return []
         last = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
