@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (pip install kvmesh[torch])")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
+from kvmesh.runtime import wire
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
@@ -22,7 +23,6 @@ from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.speculative import accept, propose_ngram
 from kvmesh.workers.pytorch.weights import create_tiny_weights
-
 from tests.conftest import generate_reference
 
 pytestmark = pytest.mark.unit
@@ -105,6 +105,16 @@ async def test_greedy_output_identical_and_drafts_accepted(
     assert 0.0 < stats.acceptance_rate <= 1.0
     assert stats.emitted_tokens <= stats.steps + stats.accepted_tokens
     spec.scheduler.check_invariants()
+    # the counters reach the load metrics, across the wire
+    load = wire.load_from_pb(wire.load_to_pb(spec.load(), timestamp_ms=0, draining=False))
+    assert (load.spec_steps_total, load.spec_draft_tokens_total) == (
+        stats.steps,
+        stats.draft_tokens,
+    )
+    assert (load.spec_accepted_tokens_total, load.spec_emitted_tokens_total) == (
+        stats.accepted_tokens,
+        stats.emitted_tokens,
+    )
 
 
 async def test_mixed_batch_and_budget_cuts(
@@ -112,9 +122,7 @@ async def test_mixed_batch_and_budget_cuts(
 ) -> None:
     """Drafting and non-drafting requests in one batch; a small token budget cuts drafts off;
     max_tokens falls inside an accepted run of drafts."""
-    eng = await _engine(
-        model_dir, loaded, eos, num_speculative_tokens=6, max_num_batched_tokens=8
-    )
+    eng = await _engine(model_dir, loaded, eos, num_speculative_tokens=6, max_num_batched_tokens=8)
     try:
         jobs = [
             run(eng, REPETITIVE, 33),

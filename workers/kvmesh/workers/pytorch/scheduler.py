@@ -13,6 +13,7 @@ masks them, so they are not generated at all.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import torch
 
 from kvmesh.runtime.errors import InvalidRequest
 from kvmesh.runtime.kv_events import KvEventLog
-from kvmesh.runtime.types import EngineRequest
+from kvmesh.runtime.types import EngineRequest, LoadInfo
 from kvmesh.workers.batching.scheduler import (
     BatchScheduler,
     SampledToken,
@@ -143,6 +144,16 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         return seq
 
     # -- scheduling ----------------------------------------------------------------------------
+
+    def load(self) -> LoadInfo:
+        spec = self.spec
+        return dataclasses.replace(
+            super().load(),
+            spec_steps_total=spec.steps,
+            spec_draft_tokens_total=spec.draft_tokens,
+            spec_accepted_tokens_total=spec.accepted_tokens,
+            spec_emitted_tokens_total=spec.emitted_tokens,
+        )
 
     def _drafts(self, seq: _Seq) -> list[int]:
         """Speculative draft tokens for `seq` this step (see kvmesh.workers.pytorch.speculative:
