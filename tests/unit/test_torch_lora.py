@@ -26,7 +26,6 @@ from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
-from kvmesh.workers.pytorch.weights import create_tiny_weights
 
 pytestmark = [
     pytest.mark.unit,
@@ -58,11 +57,8 @@ ADAPTERS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("torch-lora") / "tiny-llama"
-    shutil.copytree(tiny_model, path)
-    create_tiny_weights(path)
-    return path
+def model_dir(torch_model_dir: Path) -> Path:
+    return torch_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ counters, and requests that do not qualify (sampled, penalties, logprobs) sharin
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.speculative import accept, propose_ngram
-from kvmesh.workers.pytorch.weights import create_tiny_weights
 from tests.conftest import generate_reference
 
 pytestmark = pytest.mark.unit
@@ -43,11 +41,8 @@ def test_propose_and_accept() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("torch-spec") / "tiny-llama"
-    shutil.copytree(tiny_model, path)
-    create_tiny_weights(path)
-    return path
+def model_dir(torch_model_dir: Path) -> Path:
+    return torch_model_dir
 
 
 @pytest.fixture(scope="module")
