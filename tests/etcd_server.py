@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -19,6 +20,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvmesh.runtime.tls import DevPki
 from tests.conftest import free_port
 
 ETCD_BINARY = shutil.which("etcd")
@@ -32,7 +34,9 @@ class EtcdServer:
 
     Short heartbeat and election timings make it the leader at once and allow 1 s leases.
     `wrap`: a command prefix to run etcd under (e.g. `ip netns exec NS` for another network
-    namespace); `healthy`: how to check it from here when 127.0.0.1 cannot reach it.
+    namespace); `healthy`: how to check it from here when 127.0.0.1 cannot reach it. `tls`: serve
+    clients over TLS with `pki`'s `etcd` certificate and require client certificates that `pki`'s
+    CA signed (etcd's --client-cert-auth).
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class EtcdServer:
         host: str = "127.0.0.1",
         wrap: Sequence[str] = (),
         healthy: Callable[[], bool] | None = None,
+        tls: DevPki | None = None,
     ) -> None:
         if ETCD_BINARY is None:
             raise RuntimeError(MISSING_REASON)
@@ -50,6 +55,7 @@ class EtcdServer:
         self.log_path = workdir / "etcd.log"
         self.host = host
         self.wrap = list(wrap)
+        self.tls = tls
         self._healthy = healthy or self.healthy
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -62,14 +68,29 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        """The kvmesh discovery URL of this server."""
-        return f"etcd://{self.endpoint}"
+        """The kvmesh discovery URL of this server (over TLS: as the `etcd-client` identity)."""
+        if self.tls is None:
+            return f"etcd://{self.endpoint}"
+        cert, key = self.tls.cert("etcd-client"), self.tls.key("etcd-client")
+        return f"etcd://{self.endpoint}?cacert={self.tls.ca}&cert={cert}&key={key}"
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start etcd and wait until /health says it is healthy."""
         assert ETCD_BINARY is not None
-        client = f"http://{self.endpoint}"
+        scheme = "https" if self.tls is not None else "http"
+        client = f"{scheme}://{self.endpoint}"
         peer = f"http://{self.host}:{self.peer_port}"
+        tls = []
+        if self.tls is not None:
+            for identity in ("etcd", "etcd-client"):
+                if not self.tls.cert(identity).exists():
+                    self.tls.issue(identity)
+            tls = [
+                f"--cert-file={self.tls.cert('etcd')}",
+                f"--key-file={self.tls.key('etcd')}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
         argv = [
             *self.wrap,
             ETCD_BINARY,
@@ -84,6 +105,7 @@ class EtcdServer:
             "--election-timeout=200",
             "--logger=zap",
             "--log-level=warn",
+            *tls,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +121,14 @@ class EtcdServer:
             time.sleep(0.02)
 
     def healthy(self) -> bool:
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(self.tls.cert("etcd-client"), self.tls.key("etcd-client"))
+        scheme = "https" if self.tls is not None else "http"
+        url = f"{scheme}://{self.endpoint}/health"
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as resp:
+            with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                 return bool(json.loads(resp.read()).get("health") == "true")
         except (urllib.error.URLError, OSError, ValueError):
             return False

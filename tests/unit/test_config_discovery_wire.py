@@ -112,6 +112,9 @@ ALL_ERRORS = [
     errors.Unimplemented("later"),
     errors.Cancelled("bye"),
     errors.DeadlineExceeded("slow"),
+    errors.Unauthenticated("who?"),
+    errors.PermissionDenied("not you"),
+    errors.Aborted("busy"),
 ]
 
 

@@ -4,8 +4,10 @@ exercised with the official `openai` client and with raw aiohttp requests."""
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,9 +25,11 @@ from kvmesh.frontend.service import OpenAIService
 from kvmesh.frontend.testing import DEFAULT_TEXT, FakeBackend, model_info
 from kvmesh.frontend.tokenizer import Tokenizer
 from kvmesh.runtime.errors import InvalidRequest, NotFound, ResourceExhausted, Unavailable
+from kvmesh.runtime.process import JsonFormatter
 from kvmesh.runtime.tinymodel import create_tiny_model
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import FinishReason
+from tests.integration.test_worker_observability import promtool_check
 
 pytestmark = pytest.mark.unit
 
@@ -510,23 +514,89 @@ async def test_metrics(gw: Gateway) -> None:
         text = await resp.text()
     for name in (
         "kvmesh_frontend_requests_total",
-        "kvmesh_frontend_errors_total",
+        "kvmesh_frontend_requests_started_total",
         "kvmesh_frontend_inflight_requests",
+        "kvmesh_frontend_queued_requests",
+        "kvmesh_frontend_disconnected_clients",
         "kvmesh_frontend_time_to_first_token_seconds_bucket",
         "kvmesh_frontend_inter_token_latency_seconds_bucket",
         "kvmesh_frontend_input_sequence_tokens_bucket",
         "kvmesh_frontend_output_sequence_tokens_bucket",
         "kvmesh_frontend_request_duration_seconds_bucket",
+        "kvmesh_frontend_output_tokens_total",
     ):
         assert name in text, name
     assert (
-        'kvmesh_frontend_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+        'kvmesh_frontend_requests_total{endpoint="chat_completions",error_type="",'
+        'model="tiny",request_type="unary",status="success"} 1.0' in text
     )
     assert (
-        'kvmesh_frontend_requests_total{endpoint="/v1/chat/completions",status="404"} 1.0' in text
+        'kvmesh_frontend_requests_total{endpoint="chat_completions",error_type="not_found",'
+        'model="unknown_model",request_type="unary",status="error"} 1.0' in text
     )
     assert 'kvmesh_frontend_output_sequence_tokens_count{model="tiny"} 1.0' in text
-    assert 'kvmesh_frontend_errors_total{type="not_found_error"} 1.0' in text
+    assert 'kvmesh_frontend_output_tokens_total{model="tiny"} 3.0' in text
+
+
+async def test_metrics_pass_promtool(gw: Gateway) -> None:
+    body = {"model": MODEL, "messages": USER, "max_tokens": 3}
+    await gw.post("/v1/chat/completions", body)
+    async with gw.http.post(gw.base + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        await r.read()
+    await gw.post("/v1/chat/completions", {**body, "model": "nope"})
+    async with gw.http.get(gw.base + "/metrics") as resp:
+        text = await resp.text()
+    await asyncio.to_thread(promtool_check, text)
+
+
+async def test_json_logs_carry_the_request_and_content_only_when_asked(gw: Gateway) -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("kvmesh.frontend.service")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    client = TraceContext.new()
+    headers = {"traceparent": client.traceparent, "x-request-id": "req-7"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "secret words"}]}
+    try:
+        status, _ = await gw.post("/v1/chat/completions", body, headers=headers)
+        assert status == 200
+        assert "secret words" not in stream.getvalue()  # off by default
+        gw.service.log_content = True
+        status, _ = await gw.post("/v1/chat/completions", body, headers=headers)
+        assert status == 200
+        url = gw.base + "/v1/chat/completions"
+        async with gw.http.post(url, json={**body, "stream": True}, headers=headers) as r:
+            assert r.status == 200
+            await r.read()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert any("secret words" in line["message"] for line in lines)
+    outputs = [line["message"] for line in lines if "output" in line["message"]]
+    assert len(outputs) == 2 and all("(stop)" in m for m in outputs), outputs
+    for line in lines:
+        assert line["request_id"] == "req-7", line
+        assert line["trace_id"] == client.trace_id and line["span_id"] != client.span_id, line
+
+
+async def test_x_request_id_is_returned(gw: Gateway) -> None:
+    headers = {"x-request-id": "req-42"}
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2}
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200 and r.headers["x-request-id"] == "req-42"
+    stream = {**body, "stream": True}
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=stream, headers=headers) as r:
+        await r.read()
+        assert r.status == 200 and r.headers["x-request-id"] == "req-42"
+    bad = {"model": "nope", "messages": USER}
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=bad, headers=headers) as r:
+        assert r.status == 404 and r.headers["x-request-id"] == "req-42"
+    async with gw.http.post(gw.base + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200 and "x-request-id" not in r.headers
 
 
 async def test_traceparent_is_forwarded_as_a_child(gw: Gateway) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -217,6 +218,45 @@ def test_engine_args_pass_through_and_kvmesh_settings() -> None:
     assert args.kv_transfer_config is None  # aggregated: no KV connector
 
 
+def test_cpu_defaults_give_vllm_a_kv_cache_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    eng = VllmEngine(VllmConfig(vllm_cpu_kv_cache_gib=1.5), model_path="/m", served_model_name="m")
+    args = vllm_runtime.build_engine_args(eng.engine_kwargs(cpu=True))
+    assert args.kv_cache_memory_bytes == int(1.5 * 2**30)
+    assert "kv_cache_memory_bytes" not in eng.engine_kwargs(cpu=False)  # GPUs: vLLM decides
+    user = VllmEngine(
+        VllmConfig(vllm_engine_args='{"kv_cache_memory_bytes": 12345}'),
+        model_path="/m",
+        served_model_name="m",
+    )
+    assert user.engine_kwargs(cpu=True)["kv_cache_memory_bytes"] == 12345
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # vLLM's own variable wins
+    assert "kv_cache_memory_bytes" not in eng.engine_kwargs(cpu=True)
+    with pytest.raises(ValueError, match="vllm_cpu_kv_cache_gib"):
+        VllmConfig(vllm_cpu_kv_cache_gib=0)
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.32.0", True),
+        ("0.33.0", True),
+        ("0.33.1rc1.dev4+g00", True),
+        ("0.31.2", False),
+        ("0.34.0", False),
+        ("1.0.0", False),
+        ("main", False),
+    ],
+)
+def test_supported_vllm_versions(version: str, ok: bool) -> None:
+    if ok:
+        assert vllm_runtime.check_version(version) == version
+    else:
+        with pytest.raises(RuntimeError, match=r"supports vLLM >=0\.32,<0\.34"):
+            vllm_runtime.check_version(version)
+    assert vllm_runtime.check_version()  # the installed one (0.33.0 here) is supported
+
+
 def test_engine_args_from_file_and_unknown_names(tmp_path: Path) -> None:
     path = tmp_path / "vllm.json"
     path.write_text(json.dumps({"max_model_len": 4096, "no_such_flag": 1}))
@@ -253,6 +293,47 @@ def test_kv_events_off_and_user_endpoint() -> None:
     args = vllm_runtime.build_engine_args(shared.engine_kwargs())
     assert args.kv_events_config.endpoint == "tcp://*:5557"
     assert shared.kv_events_endpoint == "tcp://*:5557"
+
+
+def test_stopping_removes_the_private_event_socket_files(tmp_path: Path) -> None:
+    """The private ipc sockets of the KV event publisher are unlinked when the engine stops
+    (ZMQ leaves them behind when the engine never closes its publisher); a user's endpoint
+    is not touched."""
+    eng = VllmEngine(VllmConfig(), model_path="/m", served_model_name="m")
+    eng.engine_kwargs()
+    private = [
+        e.removeprefix("ipc://")
+        for e in (eng.kv_events_endpoint or "", eng.kv_events_replay_endpoint or "")
+    ]
+    user_path = tmp_path / "kvmesh-user-events"
+    user = VllmEngine(
+        VllmConfig(vllm_kv_events_endpoint=f"ipc://{user_path}"),
+        model_path="/m",
+        served_model_name="m",
+    )
+    user.engine_kwargs()
+    for path in [*private, str(user_path)]:
+        Path(path).touch()
+    asyncio.run(eng._stop_engine())
+    asyncio.run(user._stop_engine())
+    assert not any(os.path.exists(p) for p in private)
+    assert user_path.exists()
+
+
+def test_nixl_workers_on_one_machine_get_their_own_side_channel_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvmesh.workers.adapters.vllm_adapter import NIXL_SIDE_CHANNEL_PORT, _nixl_side_channel_port
+
+    monkeypatch.delenv(NIXL_SIDE_CHANNEL_PORT, raising=False)
+    _nixl_side_channel_port({"kv_connector": "LMCacheConnectorV1"})
+    assert NIXL_SIDE_CHANNEL_PORT not in os.environ
+    _nixl_side_channel_port({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    port = int(os.environ[NIXL_SIDE_CHANNEL_PORT])
+    assert 0 < port < 65536 and port != 5600
+    monkeypatch.setenv(NIXL_SIDE_CHANNEL_PORT, "6000")  # a port the user chose stays
+    _nixl_side_channel_port({"kv_connector": "NixlConnector"})
+    assert os.environ[NIXL_SIDE_CHANNEL_PORT] == "6000"
 
 
 def test_disaggregated_roles_get_a_kv_connector() -> None:
@@ -292,7 +373,7 @@ async def test_generate_streams_deltas_with_usage_and_logprobs(adapter: Any) -> 
     lps = [lp for o in outs for lp in o.logprobs or []]
     assert [lp.token_id for lp in lps] == tokens and all(len(lp.top) == 2 for lp in lps)
     prompt, params, kwargs = fake.requests["r1"]
-    assert prompt == {"prompt_token_ids": PROMPT}
+    assert prompt == {"type": "token", "prompt_token_ids": PROMPT}  # rendered: no thread hop
     assert isinstance(params, SamplingParams) and params.max_tokens == 8 and params.logprobs == 2
     assert kwargs == {"lora_request": None, "priority": 0}
 

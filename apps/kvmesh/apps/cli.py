@@ -1,4 +1,5 @@
-"""The `kvmesh` command: up, frontend, router, worker, model, bench, replay.
+"""The `kvmesh` command: up, frontend, router, worker, planner, model, bench, replay, reshape,
+profile.
 
 Parsing happens in main() only. Each process (up, frontend, router, worker) has one entry point
 in its component (`ENTRY`: its name, the config dataclasses its flags come from, and the function
@@ -11,22 +12,26 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, Flags, add_args, from_args
 from kvmesh.runtime.errors import KvmeshError
 from kvmesh.runtime.process import Entry, GlobalConfig, run, setup_logging
 
+if TYPE_CHECKING:
+    from kvmesh.sim.config import ReplayConfig
+
 
 def _processes() -> list[Entry]:
     """The processes `kvmesh` runs, one entry point each, in its component."""
     from kvmesh.apps import up
     from kvmesh.frontend import main as frontend
+    from kvmesh.planner import main as planner
     from kvmesh.router import main as router
     from kvmesh.workers import main as worker
 
-    # The SLA planner (kvmesh.planner.main.ENTRY, `kvmesh planner`) joins this list.
-    return [up.ENTRY, frontend.ENTRY, router.ENTRY, worker.ENTRY]
+    return [up.ENTRY, frontend.ENTRY, router.ENTRY, worker.ENTRY, planner.ENTRY]
 
 
 def _cmd_model_create(ns: argparse.Namespace) -> None:
@@ -57,23 +62,44 @@ def _cmd_bench(ns: argparse.Namespace) -> None:
     run(run_bench(from_args(BenchConfig, ns)))
 
 
-def _cmd_replay(ns: argparse.Namespace) -> int:
+def replay_config(ns: argparse.Namespace) -> ReplayConfig:
+    """`kvmesh replay`'s settings from its parsed flags."""
+    from kvmesh.planner.config import PlannerConfig
     from kvmesh.router.backend import DisaggConfig
     from kvmesh.sim.config import ReplayConfig
-    from kvmesh.sim.main import run_replay
     from kvmesh.workers.batching.tiers import KvTierConfig
     from kvmesh.workers.mocker.config import MockerConfig
 
     mocker = from_args(MockerConfig, ns)
     disagg = from_args(DisaggConfig, ns)
+    planning = from_args(PlannerConfig, ns)
     tiers = from_args(KvTierConfig, ns)
-    return run_replay(from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, tiers=tiers))
+    return from_args(ReplayConfig, ns, mocker=mocker, disagg=disagg, planning=planning, tiers=tiers)
+
+
+def _cmd_replay(ns: argparse.Namespace) -> int:
+    from kvmesh.sim.main import run_replay
+
+    return run_replay(replay_config(ns))
+
+
+def _cmd_profile(ns: argparse.Namespace) -> int:
+    from kvmesh.apps.profile import run_profile
+
+    return run_profile(ns)
+
+
+def _cmd_reshape(ns: argparse.Namespace) -> int:
+    from kvmesh.sim.reshape import ReshapeConfig, run_reshape
+
+    return run_reshape(from_args(ReshapeConfig, ns))
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (built on demand, never at import time)."""
     from kvmesh.apps.bench import BenchConfig
     from kvmesh.sim.config import add_replay_args
+    from kvmesh.sim.reshape import ReshapeConfig
 
     parser = argparse.ArgumentParser(prog="kvmesh", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
@@ -116,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_replay,
     )
     add_replay_args(replay)
+
+    from kvmesh.apps.profile import flags as profile_flags
+
+    profile_flags().add_to(
+        command(
+            "profile",
+            "measure an engine's performance profile (for the SLA planner)",
+            _cmd_profile,
+        )
+    )
+
+    reshape = command(
+        "reshape", "re-time a trace's requests into a day (low -> peak -> low)", _cmd_reshape
+    )
+    add_args(reshape, ReshapeConfig)
     return parser
 
 

@@ -4,15 +4,30 @@ Starts N workers, optionally a standalone router, and the frontend, all pointed 
 file registry (a temporary directory). Waits for the gateway to report healthy and prints how
 to call it. While running it keeps each worker pool at its target size (a worker that dies is
 replaced) and serves `ScalingService` on a control port, so a planner (or an operator with
-grpcurl) can scale the pools: scale-up starts workers, scale-down drains the newest ones (they
-leave discovery first, finish their requests, then exit). On Ctrl-C / SIGTERM it shuts down in
-order: frontend first (drains), then router and workers (each drains), killing whatever is
-still alive `--drain-timeout-s` + 10 s after it was asked to stop.
+grpcurl) can scale the pools: scale-up starts workers; scale-down drains the workers with the
+least cached value (kvmesh.planner.drain: still starting first, then the fewest prefix-cache
+blocks): each leaves discovery first, keeps serving `--leave-delay-s` while the routers notice,
+finishes its in-flight requests within `--drain-timeout-s` (the grace period), then exits.
+`Scale` is checked whole before anything changes: an unknown pool, a count over `--max-workers`
+(a negative count sent by a client as a signed int arrives as a huge unsigned one) or over the
+`--max-total-workers` budget is INVALID_ARGUMENT, and a Scale while the previous one is still
+being applied is ABORTED; a pool whose new workers cannot be started is left as it was.
+`--planner sla|queue` runs the planner (kvmesh.planner.main.PlannerLoop) in this process,
+reading the frontend's /metrics and scaling through the control port. On Ctrl-C / SIGTERM it
+shuts down in order: frontend first (drains), then router and workers (each drains), killing
+whatever is still alive `--drain-timeout-s` + 10 s after it was asked to stop.
 
 Flags: UpConfig's, plus every flag of the processes it starts (their entry points' `Flags`),
 but the ones `up` sets itself (SET_BY_UP: where each process listens and registers, and a
 worker's id and role). A flag several processes take (`--model`, `--drain-timeout-s`) goes to
 each. Children are started with posix_spawn, never fork (see ChildProcess).
+
+Security: `--tls` generates a throwaway CA and one certificate per identity (kvmesh-up,
+kvmesh-frontend, kvmesh-router, kvmesh-worker, kvmesh-planner) in a temp dir, deleted on exit:
+every mesh link is mTLS and mesh servers accept only those identities; the gateway serves HTTPS
+and TLS KServe gRPC with the frontend's certificate. Without it, the TLS flags (--tls-cert,
+--tls-key, --tls-ca, --mesh-identities, --mesh-token-file) go to every process unchanged, and
+`up` uses them for its own ScalingService.
 
 KV tiers (`--kv-host-blocks`, `--kv-disk-dir DIR`, `--kv-disk-blocks`) go to every worker; each
 worker gets its own disk directory, `DIR/<pool>-<index>` (e.g. `DIR/worker-0`), stable across
@@ -34,6 +49,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -47,33 +63,52 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
+from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
+from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.frontend import main as frontend_main
+from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
+from kvmesh.planner.connectors import GrpcConnector
+from kvmesh.planner.drain import DrainCandidate, drain_order
+from kvmesh.planner.main import PlannerLoop
+from kvmesh.planner.metrics import MetricsScraper
+from kvmesh.planner.profile import PerfProfile
 from kvmesh.router import main as router_main
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
-from kvmesh.runtime.config import Flags, from_args, opt, to_argv
+from kvmesh.runtime.config import ConfigError, Flags, from_args, opt, to_argv
 from kvmesh.runtime.discovery import EventKind, open_discovery
-from kvmesh.runtime.errors import InvalidRequest, NotFound
-from kvmesh.runtime.grpcutil import GrpcServer
+from kvmesh.runtime.errors import Aborted, InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_channel, mesh_server
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
+from kvmesh.runtime.telemetry import TracingConfig
+from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
+from kvmesh.runtime.wire import device_cached_blocks, role_from_pb, role_to_pb
+from kvmesh.sim.profiler import profile_mocker
 from kvmesh.workers import main as worker_main
 from kvmesh.workers.batching.tiers import KvTierConfig
-from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.config import EngineKind, WorkerConfig
 
 SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
 STOP_MARGIN_S = 10.0
 """How long past its --drain-timeout-s a child may take to exit before it is killed."""
+LOAD_TIMEOUT_S = 1.0
+"""How long a scale-down waits for each worker's load metrics (its cache size)."""
+
+IDENTITIES = ("kvmesh-up", "kvmesh-frontend", "kvmesh-router", "kvmesh-worker", "kvmesh-planner")
+"""The mesh identities `kvmesh up --tls` issues certificates for (subject CN = the name)."""
 
 
 @dataclass
 class UpConfig:
     """Settings of `kvmesh up` itself. The flags after these are those of the processes it
     starts, passed to each process that takes them, but for the ones `up` sets itself
-    (--host, --advertise-host, --port, --discovery, --worker-id, --role, --router-address)."""
+    (--host, --advertise-host, --port, --discovery, --worker-id, --role, --router-address,
+    --metrics-port: `up` assigns the workers' and the router's metrics ports and prints them)."""
 
     workers: int = opt(
         -1,
@@ -84,17 +119,35 @@ class UpConfig:
         0, "number of prefill worker processes (disaggregated serving, with --decode-workers)"
     )
     decode_workers: int = opt(0, "number of decode worker processes (disaggregated serving)")
-    max_workers: int = opt(64, "largest pool size Scale accepts")
+    max_workers: int = opt(64, "most workers per pool (the largest size Scale accepts)")
+    max_total_workers: int = opt(0, "budget: most workers over all pools (0: no budget)")
+    planner: PlannerPolicy | None = opt(
+        None,
+        "run the planner in this process with this policy (sla: needs --profile unless the "
+        "engine is the mocker; queue: the reactive baseline); its flags are PlannerConfig's",
+    )
     control_port: int = opt(0, "port of the ScalingService (gRPC); 0 picks a free one")
     router_process: bool = opt(
         False, "run the router as its own process (kvmesh router) instead of inside the frontend"
     )
     discovery: str = opt("", "discovery URL; empty: an embedded file registry in a temp dir")
     startup_timeout_s: float = opt(60.0, "how long to wait for the mesh to become healthy")
+    tls: bool = opt(
+        False,
+        "generate a throwaway CA and certificates for this machine (deleted on exit): mTLS on "
+        "every mesh link, HTTPS and TLS KServe gRPC at the gateway",
+    )
+    metrics_targets: str = opt(
+        "",
+        "write every process's metrics endpoint to this file as a Prometheus file_sd target "
+        "list (rewritten as workers come and go; see deploy/prometheus)",
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.workers < -1:
             raise ValueError("worker counts must be >= 0")
+        if self.max_total_workers < 0:
+            raise ValueError("--max-total-workers must be >= 0")
         if self.prefill_workers and not self.decode_workers:
             raise ValueError("--prefill-workers needs --decode-workers (they decode)")
 
@@ -115,15 +168,18 @@ class UpConfig:
 
 SET_BY_UP: dict[str, frozenset[str]] = {
     "frontend": frozenset({"discovery", "router_address"}),
-    "router": frozenset({"host", "port", "discovery"}),
-    "worker": frozenset({"host", "advertise_host", "port", "discovery", "worker_id", "role"}),
+    "router": frozenset({"host", "port", "discovery", "metrics_port"}),
+    "worker": frozenset(
+        {"host", "advertise_host", "port", "discovery", "worker_id", "role", "metrics_port"}
+    ),
 }
 """Fields of each process that `kvmesh up` sets itself: they are not flags of `up`."""
 
 
 def _flags() -> Flags:
     processes = (worker_main.ENTRY, frontend_main.ENTRY, router_main.ENTRY)
-    flags = Flags.of(UpConfig)
+    # PlannerConfig's --max-workers and --max-total-workers are UpConfig's: one flag sets both.
+    flags = Flags.of(UpConfig, PlannerConfig)
     for entry in processes:
         flags += entry.flags.without(*SET_BY_UP[entry.name])
     # The same meaning as for `kvmesh frontend` (0: a free port); `up` serves it by default.
@@ -143,6 +199,9 @@ class UpArgs:
     frontend: FrontendConfig
     mesh: MeshConfig
     router: RouterServerConfig
+    planning: PlannerConfig
+    tls: TlsConfig
+    tracing: TracingConfig
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> UpArgs:
@@ -157,6 +216,9 @@ class UpArgs:
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
             router=from_args(RouterServerConfig, ns),
+            planning=from_args(PlannerConfig, ns),
+            tls=from_args(TlsConfig, ns),
+            tracing=from_args(TracingConfig, ns),
         )
 
 
@@ -177,9 +239,13 @@ class _Pool:
 class Child:
     """A process `kvmesh up` started (in its own session, so Ctrl-C reaches only `up`)."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(
+        self, name: str, argv: list[str], metrics: str = "", env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
-        self.proc = ChildProcess(argv)
+        self.metrics = metrics
+        """host:port of its /metrics ("" if none)."""
+        self.proc = ChildProcess(argv, env)
         self.started = time.monotonic()
         self.draining = False
 
@@ -203,6 +269,11 @@ def _kvmesh(command: str, *configs: Any) -> list[str]:
     return [sys.executable, "-m", "kvmesh", command, *(a for c in configs for a in to_argv(c))]
 
 
+def _reachable(host: str) -> str:
+    """The address to reach a server bound to `host` on this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -216,7 +287,9 @@ class Supervisor:
         self.args = args
         self.config = args.up
         model_dir = resolve_model_dir(args.worker.model)
-        self.served = args.worker.served_model_name or ModelDirInfo.load(model_dir).name
+        info = ModelDirInfo.load(model_dir)
+        self.served = args.worker.served_model_name or info.name
+        self.context_length = info.context_length
         self.registry: Path | None = None
         self.discovery = self.config.discovery
         if not self.discovery:
@@ -236,29 +309,70 @@ class Supervisor:
             kserve_grpc_port=fe.kserve_grpc_port or _free_port(fe.http_host),
         )
         self.mesh = replace(args.mesh, discovery=self.discovery)
+        self.pki: DevPki | None = None
+        if self.config.tls:
+            if args.tls.enabled:
+                raise ConfigError(
+                    "--tls generates the certificates; with your own (--tls-cert, --tls-key, "
+                    "--tls-ca) leave --tls out"
+                )
+            self.pki = write_dev_pki(Path(tempfile.mkdtemp(prefix="kvmesh-tls-")), IDENTITIES)
+            self.frontend = replace(
+                self.frontend,
+                http_tls_cert=str(self.pki.cert("kvmesh-frontend")),
+                http_tls_key=str(self.pki.key("kvmesh-frontend")),
+            )
+        self.frontend_env: dict[str, str] = {}
+        if self.frontend.api_key:
+            # Keys reach the frontend in its environment, never on a command line (ps shows it).
+            given = os.environ.get(API_KEY_ENV, "")
+            keys = ",".join([*self.frontend.api_key, *given.split(",")])
+            self.frontend_env[API_KEY_ENV] = keys
+            self.frontend = replace(self.frontend, api_key=[])
+        self.security = MeshSecurity.load(self.tls("kvmesh-up"))
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
+        self.addresses: dict[str, str] = {}
+        """Registered workers' addresses."""
+        self.loads: dict[str, cpb.LoadMetrics] = {}
+        """Workers' load metrics as last read (for the drain choice)."""
+        self._applying: Role | None = None
+        """The pool a Scale call is changing right now."""
         self._pid = os.getpid()
 
-    def worker_argv(self, role: Role, worker_id: str, slot: str = "worker-0") -> list[str]:
+    def tls(self, identity: str) -> TlsConfig:
+        """The mesh TLS settings of the process with `identity` (--tls: its own certificate;
+        else what `up` was given)."""
+        if self.pki is None:
+            return self.args.tls
+        return self.pki.config(identity, IDENTITIES)
+
+    def worker_argv(
+        self, role: Role, worker_id: str, slot: str = "worker-0", metrics_port: int = -1
+    ) -> list[str]:
         """The command line of one worker (`slot`: its pool and index, naming its disk KV
-        tier's directory under --kv-disk-dir)."""
-        worker = replace(self.worker, role=role, worker_id=worker_id)
+        tier's directory under --kv-disk-dir; `metrics_port`: its /metrics, -1: none)."""
+        worker = replace(self.worker, role=role, worker_id=worker_id, metrics_port=metrics_port)
         tiers = self.args.tiers
         if tiers.kv_disk_dir:
             tiers = replace(tiers, kv_disk_dir=str(Path(tiers.kv_disk_dir) / slot))
-        return _kvmesh("worker", self.args.log, worker, tiers, self.args.engine)
+        tls = self.tls("kvmesh-worker")
+        return _kvmesh(
+            "worker", self.args.log, worker, tiers, self.args.engine, tls, self.args.tracing
+        )
 
-    def router_argv(self, port: int) -> list[str]:
+    def router_argv(self, port: int, metrics_port: int = -1) -> list[str]:
         """The command line of the standalone router (--router-process)."""
-        router = replace(self.args.router, host="127.0.0.1", port=port)
-        return _kvmesh("router", self.args.log, router, self.mesh)
+        router = replace(self.args.router, host="127.0.0.1", port=port, metrics_port=metrics_port)
+        tls = self.tls("kvmesh-router")
+        return _kvmesh("router", self.args.log, router, self.mesh, tls, self.args.tracing)
 
     def frontend_argv(self, router_address: str = "") -> list[str]:
         """The command line of the frontend."""
         mesh = replace(self.mesh, router_address=router_address)
-        return _kvmesh("frontend", self.args.log, self.frontend, mesh)
+        tls = self.tls("kvmesh-frontend")
+        return _kvmesh("frontend", self.args.log, self.frontend, mesh, tls, self.args.tracing)
 
     @property
     def workers(self) -> list[Child]:
@@ -270,7 +384,10 @@ class Supervisor:
         i, pool.next_index = pool.next_index, pool.next_index + 1
         prefix = "worker" if role is Role.AGGREGATED else role.value
         wid = f"{prefix}-{i}-{self._pid}"
-        pool.children.append(Child(wid, self.worker_argv(role, wid, f"{prefix}-{i}")))
+        metrics = _free_port(self.worker.host)
+        argv = self.worker_argv(role, wid, f"{prefix}-{i}", metrics)
+        pool.children.append(Child(wid, argv, f"{_reachable(self.worker.host)}:{metrics}"))
+        self.write_targets()
 
     def start(self) -> Child:
         """Start workers, router and frontend; returns the frontend."""
@@ -279,12 +396,42 @@ class Supervisor:
                 self.start_worker(pool.role)
         router_address = ""
         if self.config.router_process:
-            port = _free_port("127.0.0.1")
-            self.others.append(Child("router", self.router_argv(port)))
+            port, metrics = _free_port("127.0.0.1"), _free_port("127.0.0.1")
+            self.others.append(
+                Child("router", self.router_argv(port, metrics), f"127.0.0.1:{metrics}")
+            )
             router_address = f"127.0.0.1:{port}"
-        frontend = Child("frontend", self.frontend_argv(router_address))
+        fe = self.frontend
+        frontend = Child(
+            "frontend",
+            self.frontend_argv(router_address),
+            f"{_reachable(fe.http_host)}:{fe.http_port}",
+            env=self.frontend_env,
+        )
         self.others.insert(0, frontend)
+        self.write_targets()
         return frontend
+
+    def metrics_endpoints(self) -> list[tuple[Child, str]]:
+        """(process, its component) of every live process with a /metrics endpoint."""
+        out = [(c, c.name) for c in self.others if c.metrics]
+        for pool in self.pools.values():
+            out += [(w, "worker") for w in pool.children if w.alive() and not w.draining]
+        return out
+
+    def write_targets(self) -> None:
+        """Write --metrics-targets (a Prometheus file_sd list), if asked for, atomically."""
+        path = self.config.metrics_targets
+        if not path:
+            return
+        groups = []
+        for child, component in self.metrics_endpoints():
+            labels = {"component": component, "kvmesh_process": child.name}
+            groups.append({"targets": [child.metrics], "labels": labels})
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(groups, f, indent=1)
+        os.replace(tmp, path)
 
     # -- pool ----------------------------------------------------------------------------------
 
@@ -293,8 +440,8 @@ class Supervisor:
         pool = self.pools.get(role)
         return pool.active() if pool is not None else []
 
-    def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
-        """Set a pool's target; start or drain workers now. Returns the previous target."""
+    def pool(self, role: Role) -> _Pool:
+        """The pool of `role`; InvalidRequest naming the pools when the mesh runs none."""
         pool = self.pools.get(role)
         if pool is None:
             raise InvalidRequest(
@@ -303,31 +450,118 @@ class Supervisor:
                 + ")",
                 param="role",
             )
-        if replicas > self.config.max_workers:
+        return pool
+
+    def check_scale(self, replicas: int, role: Role) -> _Pool:
+        """The pool of `role`, if `replicas` is within every limit (else InvalidRequest)."""
+        pool = self.pool(role)
+        if not 0 <= replicas <= self.config.max_workers:
             raise InvalidRequest(
-                f"replicas {replicas} exceeds --max-workers {self.config.max_workers}",
+                f"replicas {replicas} is outside 0..{self.config.max_workers} (--max-workers)",
                 param="replicas",
             )
-        previous, pool.target = pool.target, replicas
-        self.reconcile()
-        return previous
+        budget = self.config.max_total_workers
+        total = replicas + sum(p.target for r, p in self.pools.items() if r is not role)
+        if budget and total > budget:
+            raise InvalidRequest(
+                f"{total} workers over all pools would exceed --max-total-workers {budget}",
+                param="replicas",
+            )
+        return pool
+
+    async def scale(self, replicas: int, role: Role = Role.AGGREGATED) -> int:
+        """Set a pool's target and start or drain workers now, all or nothing (see the module
+        doc). Returns the previous target."""
+        pool = self.check_scale(replicas, role)
+        if self._applying is not None:
+            raise Aborted(
+                f"a Scale of the {self._applying.value} pool is still being applied; "
+                "retry once it has returned"
+            )
+        self._applying = role
+        try:
+            if replicas < len(pool.active()):
+                await self.refresh_loads(pool)  # the drain choice reads fresh cache sizes
+            previous, pool.target = pool.target, replicas
+            before = len(pool.children)
+            try:
+                self._converge(pool)
+            except OSError as exc:  # a worker could not be started: undo this call
+                started = pool.children[before:]
+                del pool.children[before:]
+                for child in started:
+                    child.terminate()
+                pool.target = previous
+                raise Unavailable(
+                    f"could not start a {role.value} worker ({exc}); the pool is unchanged"
+                ) from None
+            return previous
+        finally:
+            self._applying = None
+
+    async def refresh_loads(self, pool: _Pool) -> None:
+        """Read the load metrics (cached blocks, requests in flight) of the pool's registered
+        workers; one that does not answer within LOAD_TIMEOUT_S counts as holding nothing."""
+
+        async def read(child: Child) -> None:
+            self.loads.pop(child.name, None)
+            address = self.addresses.get(child.name)
+            if address is None:
+                return
+            channel = mesh_channel(address, self.security)
+            try:
+                reply = await wpb_grpc.WorkerServiceStub(channel).GetLoadMetrics(
+                    wpb.GetLoadMetricsRequest(), timeout=LOAD_TIMEOUT_S
+                )
+                self.loads[child.name] = reply.metrics
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                await channel.close()
+
+        await asyncio.gather(*(read(c) for c in pool.active()))
 
     def reconcile(self) -> None:
         """Reap exited workers, replace dead ones, drain extra ones, in every pool."""
         for pool in self.pools.values():
             for w in [w for w in pool.children if not w.alive()]:
                 pool.children.remove(w)
+                self.loads.pop(w.name, None)
                 if not w.draining:
                     print(
                         f"kvmesh up: {w.name} exited with {w.proc.returncode}; replacing it",
                         file=sys.stderr,
                     )
-            active = pool.active()
-            for _ in range(pool.target - len(active)):
-                self.start_worker(pool.role)
-            for w in sorted(active, key=lambda c: c.started)[pool.target :]:
-                w.draining = True
-                w.terminate()  # the worker deregisters, finishes its requests, exits
+            self._converge(pool)
+
+    def _converge(self, pool: _Pool) -> None:
+        """Start or drain workers of `pool` until its active workers match its target."""
+        active = pool.active()
+        for _ in range(pool.target - len(active)):
+            self.start_worker(pool.role)
+        extra = len(active) - pool.target
+        if extra <= 0:
+            return
+        candidates = []
+        for w in active:
+            load = self.loads.get(w.name)
+            candidates.append(
+                DrainCandidate(
+                    worker_id=w.name,
+                    started=w.started,
+                    serving=w.name in self.registered,
+                    cached_blocks=device_cached_blocks(load) if load is not None else 0,
+                    inflight=load.num_running_requests + load.num_waiting_requests
+                    if load is not None
+                    else 0,
+                )
+            )
+        by_name = {w.name: w for w in active}
+        for cand in drain_order(candidates)[:extra]:
+            w = by_name[cand.worker_id]
+            w.draining = True
+            w.terminate()  # it leaves discovery, finishes its requests, exits
+        self.write_targets()
 
     def pool_status(self, role: Role = Role.AGGREGATED) -> spb.PoolStatus:
         pool = self.pools[role]
@@ -335,7 +569,7 @@ class Supervisor:
         ready = sum(1 for w in active if w.name in self.registered)
         return spb.PoolStatus(
             model=self.served,
-            role=_ROLE_TO_PB[role],
+            role=role_to_pb(role),
             target_replicas=pool.target,
             ready_replicas=ready,
             starting_replicas=len(active) - ready,
@@ -344,10 +578,13 @@ class Supervisor:
 
     async def watch_registrations(self) -> None:
         async for event in open_discovery(self.discovery).watch("worker"):
+            name = event.instance.instance_id
             if event.kind is EventKind.ADDED:
-                self.registered.add(event.instance.instance_id)
+                self.registered.add(name)
+                self.addresses[name] = event.instance.address
             else:
-                self.registered.discard(event.instance.instance_id)
+                self.registered.discard(name)
+                self.addresses.pop(name, None)
 
     async def shutdown(self) -> None:
         # Frontend first so no new work arrives, then everything else; each drains first.
@@ -361,14 +598,8 @@ class Supervisor:
             await asyncio.gather(*(c.wait(drain_s + STOP_MARGIN_S) for c in group))
         if self.registry is not None:
             shutil.rmtree(self.registry, ignore_errors=True)
-
-
-_ROLE_TO_PB: dict[Role, cpb.WorkerRole.ValueType] = {
-    Role.AGGREGATED: cpb.WORKER_ROLE_AGGREGATED,
-    Role.PREFILL: cpb.WORKER_ROLE_PREFILL,
-    Role.DECODE: cpb.WORKER_ROLE_DECODE,
-}
-_ROLE_FROM_PB: dict[int, Role] = {v: k for k, v in _ROLE_TO_PB.items()}
+        if self.pki is not None:
+            shutil.rmtree(self.pki.directory, ignore_errors=True)
 
 
 class ScalingServicer(spb_grpc.ScalingServiceServicer):
@@ -382,10 +613,11 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
             raise NotFound(f"this mesh serves {self.sup.served!r}, not {model!r}")
 
     def _role(self, role: int) -> Role:
-        found = _ROLE_FROM_PB.get(role)
-        if found is None or found not in self.sup.pools:
-            pools = ", ".join(cpb.WorkerRole.Name(_ROLE_TO_PB[r]) for r in self.sup.pools)
-            raise InvalidRequest(f"this mesh runs the pools {pools}; role must be one of them")
+        found = role_from_pb(role)
+        if found is None:
+            pools = ", ".join(cpb.WorkerRole.Name(role_to_pb(r)) for r in self.sup.pools)
+            raise InvalidRequest(f"role must be one of this mesh's pools: {pools}", param="role")
+        self.sup.pool(found)  # an unknown pool: InvalidRequest naming the pools
         return found
 
     async def Scale(
@@ -393,7 +625,7 @@ class ScalingServicer(spb_grpc.ScalingServiceServicer):
     ) -> spb.ScaleResponse:
         self._check(request.model)
         role = self._role(request.role)
-        previous = self.sup.scale(request.replicas, role)
+        previous = await self.sup.scale(request.replicas, role)
         if request.reason:
             print(
                 f"kvmesh up: scaling {role.value} to {request.replicas} ({request.reason})",
@@ -418,26 +650,54 @@ async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
+def planner_profile(args: UpArgs, served: str, context_length: int) -> PerfProfile | None:
+    """The profile `--planner sla` plans with: --profile, or the mocker's measured in virtual
+    time (its flags, speedup included); None for the queue policy."""
+    if args.up.planner is not PlannerPolicy.SLA:
+        return None
+    if args.planning.profile:
+        return PerfProfile.load(args.planning.profile)
+    if args.worker.engine is not EngineKind.MOCKER:
+        raise InvalidRequest(
+            f"--planner sla with --engine {args.worker.engine.value} needs --profile FILE "
+            "(kvmesh profile --engine ... makes one)"
+        )
+    engine = args.engine
+    return profile_mocker(
+        engine, max_model_len=engine.max_model_len or context_length, model=served
+    )
+
+
 async def _up(args: UpArgs) -> int:
     sup = Supervisor(args)
     config = args.up
+    profile = planner_profile(args, sup.served, sup.context_length)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    control = GrpcServer("127.0.0.1", config.control_port)
+    control = mesh_server("127.0.0.1", config.control_port, sup.security)
     control.add(
         spb_grpc.add_ScalingServiceServicer_to_server, ScalingServicer(sup), SCALING_SERVICE
     )
     watcher = asyncio.create_task(sup.watch_registrations())
+    planner: PlannerLoop | None = None
+    planner_task: asyncio.Task[None] | None = None
     try:
         frontend = sup.start()
         await control.start()
         fe = sup.frontend
         host = "127.0.0.1" if fe.http_host in ("0.0.0.0", "::") else fe.http_host
-        base = f"http://{host}:{fe.http_port}"
+        scheme = "https" if fe.http_tls_cert else "http"
+        base = f"{scheme}://{host}:{fe.http_port}"
         deadline = time.monotonic() + config.startup_timeout_s
-        async with aiohttp.ClientSession() as http:
+        ssl_context: ssl.SSLContext | bool = True
+        if sup.pki is not None:
+            ssl_context = ssl.create_default_context(cafile=str(sup.pki.ca))
+        elif fe.http_tls_cert:
+            ssl_context = False  # the operator's certificate: up only asks for /health
+        connector = aiohttp.TCPConnector(ssl=ssl_context)
+        async with aiohttp.ClientSession(connector=connector) as http:
             while not await _healthy(http, base + "/health"):
                 dead = [c.name for c in (*sup.others, *sup.workers) if not c.alive()]
                 if dead or stop.is_set() or time.monotonic() > deadline:
@@ -451,6 +711,20 @@ async def _up(args: UpArgs) -> int:
                 await asyncio.sleep(0.2)
         kserve = f"{host}:{fe.kserve_grpc_port}" if fe.kserve_grpc_port > 0 else ""
         _banner(base, sup, control.address, kserve)
+        if config.planner is not None:
+            planner = PlannerLoop(
+                args.planning,
+                config.planner,
+                MetricsScraper(frontend_urls=[base + "/metrics"], model=sup.served),
+                GrpcConnector(control.address, sup.served, security=sup.security),
+                profile,
+            )
+            planner_task = asyncio.create_task(planner.run(stop))
+            print(
+                f"kvmesh up: {config.planner.value} planner every "
+                f"{args.planning.adjustment_interval_s:g} s",
+                file=sys.stderr,
+            )
         while not stop.is_set():
             if not frontend.alive():
                 print("kvmesh up: the frontend exited; shutting down", file=sys.stderr)
@@ -460,6 +734,11 @@ async def _up(args: UpArgs) -> int:
                 await asyncio.wait_for(stop.wait(), 0.5)
         return 0
     finally:
+        stop.set()
+        if planner_task is not None:
+            await planner_task
+        if planner is not None:
+            await planner.close()
         watcher.cancel()
         await control.stop(0)
         await sup.shutdown()
@@ -485,17 +764,33 @@ def _banner(base: str, sup: Supervisor, control: str, kserve: str) -> None:
         }
     )
     config = sup.config
+    cacert = f"--cacert {sup.pki.ca} " if sup.pki is not None else ""
+    keyed = sup.frontend_env or os.environ.get(API_KEY_ENV)
+    auth = '-H "Authorization: Bearer $KVMESH_API_KEY" ' if keyed else ""
+    metrics = "\n               ".join(
+        f"http://{c.metrics}/metrics ({c.name})" for c, _ in sup.metrics_endpoints()
+    )
+    if config.metrics_targets:
+        metrics += f"\n               Prometheus file_sd targets: {config.metrics_targets}"
     pools = ", ".join(f"{n} {role.value}" for role, n in config.pool_sizes().items())
     router = sup.mesh.router_mode.value + (" (own process)" if config.router_process else "")
     print(
         f"\nkvmesh is up: {sup.worker.engine.value} workers ({pools}), router {router}\n"
         f"  OpenAI API : {base}/v1   (model {sup.served!r})\n"
-        f"  health     : {base}/health    metrics: {base}/metrics\n"
+        f"  health     : {base}/health\n"
+        f"  metrics    : {metrics}\n"
         f"  KServe v2  : {base}/v2 (REST)"
         + (f"   grpc {kserve} (inference.GRPCInferenceService)" if kserve else "")
         + "\n"
-        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n\n"
-        f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"  scaling    : grpc {control}  (kvmesh.api.scaling.v1.ScalingService/Scale)\n"
+        + (
+            f"  CA         : {sup.pki.ca} (throwaway, deleted on exit; the planner's "
+            f"certificate: {sup.pki.cert('kvmesh-planner')}, key {sup.pki.key('kvmesh-planner')})\n"
+            if sup.pki
+            else ""
+        )
+        + f"\n  curl -N {cacert}{base}/v1/chat/completions {auth}\\\n"
+        "       -H 'Content-Type: application/json' \\\n"
         f"       -d '{body}'\n\n"
         "Press Ctrl-C to stop.\n",
         flush=True,

@@ -31,11 +31,14 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
+from kvmesh.frontend.auth import GatewayAuth, estimate_tokens
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
 from kvmesh.frontend.errors import error_body, error_from_exception
 from kvmesh.frontend.kserve_http import KSERVE_ROUTES, KServeRoutes
 from kvmesh.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvmesh.frontend.metrics import error_type
+from kvmesh.frontend.observe import X_REQUEST_ID, Observed, observe_http
 from kvmesh.frontend.openapi import JSON, SSE, Reply, Route, openapi_document
 from kvmesh.frontend.protocol import (
     DONE_EVENT,
@@ -64,9 +67,11 @@ from kvmesh.frontend.protocol import (
     parse_lora_request,
 )
 from kvmesh.frontend.service import CompletionStream, OpenAIService
+from kvmesh.runtime.errors import KvmeshError
+from kvmesh.runtime.tls import ServerSslContext
 from kvmesh.runtime.tracing import TraceContext
 
-__all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "build_app", "serve_http"]
+__all__ = ["CONFIG_KEY", "ROUTES", "SERVICE_KEY", "build_app", "guarded", "serve_http"]
 
 SERVICE_KEY = web.AppKey("kvmesh_openai_service", OpenAIService)
 """Where build_app stores the service in the Application."""
@@ -177,7 +182,12 @@ class _Routes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(
-            request, CHAT_PATH, parse_chat_request, self.service.chat_completion, ChatChunkEncoder
+            request,
+            CHAT_PATH,
+            parse_chat_request,
+            self.service.chat_completion,
+            ChatChunkEncoder,
+            "chat",
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -187,7 +197,11 @@ class _Routes:
             parse_completion_request,
             self.service.completion,
             TextChunkEncoder,
+            "text_completion",
         )
+
+    def _observed(self, request: web.Request, route: str) -> Observed:
+        return observe_http(self.service, request, _ENDPOINTS[route])
 
     async def _generate(
         self,
@@ -196,24 +210,24 @@ class _Routes:
         parse: Callable[[bytes], Req],
         call: Callable[[Req, TraceContext | None], Awaitable[CompletionStream | CompletionResult]],
         encoder_cls: type[ChatChunkEncoder] | type[TextChunkEncoder],
+        operation: str,
     ) -> web.StreamResponse:
+        obs = self._observed(request, endpoint)
         try:
             parsed = parse(await request.read())
-            headers = request.headers
-            traceparent = headers.get("traceparent")
-            trace = (
-                TraceContext.from_headers(traceparent, headers.get("tracestate"))
-                if traceparent
-                else None
-            )
-            result = await call(parsed, trace)
+            obs.request(parsed.model, parsed.options, operation, stream=parsed.stream)
+            result = await call(parsed, obs.context)
         except web.HTTPException as exc:
-            return self._http_error(endpoint, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(endpoint, exc)
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
         if isinstance(result, CompletionResult):
-            self.metrics.request_done(endpoint, 200)
-            return _json_response(200, encode_result(result))
+            obs.result(result)
+            obs.done(200)
+            return _json_response(200, encode_result(result), _request_id(obs))
         if result.parsed and encoder_cls is ChatChunkEncoder:
             encoder_cls = ParsedChatChunkEncoder
         encoder = encoder_cls(
@@ -223,18 +237,22 @@ class _Routes:
             include_usage=parsed.include_usage,
             system_fingerprint=result.system_fingerprint,
         )
-        return await self._stream(request, endpoint, result, encoder, parsed.include_usage)
+        return await self._stream(request, obs, result, encoder, parsed.include_usage)
 
     async def _stream(
         self,
         request: web.Request,
-        endpoint: str,
+        obs: Observed,
         stream: CompletionStream,
         encoder: ChatChunkEncoder | TextChunkEncoder,
         include_usage: bool,
     ) -> web.StreamResponse:
         resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        if obs.request_id:
+            resp.headers[X_REQUEST_ID] = obs.request_id
         status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
         events: _EventWriter | None = None
         try:
             writer = await resp.prepare(request)
@@ -246,6 +264,7 @@ class _Routes:
             async for delta in stream:
                 data = encode(delta)
                 if delta.finish_reason is not None:
+                    finish_reasons.append(delta.finish_reason)
                     remaining -= 1
                     if remaining == 0:
                         tail = data  # coalesced with [DONE] below
@@ -257,33 +276,38 @@ class _Routes:
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
-            _status, payload = error_from_exception(exc)
-            self.metrics.error(str(payload["error"]["type"]))
+            failed, payload = error_from_exception(exc)
+            error = error_type(failed)
             pending = events.take() if events is not None else b""
             try:
                 await resp.write_eof(pending + encode_error_event(payload))
             except ConnectionResetError:
                 status = _CLIENT_CLOSED
         except asyncio.CancelledError:
-            self.metrics.request_done(endpoint, _CLIENT_CLOSED)
+            obs.done(_CLIENT_CLOSED)
             raise
         finally:
             await stream.aclose()
-        self.metrics.request_done(endpoint, status)
+        obs.streamed(stream, finish_reasons)
+        obs.done(status, error=error if status == 200 else None)
         return resp
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        obs = self._observed(request, EMBEDDINGS_PATH)
         try:
             parsed = parse_embedding_request(await request.read())
-            headers = request.headers
-            trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
-            result = await self.service.embeddings(parsed, trace)
+            obs.request(parsed.model, None, "embeddings", stream=False)
+            result = await self.service.embeddings(parsed, obs.context)
         except web.HTTPException as exc:
-            return self._http_error(EMBEDDINGS_PATH, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(EMBEDDINGS_PATH, exc)
-        self.metrics.request_done(EMBEDDINGS_PATH, 200)
-        return _json_response(200, encode_embeddings(result, parsed.encoding_format))
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        body = encode_embeddings(result, parsed.encoding_format)
+        return _json_response(200, body, _request_id(obs))
 
     # -- LoRA adapters (vLLM's runtime loading API) ----------------------------------------
 
@@ -319,21 +343,22 @@ class _Routes:
 
     # -- errors ----------------------------------------------------------------------------
 
-    def _error(self, endpoint: str, exc: Exception) -> web.Response:
+    def _error(self, obs: Observed, exc: Exception) -> web.Response:
         status, payload = error_from_exception(exc)
-        self.metrics.error(str(payload["error"]["type"]))
-        self.metrics.request_done(endpoint, status)
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return _json_response(status, orjson.dumps(payload), headers)
+        obs.done(status)
+        headers = _request_id(obs) or {}
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
+        return _json_response(status, orjson.dumps(payload), headers or None)
 
-    def _http_error(self, endpoint: str, exc: web.HTTPException) -> web.Response:
+    def _http_error(self, obs: Observed, exc: web.HTTPException) -> web.Response:
         status = exc.status
         if status == 413:
             message = f"request body too large (limit {self._max_bytes()} bytes)"
         else:
             message = exc.reason
-        self.metrics.request_done(endpoint, status)
-        return _json_response(status, error_body(status, message))
+        obs.done(status)
+        return _json_response(status, error_body(status, message), _request_id(obs))
 
     def _max_bytes(self) -> int:
         return self.service.config.max_request_bytes
@@ -342,7 +367,6 @@ class _Routes:
 
     async def models(self, request: web.Request) -> web.Response:
         body = encode_models(self.service.models(), int(time.time()))
-        self.metrics.request_done("/v1/models", 200)
         return _json_response(200, body)
 
     async def model(self, request: web.Request) -> web.Response:
@@ -385,6 +409,19 @@ class _Routes:
 
     async def not_found(self, request: web.Request) -> web.Response:
         return _json_response(404, error_body(404, f"no route for {request.path}"))
+
+
+_ENDPOINTS = {
+    CHAT_PATH: "chat_completions",
+    COMPLETIONS_PATH: "completions",
+    EMBEDDINGS_PATH: "embeddings",
+}
+"""The metrics' endpoint label of each OpenAI route (Dynamo's values)."""
+
+
+def _request_id(obs: Observed) -> dict[str, str] | None:
+    """The x-request-id response header (the client's), if it sent one."""
+    return {X_REQUEST_ID: obs.request_id} if obs.request_id else None
 
 
 def _allowed_methods(request: web.Request) -> list[str]:
@@ -460,8 +497,15 @@ def _bound(routes: Sequence[Route], owner: object) -> list[tuple[Route, Handler]
     return [(r, functools.partial(r.handler, owner)) for r in routes]
 
 
-def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> web.Application:
-    """The aiohttp Application serving `service` (config defaults to `service.config`)."""
+def build_app(
+    service: OpenAIService,
+    config: FrontendConfig | None = None,
+    auth: GatewayAuth | None = None,
+) -> web.Application:
+    """The aiohttp Application serving `service` (config defaults to `service.config`).
+
+    `auth` (API keys, rate limits; see `guarded`) guards every /v1 and /v2 route but the
+    KServe health probes, and /metrics with --protect-metrics; None: open doors."""
     config = config if config is not None else service.config
     app = web.Application(client_max_size=config.max_request_bytes)
     app[SERVICE_KEY] = service
@@ -469,6 +513,8 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
     routes = _Routes(service)
     table = _bound(OPENAI_ROUTES, routes) + _bound(KSERVE_ROUTES, KServeRoutes(service))
     for route, handler in table:
+        if auth is not None and _protected(route.path, auth):
+            handler = guarded(handler, auth, route.path, service)
         resource = app.router.add_resource(route.path)
         resource.add_route(route.method, handler)
         if route.method == "GET":
@@ -476,16 +522,67 @@ def build_app(service: OpenAIService, config: FrontendConfig | None = None) -> w
         resource.add_route("*", routes.method_not_allowed)
     # [\s\S]: also paths with a (percent-encoded) newline, which "." does not match.
     app.router.add_route("*", r"/{tail:[\s\S]*}", routes.not_found)
+    if auth is not None and auth.limited:
+        app.on_response_prepare.append(_add_rate_limit_headers)
     return app
 
 
+_RATE_HEADERS = web.RequestKey("kvmesh_rate_limit_headers", dict)
+
+
+def _protected(path: str, auth: GatewayAuth) -> bool:
+    if path.startswith("/v2/health/"):
+        return False  # KServe's probes, like /health and /live
+    return path.startswith(("/v1/", "/v2")) or (path == "/metrics" and auth.protect_metrics)
+
+
+def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIService) -> Handler:
+    """`handler` behind the gateway's API keys: a missing or unknown `Authorization: Bearer`
+    key gets an OpenAI-shaped 401, a key over its rate limit a 429 (with x-ratelimit-*
+    headers, which every answer to a limited key carries)."""
+
+    async def guard(request: web.Request) -> web.StreamResponse:
+        try:
+            key = auth.check(request.headers.get("Authorization"))
+            if auth.limited:
+                tokens = 0
+                if auth.tpm and request.method == "POST":
+                    try:
+                        tokens = estimate_tokens(await request.read())
+                    except web.HTTPException:
+                        tokens = 0  # too large: the handler answers 413
+                request[_RATE_HEADERS] = auth.admit(key, tokens)
+        except KvmeshError as exc:
+            status, payload = error_from_exception(exc)
+            observe_http(service, request, endpoint).done(status)  # counted and traced
+            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            if status == 429:
+                headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
+            return _json_response(status, orjson.dumps(payload), headers)
+        return await handler(request)
+
+    return guard
+
+
+async def _add_rate_limit_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    headers = request.get(_RATE_HEADERS) if isinstance(request, web.Request) else None
+    if headers:
+        response.headers.update(headers)
+
+
 async def serve_http(
-    app: web.Application, host: str, port: int, **runner_kwargs: Any
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    tls: ServerSslContext | None = None,
+    **runner_kwargs: Any,
 ) -> tuple[web.AppRunner, int]:
     """Start serving `app` on host:port (0 = any free port); return (runner, bound port).
 
     Stop with `await runner.cleanup()`. Backlog and keep-alive come from the app's
-    FrontendConfig. `runner_kwargs` go to web.AppRunner.
+    FrontendConfig. `tls`: serve HTTPS (certificates reloaded when their files change).
+    `runner_kwargs` go to web.AppRunner.
     """
     config = app.get(CONFIG_KEY) or FrontendConfig()
     kwargs: dict[str, Any] = {
@@ -496,7 +593,8 @@ async def serve_http(
     kwargs.update(runner_kwargs)
     runner = web.AppRunner(app, **kwargs)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=config.backlog)
+    ssl_context = tls.context if tls is not None else None
+    site = web.TCPSite(runner, host, port, backlog=config.backlog, ssl_context=ssl_context)
     try:
         await site.start()
     except BaseException:

@@ -16,6 +16,27 @@ class FrontendConfig:
 
     http_host: str = opt("127.0.0.1", "address the HTTP server binds")
     http_port: int = opt(8000, "HTTP port (0: pick a free one)")
+    http_tls_cert: str = opt(
+        "",
+        "PEM certificate (chain) of the gateway: HTTPS, and TLS on the KServe gRPC port "
+        "(reloaded when the file changes); empty: plaintext",
+    )
+    http_tls_key: str = opt("", "PEM private key of --http-tls-cert")
+    api_key: list[str] = opt(
+        [],
+        "API keys clients must send (Authorization: Bearer KEY) on /v1 and /v2 routes and "
+        "the KServe gRPC port; several allowed; $KVMESH_API_KEY (comma-separated) adds "
+        "more; none: open",
+    )
+    protect_metrics: bool = opt(
+        False, "/metrics needs an API key too (/health, /live and /v2/health stay open)"
+    )
+    rate_limit_rpm: int = opt(0, "requests per minute allowed per API key (0: no limit)")
+    rate_limit_tpm: int = opt(
+        0,
+        "tokens per minute allowed per API key, counted as a request's max_tokens or "
+        "body length / 4, whichever is larger (0: no limit)",
+    )
     model: str = opt("", "local Hugging Face model directory (tokenizer, chat template, config)")
     served_model_name: str = opt(
         "", "name clients use in the `model` field (empty: the model directory's name)"
@@ -59,6 +80,8 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if self.http_port < 0:
             raise ValueError("http_port must be >= 0 (0: pick a free one)")
+        if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:
+            raise ValueError("rate limits must be >= 0 (0: no limit)")
         if self.kserve_grpc_port < -1:
             raise ValueError("kserve_grpc_port must be >= -1 (-1: off, 0: pick a free one)")
 

@@ -22,6 +22,8 @@ _STATUS_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
@@ -45,6 +47,9 @@ def error_body(
 
 
 def _openai_code(exc: KvmeshError) -> str | None:
+    code: str | None = getattr(exc, "openai_code", None)
+    if code is not None:
+        return code
     if isinstance(exc, RequestTooLarge):
         return "context_length_exceeded"
     if isinstance(exc, NotFound) and exc.param == "model":

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -29,12 +29,20 @@ import grpc
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2 as pb
 from kvmesh.api.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from kvmesh.frontend import kserve
+from kvmesh.frontend.auth import GatewayAuth
 from kvmesh.frontend.dataplane import CompletionResult
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
+from kvmesh.frontend.observe import Observed, observe_grpc
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound, RequestTooLarge
-from kvmesh.runtime.grpcutil import GrpcServer, status_for
-from kvmesh.runtime.tracing import TraceContext
+from kvmesh.runtime.grpcutil import (
+    HEALTH_METHODS,
+    GrpcServer,
+    ServerSecurity,
+    reloading_server_credentials,
+    status_for,
+)
+from kvmesh.runtime.tls import ReloadingTls
 
 __all__ = ["KSERVE_SERVICE", "KServeServicer", "serve_kserve_grpc"]
 
@@ -266,20 +274,32 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
-        endpoint = "/inference.GRPCInferenceService/ModelInfer"
+        obs = observe_grpc(
+            self.service,
+            context.invocation_metadata(),
+            KSERVE_SERVICE,
+            "ModelInfer",
+            "kserve_grpc_infer",
+        )
         try:
             call = kserve.to_generation(decode_request(request), allow_stream=False)
-            trace = TraceContext.from_grpc_metadata(context.invocation_metadata())
-            result = await self.service.completion(call.request, trace)
+            generation = call.request
+            obs.request(generation.model, generation.options, "text_completion", stream=False)
+            result = await self.service.completion(generation, obs.context)
             assert isinstance(result, CompletionResult)
             response = encode_response(
                 kserve.InferEncoder(call, request.model_name, request.id).result(result)
             )
+        except asyncio.CancelledError:
+            # The client cancelled the call (or its deadline passed).
+            _done(obs, grpc.StatusCode.CANCELLED)
+            raise
         except Exception as exc:
             code, message = _status(exc)
-            self._done(endpoint, code, _error_type(exc))
+            _done(obs, code)
             await context.abort(code, message)
-        self._done(endpoint, grpc.StatusCode.OK)
+        obs.result(result)
+        _done(obs, grpc.StatusCode.OK)
         return response
 
     async def ModelStreamInfer(
@@ -289,12 +309,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         queue: asyncio.Queue[pb.ModelStreamInferResponse | BaseException | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
-        trace = TraceContext.from_grpc_metadata(context.invocation_metadata())
+        metadata = context.invocation_metadata()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    task = asyncio.create_task(self._stream_one(request, queue, trace))
+                    task = asyncio.create_task(self._stream_one(request, queue, metadata))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 while tasks:
@@ -324,23 +344,31 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self,
         request: pb.ModelInferRequest,
         queue: asyncio.Queue[pb.ModelStreamInferResponse | BaseException | None],
-        trace: TraceContext | None,
+        metadata: Any,
     ) -> None:
-        endpoint = "/inference.GRPCInferenceService/ModelStreamInfer"
+        obs = observe_grpc(
+            self.service, metadata, KSERVE_SERVICE, "ModelStreamInfer", "kserve_grpc_stream_infer"
+        )
         put = queue.put_nowait
         empty_final = False
         stream: CompletionStream | None = None
+        finish_reasons: list[str] = []
         try:
             decoded = decode_request(request)
             empty_final = decoded.parameters.get("triton_enable_empty_final_response") is True
             call = kserve.to_generation(decoded, allow_stream=True)
             encoder = kserve.InferEncoder(call, request.model_name, request.id)
-            result = await self.service.completion(call.request, trace)
+            generation = call.request
+            obs.request(generation.model, generation.options, "text_completion", stream=call.stream)
+            result = await self.service.completion(generation, obs.context)
             if isinstance(result, CompletionResult):
+                obs.result(result)
                 put(_stream_response(encoder.result(result)))
             else:
                 stream = result
                 async for delta in stream:
+                    if delta.finish_reason is not None:
+                        finish_reasons.append(delta.finish_reason)
                     put(
                         _stream_response(
                             encoder.delta(
@@ -350,13 +378,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     )
             if call.empty_final:
                 put(_stream_response(encoder.final()))
-            self._done(endpoint, grpc.StatusCode.OK)
+            if stream is not None:
+                obs.streamed(stream, finish_reasons)
+            _done(obs, grpc.StatusCode.OK)
         except asyncio.CancelledError:
-            self._done(endpoint, grpc.StatusCode.CANCELLED)
+            _done(obs, grpc.StatusCode.CANCELLED)
             raise
         except Exception as exc:
             code, message = _status(exc)
-            self._done(endpoint, code, _error_type(exc))
+            _done(obs, code)
             error = pb.ModelStreamInferResponse(
                 error_message=message,
                 infer_response=pb.ModelInferResponse(
@@ -371,26 +401,59 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if stream is not None:
                 await stream.aclose()
 
-    def _done(self, endpoint: str, code: grpc.StatusCode, error: str | None = None) -> None:
-        self.metrics.request_done(endpoint, _HTTP_OF.get(code, 500))
-        if error is not None:
-            self.metrics.error(error)
 
-
-def _error_type(exc: BaseException) -> str:
-    return exc.code if isinstance(exc, KvmeshError) else "internal_error"
+def _done(obs: Observed, code: grpc.StatusCode) -> None:
+    """End `obs` with gRPC status `code` (counted as its HTTP equivalent)."""
+    obs.done(_HTTP_OF.get(code, 500), grpc_code=code.value[0])
 
 
 def _stream_response(resp: InferResponse) -> pb.ModelStreamInferResponse:
     return pb.ModelStreamInferResponse(infer_response=encode_response(resp))
 
 
-async def serve_kserve_grpc(service: OpenAIService, host: str, port: int) -> GrpcServer:
+async def serve_kserve_grpc(
+    service: OpenAIService,
+    host: str,
+    port: int,
+    *,
+    auth: GatewayAuth | None = None,
+    tls: ReloadingTls | None = None,
+) -> GrpcServer:
     """Start `inference.GRPCInferenceService` (plus health and reflection) on host:port
-    (0: any free port); stop it with `await server.stop(grace)`."""
-    server = GrpcServer(host, port)
+    (0: any free port); stop it with `await server.stop(grace)`.
+
+    `auth`: every call but the probes (ServerLive, ServerReady, grpc.health.v1) needs an API
+    key in its `authorization` metadata ("Bearer KEY", as tritonclient's `headers=` sends it),
+    else UNAUTHENTICATED; a key over its requests-per-minute limit gets RESOURCE_EXHAUSTED.
+    `tls`: TLS with the gateway's certificate (reloaded when its files change)."""
+    security = ServerSecurity(
+        credentials=(
+            reloading_server_credentials(tls, require_client_certificate=False)
+            if tls is not None
+            else None
+        ),
+        authorize=_authorizer(auth) if auth is not None else None,
+        open_methods=(HEALTH_METHODS, *_PROBES),
+    )
+    server = GrpcServer(host, port, security=security)
     server.add(
         pb_grpc.add_GRPCInferenceServiceServicer_to_server, KServeServicer(service), KSERVE_SERVICE
     )
     await server.start()
     return server
+
+
+_PROBES = tuple(f"/{KSERVE_SERVICE}/{m}" for m in ("ServerLive", "ServerReady"))
+
+
+def _authorizer(auth: GatewayAuth) -> Callable[[grpc.aio.ServicerContext[Any, Any]], None]:
+    def authorize(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        given: str | None = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                given = value.decode() if isinstance(value, bytes) else value
+        api_key = auth.check(given)
+        if auth.limited:
+            auth.admit(api_key, 0)
+
+    return authorize

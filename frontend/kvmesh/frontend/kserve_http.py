@@ -23,6 +23,7 @@ with the HTTP status of the domain exception.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Annotated, Any
 
@@ -34,10 +35,11 @@ from kvmesh.frontend import kserve
 from kvmesh.frontend.dataplane import CompletionResult
 from kvmesh.frontend.decoding import Refusals, decode, load_object
 from kvmesh.frontend.kserve import InferRequest, InferResponse, ParamValue, Tensor
+from kvmesh.frontend.metrics import error_type
+from kvmesh.frontend.observe import X_REQUEST_ID, Observed, observe_http
 from kvmesh.frontend.openapi import JSON, SSE, Reply, Route
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, NotFound
-from kvmesh.runtime.tracing import TraceContext
 
 __all__ = ["KSERVE_ROUTES", "KServeRoutes"]
 
@@ -464,74 +466,85 @@ class KServeRoutes:
         return request.match_info["model"], request.match_info.get("version", "")
 
     async def _complete(
-        self, request: web.Request, infer: InferRequest, *, stream: bool
+        self, obs: Observed, infer: InferRequest, *, stream: bool
     ) -> tuple[kserve.GenerationCall, CompletionStream | CompletionResult]:
         call = kserve.to_generation(infer, allow_stream=stream)
         if stream:
             call.request.stream = call.stream = True
-        headers = request.headers
-        trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
-        return call, await self.service.completion(call.request, trace)
+        request = call.request
+        obs.request(request.model, request.options, "text_completion", stream=stream)
+        return call, await self.service.completion(request, obs.context)
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        endpoint = "/v2/models/infer"
+        obs = observe_http(self.service, request, "kserve_infer")
         try:
             model, version = self._names(request)
             infer, binary_all, binary_outputs = decode_infer(
                 await request.read(), request.headers.get(HEADER_LENGTH), model, version
             )
-            call, result = await self._complete(request, infer, stream=False)
+            call, result = await self._complete(obs, infer, stream=False)
             assert isinstance(result, CompletionResult)
             resp = kserve.InferEncoder(call, model, infer.id).result(result)
             body, header_length = encode_infer(resp, binary_all, binary_outputs)
         except web.HTTPException as exc:
-            return self._http_fail(endpoint, exc)
+            return self._http_fail(obs, exc)
         except Exception as exc:
-            return self._fail(endpoint, exc)
-        self.metrics.request_done(endpoint, 200)
+            return self._fail(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(499)
+            raise
+        obs.result(result)
+        obs.done(200)
+        headers = _request_id(obs)
         if header_length is None:
-            return web.Response(status=200, body=body, content_type=JSON)
-        return web.Response(
-            status=200,
-            body=body,
-            headers={
-                "Content-Type": "application/octet-stream",
-                HEADER_LENGTH: str(header_length),
-            },
-        )
+            return web.Response(status=200, body=body, content_type=JSON, headers=headers)
+        headers["Content-Type"] = "application/octet-stream"
+        headers[HEADER_LENGTH] = str(header_length)
+        return web.Response(status=200, body=body, headers=headers)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        endpoint = "/v2/models/generate"
+        obs = observe_http(self.service, request, "kserve_generate")
         try:
             model, version = self._names(request)
             infer = decode_generate(await request.read(), model, version)
-            call, result = await self._complete(request, infer, stream=False)
+            call, result = await self._complete(obs, infer, stream=False)
             assert isinstance(result, CompletionResult)
             resp = kserve.InferEncoder(call, model, infer.id).result(result)
         except web.HTTPException as exc:
-            return self._http_fail(endpoint, exc)
+            return self._http_fail(obs, exc)
         except Exception as exc:
-            return self._fail(endpoint, exc)
-        self.metrics.request_done(endpoint, 200)
-        return _json(200, encode_generate(resp))
+            return self._fail(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(499)
+            raise
+        obs.result(result)
+        obs.done(200)
+        return _json(200, encode_generate(resp), _request_id(obs))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
-        endpoint = "/v2/models/generate_stream"
+        obs = observe_http(self.service, request, "kserve_generate_stream")
         try:
             model, version = self._names(request)
             infer = decode_generate(await request.read(), model, version)
-            call, result = await self._complete(request, infer, stream=True)
+            call, result = await self._complete(obs, infer, stream=True)
         except web.HTTPException as exc:
-            return self._http_fail(endpoint, exc)
+            return self._http_fail(obs, exc)
         except Exception as exc:
-            return self._fail(endpoint, exc)
+            return self._fail(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(499)
+            raise
         assert isinstance(result, CompletionStream)
         encoder = kserve.InferEncoder(call, model, infer.id)
-        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **_request_id(obs)})
         status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
         try:
             await resp.prepare(request)
             async for delta in result:
+                if delta.finish_reason is not None:
+                    finish_reasons.append(delta.finish_reason)
                 event = encoder.delta(delta, result.prompt_tokens(0), result.completion_tokens(0))
                 await resp.write(b"data: " + _encode(encode_generate(event)) + b"\n\n")
             if call.empty_final:
@@ -541,27 +554,38 @@ class KServeRoutes:
         except ConnectionResetError:
             status = 499
         except Exception as exc:
-            _, payload = _error(exc)
+            failed, payload = _error(exc)
+            error = error_type(failed)
             try:
                 await resp.write_eof(b"data: " + _encode(payload) + b"\n\n")
             except ConnectionResetError:
                 status = 499
+        except asyncio.CancelledError:
+            obs.done(499)
+            raise
         finally:
             await result.aclose()
-        self.metrics.request_done(endpoint, status)
+        obs.streamed(result, finish_reasons)
+        obs.done(status, error=error if status == 200 else None)
         return resp
 
-    def _http_fail(self, endpoint: str, exc: web.HTTPException) -> web.Response:
-        self.metrics.request_done(endpoint, exc.status)
+    def _http_fail(self, obs: Observed, exc: web.HTTPException) -> web.Response:
+        obs.done(exc.status)
         message = "request body too large" if exc.status == 413 else exc.reason
-        return _json(exc.status, InferenceErrorResponse(message))
+        return _json(exc.status, InferenceErrorResponse(message), _request_id(obs))
 
-    def _fail(self, endpoint: str, exc: BaseException) -> web.Response:
+    def _fail(self, obs: Observed, exc: BaseException) -> web.Response:
         status, payload = _error(exc)
-        self.metrics.request_done(endpoint, status)
-        self.metrics.error(exc.code if isinstance(exc, KvmeshError) else "internal_error")
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        obs.done(status)
+        headers = _request_id(obs)
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
         return _json(status, payload, headers)
+
+
+def _request_id(obs: Observed) -> dict[str, str]:
+    """The x-request-id response header (the client's), if it sent one."""
+    return {X_REQUEST_ID: obs.request_id} if obs.request_id else {}
 
 
 # -- the route table ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`kvmesh frontend`: the OpenAI and KServe v2 gateway process.
 
-Its flags are FrontendConfig's and MeshConfig's (`ENTRY`). Builds the object graph explicitly
+Its flags are FrontendConfig's, MeshConfig's and TlsConfig's (`ENTRY`): the gateway's own
+certificate, API keys and limits, its mesh links, and their mTLS. Builds the object graph explicitly
 (tokenizers, the routing stack of kvmesh.router.stack, the OpenAIService both doors share, the
 HTTP and KServe gRPC servers), serves until SIGINT/SIGTERM, then drains.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.backend import MeshBackend
@@ -17,22 +19,60 @@ from kvmesh.router.metrics import DisaggCollector, RoutingCollector
 from kvmesh.router.routing import RoutingStats
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args
+from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.process import Entry, GlobalConfig, run, wait_for_signal
+from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
+from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, TlsConfig, TlsError, TlsFiles
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
 
 
-async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
-    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop."""
+def gateway_tls(config: FrontendConfig) -> ReloadingTls | None:
+    """The gateway's certificate (--http-tls-cert/--http-tls-key), read and checked now, or
+    None for plaintext."""
+    if not config.http_tls_cert and not config.http_tls_key:
+        return None
+    if not (config.http_tls_cert and config.http_tls_key):
+        raise TlsError("gateway TLS needs both --http-tls-cert and --http-tls-key")
+    files = TlsFiles(
+        Path(config.http_tls_cert),
+        Path(config.http_tls_key),
+        flags=("--http-tls-cert", "--http-tls-key", ""),
+    )
+    return ReloadingTls(files)
+
+
+async def serve_frontend(
+    config: FrontendConfig,
+    mesh: MeshConfig,
+    security: MeshSecurity | None = None,
+    tracing: TracingConfig | None = None,
+    log_content: bool = False,
+) -> None:
+    """Run `kvmesh frontend` until SIGINT/SIGTERM, then drain and stop (tracing: see
+    kvmesh.runtime.telemetry; `log_content`: log prompts and outputs)."""
+    setup_tracing(tracing or TracingConfig(), "frontend")
+    try:
+        await _serve(config, mesh, security, log_content)
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(
+    config: FrontendConfig, mesh: MeshConfig, security: MeshSecurity | None, log_content: bool
+) -> None:
     # Imported here, not at the top: every `kvmesh` command reads ENTRY to build its parser,
     # and only the frontend needs the gateway (aiohttp app, tokenizers, chat templates).
     from kvmesh.frontend.app import build_app, serve_http
+    from kvmesh.frontend.auth import GatewayAuth
     from kvmesh.frontend.service import OpenAIService
     from kvmesh.frontend.tokenizer import Tokenizer
 
+    auth = GatewayAuth.from_config(config)
+    tls = gateway_tls(config)  # a bad certificate stops the gateway here
     tokenizers: dict[str, Tokenizer] = {}
     configured: dict[str, ModelInfo] = {}
     if config.model:
@@ -51,10 +91,11 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
             model_path=str(info.path),
             eos_token_ids=info.eos_token_ids,
         )
-    pool, router = build_router(mesh)
+    pool, router = build_router(mesh, security)
     await pool.start()
     backend = MeshBackend(pool, router, configured, disagg=mesh)
     service = OpenAIService(backend, tokenizers, config)
+    service.log_content = log_content
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
@@ -62,14 +103,28 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
         loads = router.subscriber.loads
         service.metrics.registry.register(KvTierCollector(lambda: list(loads.items())))
     service.metrics.registry.register(DisaggCollector(backend.stats))
-    runner, port = await serve_http(build_app(service, config), config.http_host, config.http_port)
-    log.info("frontend serving OpenAI API on http://%s:%d/v1", config.http_host, port)
+    runner, port = await serve_http(
+        build_app(service, config, auth),
+        config.http_host,
+        config.http_port,
+        tls=ServerSslContext(tls) if tls is not None else None,
+    )
+    scheme = "https" if tls is not None else "http"
+    log.info(
+        "frontend serving OpenAI API on %s://%s:%d/v1 (API keys: %s)",
+        scheme,
+        config.http_host,
+        port,
+        len(auth.keys) if auth is not None else "none",
+    )
     kserve = None
     if config.kserve_grpc_port >= 0:
         # Imported here: it registers the `inference.*` protobuf symbols (see its docstring).
         from kvmesh.frontend.kserve_grpc import serve_kserve_grpc
 
-        kserve = await serve_kserve_grpc(service, config.http_host, config.kserve_grpc_port)
+        kserve = await serve_kserve_grpc(
+            service, config.http_host, config.kserve_grpc_port, auth=auth, tls=tls
+        )
         log.info("frontend serving KServe v2 gRPC on %s", kserve.address)
     await wait_for_signal()
     service.start_drain()
@@ -86,13 +141,22 @@ async def serve_frontend(config: FrontendConfig, mesh: MeshConfig) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh frontend`: serve until SIGINT/SIGTERM."""
-    run(serve_frontend(from_args(FrontendConfig, ns), from_args(MeshConfig, ns)))
+    security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
+    run(
+        serve_frontend(
+            from_args(FrontendConfig, ns),
+            from_args(MeshConfig, ns),
+            security,
+            from_args(TracingConfig, ns),
+            from_args(GlobalConfig, ns).log_content,
+        )
+    )
     return 0
 
 
 ENTRY = Entry(
     "frontend",
     "OpenAI HTTP gateway and KServe v2 front doors (REST; gRPC with --kserve-grpc-port)",
-    Flags.of(FrontendConfig, MeshConfig),
+    Flags.of(FrontendConfig, MeshConfig, TlsConfig, TracingConfig),
     main,
 )

@@ -1,25 +1,36 @@
-"""Prometheus metrics of the gateway, in their own CollectorRegistry.
+"""Prometheus metrics of the gateway, in their own CollectorRegistry: Dynamo's frontend metrics
+(`dynamo_frontend_*`) under the `kvmesh_frontend_` prefix, same names, labels and meanings, so
+dashboards and planners written for Dynamo read them with a prefix change.
 
 Observations happen on the event loop thread for every token, so the hot path avoids
-prometheus_client's locked metric objects: counters and histograms are plain Python numbers
-(bisect into fixed buckets) exposed through one custom collector at scrape time. Scrapes run on
-the event loop too, so no locking is needed; do not observe from other threads.
+prometheus_client's locked metric objects (kvmesh.runtime.metrics.Histogram, plain counters),
+exposed through one custom collector at scrape time.
 
-Metric names (all prefixed `kvmesh_frontend_`):
-- requests_total{endpoint,status}: finished HTTP requests.
-- errors_total{type}: error responses and mid-stream errors by OpenAI error type.
-- inflight_requests{model}: generation requests in progress.
-- time_to_first_token_seconds{model}, inter_token_latency_seconds{model},
-  request_duration_seconds{model}: latency histograms.
-- input_sequence_tokens{model}, output_sequence_tokens{model}: ISL / OSL histograms.
+Metric names (all prefixed `kvmesh_frontend_`; OpenTelemetry GenAI semantics in brackets):
+- requests_total{model,endpoint,request_type,status,error_type}: finished LLM requests.
+  endpoint: chat_completions, completions, embeddings, kserve_infer, kserve_generate,
+  kserve_generate_stream, kserve_grpc_infer, kserve_grpc_stream_infer; request_type: stream |
+  unary; status: success | error; error_type ("" on success): validation, not_found, overload,
+  unavailable, cancelled (the client went away), not_implemented, internal. `model` is
+  `unknown_model` for names the gateway does not serve (bounded cardinality, as Dynamo).
+- requests_started_total{model,endpoint,request_type}: requests accepted for processing.
+- inflight_requests{model}: generation requests in progress; queued_requests{model}: those
+  still waiting for their first token.
+- disconnected_clients: clients that went away before their response ended (a gauge that only
+  grows, as Dynamo's).
+- time_to_first_token_seconds{model} [gen_ai.server.time_to_first_token],
+  inter_token_latency_seconds{model} [gen_ai.server.time_per_output_token; one observation per
+  token gap], request_duration_seconds{model} [gen_ai.server.request.duration]: histograms.
+- input_sequence_tokens{model}, output_sequence_tokens{model} [gen_ai.client.token.usage by
+  gen_ai.token.type input / output]: per sequence; cached_tokens{model}: prompt tokens a
+  sequence found in the prefix cache; output_tokens_total{model}: tokens generated.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -27,12 +38,19 @@ from prometheus_client.core import (
     Metric,
 )
 
-__all__ = ["CONTENT_TYPE", "FrontendMetrics", "Histogram", "ModelMetrics"]
+from kvmesh.runtime.metrics import CONTENT_TYPE, Histogram, render
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
-"""Content-Type of `FrontendMetrics.render()`."""
+__all__ = [
+    "CONTENT_TYPE",
+    "UNKNOWN_MODEL",
+    "FrontendMetrics",
+    "ModelMetrics",
+    "error_type",
+]
 
 PREFIX = "kvmesh_frontend_"
+UNKNOWN_MODEL = "unknown_model"
+"""The `model` label of requests for a model the gateway does not serve."""
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
@@ -48,49 +66,43 @@ ISL_BUCKETS = (
 OSL_BUCKETS = (
     1.0, 4.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
 )  # fmt: skip
+CACHED_BUCKETS = (0.0, *ISL_BUCKETS)
+
+_ERROR_TYPES = {
+    400: "validation",
+    404: "not_found",
+    405: "validation",
+    413: "validation",
+    422: "validation",
+    429: "overload",
+    499: "cancelled",
+    501: "not_implemented",
+    503: "unavailable",
+    504: "response_timeout",
+}
 
 
-class Histogram:
-    """A cumulative-at-export histogram with fixed upper bounds (`le` semantics)."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        """`bounds`: sorted finite upper bounds; +Inf is implicit."""
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float, count: int = 1) -> None:
-        """Record `value` `count` times."""
-        self.counts[bisect_left(self.bounds, value)] += count
-        self.total += value * count
-
-    @property
-    def count(self) -> int:
-        """Number of observations."""
-        return sum(self.counts)
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Cumulative (le, count) pairs ending with +Inf, as Prometheus wants them."""
-        out: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip(self.bounds, self.counts, strict=False):
-            running += n
-            out.append((_fmt(bound), float(running)))
-        running += self.counts[-1]
-        out.append(("+Inf", float(running)))
-        return out
-
-
-def _fmt(value: float) -> str:
-    return repr(float(value))
+def error_type(status: int) -> str:
+    """Dynamo's error_type label of a request answered with HTTP `status` ("" for success)."""
+    if status < 400:
+        return ""
+    return _ERROR_TYPES.get(status, "validation" if status < 500 else "internal")
 
 
 class ModelMetrics:
-    """The per-model histograms and in-flight count (attributes are the hot-path handles)."""
+    """The per-model histograms and gauges (attributes are the hot-path handles)."""
 
-    __slots__ = ("duration", "inflight", "isl", "itl", "osl", "ttft")
+    __slots__ = (
+        "cached",
+        "duration",
+        "inflight",
+        "isl",
+        "itl",
+        "osl",
+        "output_tokens",
+        "queued",
+        "ttft",
+    )
 
     def __init__(self) -> None:
         self.ttft = Histogram(LATENCY_BUCKETS)
@@ -103,8 +115,14 @@ class ModelMetrics:
         """Prompt tokens per sequence."""
         self.osl = Histogram(OSL_BUCKETS)
         """Generated tokens per sequence."""
+        self.cached = Histogram(CACHED_BUCKETS)
+        """Prompt tokens per sequence served from a prefix cache."""
+        self.output_tokens = 0
+        """Tokens generated."""
         self.inflight = 0
         """Generation requests in progress."""
+        self.queued = 0
+        """Generation requests in progress without their first token yet."""
 
 
 class FrontendMetrics:
@@ -113,9 +131,10 @@ class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         """Register in `registry` (a new one by default; never the global registry)."""
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self._requests: dict[tuple[str, str], int] = {}
-        self._errors: dict[str, int] = {}
+        self._requests: dict[tuple[str, str, str, str], int] = {}
+        self._started: dict[tuple[str, str, str], int] = {}
         self._models: dict[str, ModelMetrics] = {}
+        self.disconnected_clients = 0
         self.registry.register(_Collector(self))
 
     def model(self, name: str) -> ModelMetrics:
@@ -125,50 +144,83 @@ class FrontendMetrics:
             handles = self._models[name] = ModelMetrics()
         return handles
 
-    def request_done(self, endpoint: str, status: int) -> None:
-        """Count one finished HTTP request."""
-        key = (endpoint, str(status))
+    def started(self, model: str, endpoint: str, request_type: str) -> None:
+        """Count one request accepted for processing."""
+        key = (model, endpoint, request_type)
+        self._started[key] = self._started.get(key, 0) + 1
+
+    def finished(self, model: str, endpoint: str, request_type: str, error: str = "") -> None:
+        """Count one finished request; `error`: its error_type ("" for success)."""
+        key = (model, endpoint, request_type, error)
         self._requests[key] = self._requests.get(key, 0) + 1
+        if error == "cancelled":
+            self.disconnected_clients += 1
 
-    def error(self, type_: str) -> None:
-        """Count one error of OpenAI error type `type_`."""
-        self._errors[type_] = self._errors.get(type_, 0) + 1
-
-    def requests(self, endpoint: str, status: int) -> int:
-        """How many requests to `endpoint` finished with `status` (tests, dashboards)."""
-        return self._requests.get((endpoint, str(status)), 0)
+    def requests(
+        self, endpoint: str, *, model: str = "", request_type: str = "", error: str | None = None
+    ) -> int:
+        """Finished requests to `endpoint`, of `model` and `request_type` (empty: any), with
+        error_type `error` (None: any) (tests, dashboards)."""
+        return sum(
+            n
+            for (m, e, t, err), n in self._requests.items()
+            if e == endpoint
+            and (not model or m == model)
+            and (not request_type or t == request_type)
+            and (error is None or err == error)
+        )
 
     def render(self) -> bytes:
         """Prometheus text exposition of the registry."""
-        return bytes(generate_latest(self.registry))
+        return render(self.registry)
 
     def collect(self) -> Iterator[Metric]:
         """Metric families for the collector."""
         requests = CounterMetricFamily(
-            PREFIX + "requests", "Finished HTTP requests.", labels=["endpoint", "status"]
+            PREFIX + "requests",
+            "Finished LLM requests.",
+            labels=["model", "endpoint", "request_type", "status", "error_type"],
         )
-        for (endpoint, status), n in sorted(self._requests.items()):
-            requests.add_metric([endpoint, status], n)
+        for (model, endpoint, rtype, error), n in sorted(self._requests.items()):
+            status = "error" if error else "success"
+            requests.add_metric([model, endpoint, rtype, status, error], n)
         yield requests
-        errors = CounterMetricFamily(
-            PREFIX + "errors", "Errors returned to clients, by type.", labels=["type"]
+        started = CounterMetricFamily(
+            PREFIX + "requests_started",
+            "LLM requests accepted for processing.",
+            labels=["model", "endpoint", "request_type"],
         )
-        for type_, n in sorted(self._errors.items()):
-            errors.add_metric([type_], n)
-        yield errors
-        inflight = GaugeMetricFamily(
-            PREFIX + "inflight_requests", "Generation requests in progress.", labels=["model"]
+        for key, n in sorted(self._started.items()):
+            started.add_metric(list(key), n)
+        yield started
+        disconnected = GaugeMetricFamily(
+            PREFIX + "disconnected_clients",
+            "Clients that went away before their response ended.",
         )
+        disconnected.add_metric([], self.disconnected_clients)
+        yield disconnected
         models = sorted(self._models.items())
+        for suffix, doc, attr in (
+            ("inflight_requests", "Generation requests in progress.", "inflight"),
+            ("queued_requests", "Generation requests waiting for their first token.", "queued"),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + suffix, doc, labels=["model"])
+            for name, m in models:
+                gauge.add_metric([name], getattr(m, attr))
+            yield gauge
+        output = CounterMetricFamily(
+            PREFIX + "output_tokens", "Tokens generated.", labels=["model"]
+        )
         for name, m in models:
-            inflight.add_metric([name], m.inflight)
-        yield inflight
+            output.add_metric([name], m.output_tokens)
+        yield output
         specs = (
             ("time_to_first_token_seconds", "Time to first token.", "ttft"),
             ("inter_token_latency_seconds", "Time between consecutive tokens.", "itl"),
             ("request_duration_seconds", "Time from arrival to the last token.", "duration"),
             ("input_sequence_tokens", "Prompt tokens per sequence.", "isl"),
             ("output_sequence_tokens", "Generated tokens per sequence.", "osl"),
+            ("cached_tokens", "Prompt tokens per sequence found in a prefix cache.", "cached"),
         )
         for suffix, doc, attr in specs:
             family = HistogramMetricFamily(PREFIX + suffix, doc, labels=["model"])

@@ -33,6 +33,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import logging
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -83,6 +84,7 @@ from kvmesh.runtime.errors import (
     Unavailable,
     Unimplemented,
 )
+from kvmesh.runtime.telemetry import tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -97,6 +99,8 @@ from kvmesh.runtime.types import (
 )
 
 __all__ = ["CompletionStream", "OpenAIService"]
+
+log = logging.getLogger(__name__)
 
 _FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 _perf = time.perf_counter
@@ -268,21 +272,31 @@ class CompletionStream:
 
 
 class _InflightSlot:
-    """Releases a request's in-flight count exactly once."""
+    """A request's in-flight (and, until its first token, queued) count, released exactly
+    once."""
 
-    __slots__ = ("_metrics", "_released", "_service")
+    __slots__ = ("_metrics", "_queued", "_released", "_service")
 
     def __init__(self, service: OpenAIService, metrics: ModelMetrics) -> None:
         self._service = service
         self._metrics = metrics
         self._released = False
+        self._queued = True
         service._inflight += 1
         metrics.inflight += 1
+        metrics.queued += 1
+
+    def first_token(self) -> None:
+        """The request is no longer waiting for its first token."""
+        if self._queued:
+            self._queued = False
+            self._metrics.queued -= 1
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        self.first_token()
         self._metrics.inflight -= 1
         service = self._service
         service._inflight -= 1
@@ -331,6 +345,8 @@ class OpenAIService:
         self._tool_parsers: dict[str, type[ToolParser] | None] = {}
         self._reasoning_parsers: dict[str, ReasoningParser | None] = {}
         self._fingerprints: dict[tuple[str, str, str], str] = {}
+        self.log_content = False
+        """Log each request's prompt and output text (`--log-content`; off: never)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -414,10 +430,14 @@ class OpenAIService:
 
         Raises kvmesh.runtime.errors exceptions before anything is streamed (see the module
         docstring).
-        `trace`: the caller's context (the service makes a child span for the backend).
+        `trace`: the context of the caller's (server) span: the preprocess span and the backend's
+        spans are its children.
         """
         start = _perf()
         info, tok = await self._resolve(request.model)
+        recording = trace is not None and trace.sampled and tracer().enabled
+        began = time.time_ns() if recording else 0
+        resolved = _perf()
         messages = [m.to_template() for m in request.messages]
         prompt = tok.apply_chat_template(
             messages,
@@ -425,7 +445,13 @@ class OpenAIService:
             add_generation_prompt=request.add_generation_prompt,
             template_kwargs=request.chat_template_kwargs,
         )
+        templated = _perf()
         ids = tok.encode(prompt, add_special_tokens=False)
+        if recording:
+            assert trace is not None
+            _preprocessed(trace, began, templated - resolved, _perf() - templated, len(ids))
+        if self.log_content:
+            log.info("chat prompt (%d tokens): %r", len(ids), prompt)
         options, parsers = self._chat_output(request, info, tok, prompt)
         return await self._start(
             "chat",
@@ -448,6 +474,9 @@ class OpenAIService:
         """Run a text completion (one or several prompts x n choices); see chat_completion."""
         start = _perf()
         info, tok = await self._resolve(request.model)
+        recording = trace is not None and trace.sampled and tracer().enabled
+        began = time.time_ns() if recording else 0
+        resolved = _perf()
         prompts: list[list[int]] = []
         echoes: list[str] | None = [] if request.echo else None
         for prompt in request.prompts:
@@ -465,6 +494,11 @@ class OpenAIService:
                 prompts.append(prompt)
                 if echoes is not None:
                     echoes.append(tok.decode(prompt, skip_special_tokens=False))
+        if recording:
+            assert trace is not None
+            _preprocessed(trace, began, 0.0, _perf() - resolved, sum(len(p) for p in prompts))
+        if self.log_content:
+            log.info("completion prompts: %r", request.prompts)
         max_tokens = request.options.max_tokens
         if max_tokens is None:
             max_tokens = self.config.default_completion_max_tokens
@@ -521,7 +555,7 @@ class OpenAIService:
                     f"input has {len(ids)} tokens.",
                     param="input",
                 )
-        span = trace.child() if trace is not None else TraceContext.new()
+        span = trace if trace is not None else TraceContext.new()
         slot = _InflightSlot(self, self.metrics.model(info.served_model_name))
         try:
             vectors = await backend.embed(request.model, prompts, span)
@@ -701,7 +735,7 @@ class OpenAIService:
         self._check(tok, info, prompts, options, max_tokens)
         mm = self.metrics.model(info.served_model_name)
         request_id = self._new_id(kind)
-        span = trace.child() if trace is not None else TraceContext.new()
+        span = trace if trace is not None else TraceContext.new()
         n = options.n
         total = len(prompts) * n
         choices: list[_Choice] = []
@@ -752,6 +786,7 @@ class OpenAIService:
                         )
                     )
             await self._prime(choices)
+            slot.first_token()
         except BaseException:
             for ch in choices:
                 await _close(ch.iterator)
@@ -864,6 +899,7 @@ class OpenAIService:
         want_ids = ch.token_ids
         last = start
         first_token = True
+        texts: list[str] | None = [] if self.log_content else None
         try:
             if ch.echo:
                 yield ChoiceDelta(index, ch.echo)
@@ -903,13 +939,16 @@ class OpenAIService:
                 logprobs = (
                     _logprob_infos(tok, out.logprobs) if ch.logprobs and out.logprobs else None
                 )
+                if texts is not None:
+                    texts.append(text)
+                if reason is not None:
+                    ch.finish_reason = reason  # before the yield: a consumer may stop there
                 if want_ids:
                     if text or reason is not None or logprobs or ids:
                         yield ChoiceDelta(index, text, reason, logprobs, list(ids))
                 elif text or reason is not None or logprobs:
                     yield ChoiceDelta(index, text, reason, logprobs)
                 if reason is not None:
-                    ch.finish_reason = reason
                     return
                 try:
                     out = await next_output()
@@ -919,8 +958,31 @@ class OpenAIService:
                     ) from None
         finally:
             mm.osl.observe(ch.completion_tokens)
+            mm.output_tokens += ch.completion_tokens
+            final = ch.final
+            if final is not None and final.usage is not None:
+                mm.cached.observe(final.usage.cached_tokens)
             mm.duration.observe(_perf() - start)
+            if texts is not None:
+                log.info("choice %d output (%s): %r", index, ch.finish_reason, "".join(texts))
             await _close(iterator)
+
+
+def _preprocessed(
+    trace: TraceContext, began_ns: int, template_s: float, tokenize_s: float, tokens: int
+) -> None:
+    """Record the `preprocess` span (chat template, tokenization), a child of `trace`."""
+    span = tracer().start(
+        "preprocess",
+        trace,
+        attributes={
+            "kvmesh.preprocess.template_ms": template_s * 1000.0,
+            "kvmesh.preprocess.tokenize_ms": tokenize_s * 1000.0,
+            "gen_ai.usage.input_tokens": tokens,
+        },
+        start_ns=began_ns,
+    )
+    span.end()
 
 
 class _OutputParser:

@@ -32,11 +32,12 @@ import grpc
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.router.pool import WorkerHandle, WorkerPool
-from kvmesh.router.routing import Router
+from kvmesh.router.routing import RouteDecision, Router
 from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import error_from_rpc
+from kvmesh.runtime.telemetry import tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, ModelInfo, PrefillResult, Role
 
@@ -275,14 +276,7 @@ class MeshBackend:
         rid = request.request_id
         tried: list[str] = []
         while True:
-            decision = await self.router.route(
-                model,
-                request.prompt,
-                rid,
-                lora_name=request.lora_name,
-                exclude=tried,
-                expected_output_tokens=request.stop.max_tokens or 0,
-            )
+            decision = await self._route(model, request, trace, rid, exclude=tried)
             worker = decision.worker
             started = False
             try:
@@ -314,9 +308,9 @@ class MeshBackend:
         *,
         first_token: bool,
     ) -> AsyncGenerator[EngineOutput, None]:
-        """Stream `request` from `worker`; `first_token`: tell the router when it arrives."""
-        child = trace.child() if trace is not None else None
-        stream = worker.session.generate(wire.request_to_pb(request), child)
+        """Stream `request` from `worker`; `first_token`: tell the router when it arrives.
+        The worker's spans are children of `trace` (the gateway's span)."""
+        stream = worker.session.generate(wire.request_to_pb(request), trace)
         try:
             async for msg in stream:
                 if first_token:
@@ -332,14 +326,7 @@ class MeshBackend:
         self, model: str, request: EngineRequest, trace: TraceContext | None
     ) -> AsyncGenerator[EngineOutput, None]:
         rid = request.request_id
-        decision = await self.router.route(
-            model,
-            request.prompt,
-            rid,
-            lora_name=request.lora_name,
-            role=Role.DECODE,
-            expected_output_tokens=request.stop.max_tokens or 0,
-        )
+        decision = await self._route(model, request, trace, rid, role=Role.DECODE)
         decode = decision.worker
         try:
             reason = self._local_reason(model, request, decode, decision.overlap_blocks)
@@ -405,18 +392,15 @@ class MeshBackend:
         Errors the decode worker would raise too (invalid request) propagate."""
         prid = f"{request.request_id}/prefill"
         try:
-            decision = await self.router.route(
-                model, request.prompt, prid, lora_name=request.lora_name, role=Role.PREFILL
-            )
+            decision = await self._route(model, request, trace, prid, role=Role.PREFILL)
         except Unavailable:
             return None, LocalPrefill.PREFILL_SATURATED
         worker = decision.worker
-        child = trace.child() if trace is not None else None
         try:
             resp = await worker.stub.PrefillRemote(
                 wire.prefill_request_to_pb(request, decode.worker_id),
                 timeout=self.disagg.disagg_prefill_timeout_s,
-                metadata=child.grpc_metadata() if child is not None else None,
+                metadata=trace.grpc_metadata() if trace is not None else None,
             )
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
@@ -434,6 +418,52 @@ class MeshBackend:
         finally:
             self.router.finished(prid)
         return (wire.prefill_result_from_pb(resp), worker), None
+
+    async def _route(
+        self,
+        model: str,
+        request: EngineRequest,
+        trace: TraceContext | None,
+        request_id: str,
+        *,
+        role: Role | None = None,
+        exclude: Sequence[str] = (),
+    ) -> RouteDecision:
+        """The router's choice for `request` (booked under `request_id`), recorded as a `route`
+        span (chosen worker, overlap, cost, policy) when the trace is sampled."""
+        route = self.router.route(
+            model,
+            request.prompt,
+            request_id,
+            lora_name=request.lora_name,
+            exclude=exclude,
+            role=role,
+            expected_output_tokens=0 if role is Role.PREFILL else request.stop.max_tokens or 0,
+        )
+        t = tracer()
+        if trace is None or not trace.sampled or not t.enabled:
+            return await route
+        span = t.start("route", trace)
+        try:
+            decision = await route
+        except BaseException as exc:
+            span.error(type(exc).__name__, str(exc))
+            span.end()
+            raise
+        span.update(
+            {
+                "kvmesh.request_id": request.request_id,
+                "kvmesh.route.worker_id": decision.worker.worker_id,
+                "kvmesh.route.role": decision.worker.info.role.value,
+                "kvmesh.route.overlap_blocks": decision.overlap_blocks,
+                "kvmesh.route.prompt_blocks": decision.prompt_blocks,
+                "kvmesh.route.cost": decision.cost,
+                "kvmesh.route.policy": decision.policy,
+                "kvmesh.route.overhead_us": decision.routing_overhead_s * 1e6,
+            }
+        )
+        span.end()
+        return decision
 
     def _release_later(self, worker: WorkerHandle, transfer_id: str) -> None:
         async def release() -> None:

@@ -25,7 +25,7 @@ from kvmesh.router.kv_scheduler import (
 )
 from kvmesh.router.kv_subscriber import KvSubscriber, PeerLoadSync
 from kvmesh.router.pool import WorkerHandle, WorkerPool
-from kvmesh.router.routing import RouteDecision, RoutingStats, pick_candidates
+from kvmesh.router.routing import RouteDecision, RouterMode, RoutingStats, pick_candidates
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.types import Role
 
@@ -68,11 +68,15 @@ class KvRouter:
         self.clock: Clock = clock if clock is not None else RealClock()
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.scheduler = KvScheduler(config, router_id=self.router_id)
-        self.stats = RoutingStats()
+        self.stats = RoutingStats(policy=RouterMode.KV.value)
         self.subscriber = KvSubscriber(
             self.scheduler, clock=self.clock, load_interval_ms=load_interval_ms
         )
-        self.peer_sync = PeerLoadSync(self.scheduler, peers, clock=self.clock) if peers else None
+        self.peer_sync = (
+            PeerLoadSync(self.scheduler, peers, clock=self.clock, security=pool.security)
+            if peers
+            else None
+        )
         self._booked: dict[str, WorkerHandle] = {}
         pool.add_listener(self._on_pool_change)
 
@@ -122,7 +126,12 @@ class KvRouter:
         overhead = time.perf_counter() - t0
         self.stats.observe(overhead, selection.overlap_blocks, selection.prompt_blocks)
         return RouteDecision(
-            chosen, selection.overlap_blocks, selection.prompt_blocks, routing_overhead_s=overhead
+            chosen,
+            selection.overlap_blocks,
+            selection.prompt_blocks,
+            routing_overhead_s=overhead,
+            cost=selection.cost,
+            policy=RouterMode.KV.value,
         )
 
     def first_token(self, request_id: str) -> None:

@@ -43,7 +43,7 @@ from kvmesh.router.kv_scheduler import KvScheduler, LoadEvent, LoadEventKind, Lo
 from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.runtime import wire
 from kvmesh.runtime.clock import Clock, RealClock
-from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_channel
 from kvmesh.runtime.kv_events import KvEventGap, SnapshotChunk
 from kvmesh.runtime.types import LoadInfo
 
@@ -307,8 +307,10 @@ class PeerLoadSync:
         clock: Clock | None = None,
         retry_initial_s: float = 0.05,
         retry_max_s: float = 2.0,
+        security: MeshSecurity | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.security = security
         self.peers = list(peers)
         self.clock: Clock = clock if clock is not None else RealClock()
         self._retry = (retry_initial_s, retry_max_s)
@@ -340,7 +342,7 @@ class PeerLoadSync:
         source = self._source(address)
         backoff = _Backoff(*self._retry)
         own_id = self.scheduler.router_id
-        channel = insecure_channel(address)
+        channel = mesh_channel(address, self.security)
         stub = rpb_grpc.RouterServiceStub(channel)
         try:
             while True:

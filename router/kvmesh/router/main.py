@@ -9,12 +9,18 @@ import argparse
 import logging
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from kvmesh.router.metrics import register_router_metrics
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args, opt
-from kvmesh.runtime.grpcutil import GrpcServer
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
+from kvmesh.runtime.metrics import METRICS_PORT_HELP, MetricsServer
 from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
+from kvmesh.runtime.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,28 +31,60 @@ class RouterServerConfig:
 
     host: str = opt("127.0.0.1", "address to bind the router's gRPC server to")
     port: int = opt(0, "router gRPC port; 0 picks a free one")
+    metrics_port: int = opt(-1, METRICS_PORT_HELP)
 
 
-async def serve_router(config: RouterServerConfig, mesh: MeshConfig) -> None:
+async def serve_router(
+    config: RouterServerConfig,
+    mesh: MeshConfig,
+    security: MeshSecurity | None = None,
+    tracing: TracingConfig | None = None,
+) -> None:
     """Run `kvmesh router` until SIGINT/SIGTERM."""
-    pool, router = build_router(mesh)
+    setup_tracing(tracing or TracingConfig(), "router")
+    pool, router = build_router(mesh, security)
     await pool.start()
-    server = GrpcServer(config.host, config.port)
+    server = mesh_server(config.host, config.port, security)
     server.add(
         rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(pool, router), ROUTER_SERVICE
     )
-    await server.start()
-    log.info("router (%s) serving on %s", mesh.router_mode.value, server.address)
-    await wait_for_signal()
-    await server.set_serving(False)
-    await server.stop(2.0)
-    await close_router(router)
-    await pool.stop()
+    metrics: MetricsServer | None = None
+    if config.metrics_port >= 0:
+        registry = CollectorRegistry(auto_describe=False)
+        register_router_metrics(registry, router)
+        metrics = MetricsServer(registry, config.host, config.metrics_port)
+    try:
+        await server.start()
+        if metrics is not None:
+            await metrics.start()
+        log.info(
+            "router (%s) serving on %s%s",
+            mesh.router_mode.value,
+            server.address,
+            f", metrics on :{metrics.port}/metrics" if metrics is not None else "",
+        )
+        await wait_for_signal()
+        await server.set_serving(False)
+        await server.stop(2.0)
+    finally:
+        if metrics is not None:
+            await metrics.stop()
+        await close_router(router)
+        await pool.stop()
+        shutdown_tracing()
 
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh router`: serve until SIGINT/SIGTERM."""
-    run(serve_router(from_args(RouterServerConfig, ns), from_args(MeshConfig, ns)))
+    security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
+    run(
+        serve_router(
+            from_args(RouterServerConfig, ns),
+            from_args(MeshConfig, ns),
+            security,
+            from_args(TracingConfig, ns),
+        )
+    )
     return 0
 
 
@@ -54,6 +92,6 @@ ENTRY = Entry(
     "router",
     "the router as a standalone gRPC service (RouterService)",
     # A router routes itself: it cannot delegate to another one.
-    Flags.of(RouterServerConfig, MeshConfig, skip={"router_address"}),
+    Flags.of(RouterServerConfig, MeshConfig, TlsConfig, TracingConfig, skip={"router_address"}),
     main,
 )

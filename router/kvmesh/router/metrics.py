@@ -1,14 +1,25 @@
 """Prometheus export of a router's RoutingStats and of the gateway's disaggregation counters
-(registered by the process that owns them)."""
+(registered by the process that owns them: the frontend on its /metrics, a standalone
+`kvmesh router` on its --metrics-port).
+
+Routing (label `policy`: kv, round-robin, random, least-loaded):
+`kvmesh_router_overhead_seconds` (histogram: tokens in hand to worker chosen),
+`kvmesh_router_decisions_total`, `kvmesh_router_overlap_blocks_total` (prompt blocks the chosen
+worker already held: predicted prefix-cache hits) and `kvmesh_router_prompt_blocks_total`, whose
+ratio is the predicted KV hit rate.
+Disaggregation: `kvmesh_remote_prefill_total`, `kvmesh_local_prefill_total{reason}`,
+`kvmesh_kv_transfer_bytes_total`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from kvmesh.router.backend import DisaggStats, LocalPrefill
-from kvmesh.router.routing import RoutingStats
+from kvmesh.router.routing import Router, RoutingStats
 
 PREFIX = "kvmesh_router_"
 
@@ -21,24 +32,40 @@ class RoutingCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats
+        labels = ["policy"]
+        policy = [s.policy]
         overhead = HistogramMetricFamily(
             PREFIX + "overhead_seconds",
             "Time from tokens in hand to worker chosen (hashing, index lookup, cost).",
+            labels=labels,
         )
-        overhead.add_metric([], [(_le(b), n) for b, n in s.buckets()], s.total_s)
+        overhead.add_metric(policy, [(_le(b), n) for b, n in s.buckets()], s.total_s)
         yield overhead
-        decisions = CounterMetricFamily(PREFIX + "decisions", "Routing decisions made.")
-        decisions.add_metric([], s.decisions)
+        decisions = CounterMetricFamily(
+            PREFIX + "decisions", "Routing decisions made.", labels=labels
+        )
+        decisions.add_metric(policy, s.decisions)
         yield decisions
         overlap = CounterMetricFamily(
             PREFIX + "overlap_blocks",
             "Prompt blocks the chosen worker already held (predicted prefix-cache hits).",
+            labels=labels,
         )
-        overlap.add_metric([], s.overlap_blocks)
+        overlap.add_metric(policy, s.overlap_blocks)
         yield overlap
-        prompt = CounterMetricFamily(PREFIX + "prompt_blocks", "Full prompt blocks routed.")
-        prompt.add_metric([], s.prompt_blocks)
+        prompt = CounterMetricFamily(
+            PREFIX + "prompt_blocks", "Full prompt blocks routed.", labels=labels
+        )
+        prompt.add_metric(policy, s.prompt_blocks)
         yield prompt
+
+
+def register_router_metrics(registry: CollectorRegistry, router: Router) -> None:
+    """Export `router`'s RoutingStats in `registry` (routers that keep none, such as the client
+    of a standalone router, export nothing here: that router exports its own)."""
+    stats = getattr(router, "stats", None)
+    if isinstance(stats, RoutingStats):
+        registry.register(RoutingCollector(stats))
 
 
 class DisaggCollector:

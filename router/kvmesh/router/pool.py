@@ -21,7 +21,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.router.session import WorkerSession
 from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import Discovery, EventKind, Instance
-from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_channel
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,21 @@ Listener = Callable[[WorkerHandle, bool], None]
 
 
 class WorkerPool:
-    """Tracks workers announced by discovery; a worker joins once its model card is read."""
+    """Tracks workers announced by discovery; a worker joins once its model card is read.
 
-    def __init__(self, discovery: Discovery, *, card_timeout_s: float = 5.0) -> None:
+    `security`: how this process's mesh clients authenticate (mTLS, the mesh token or none):
+    the channels to workers, and those of routers built on this pool (a standalone router,
+    router peers)."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        *,
+        card_timeout_s: float = 5.0,
+        security: MeshSecurity | None = None,
+    ) -> None:
         self._discovery = discovery
+        self.security = security
         self._card_timeout_s = card_timeout_s
         self._workers: dict[str, WorkerHandle] = {}
         self._pending: dict[str, asyncio.Task[None]] = {}
@@ -143,7 +154,7 @@ class WorkerPool:
                 self._drop(iid)
 
     async def _join(self, inst: Instance) -> None:
-        channel = insecure_channel(inst.address)
+        channel = mesh_channel(inst.address, self.security)
         stub = wpb_grpc.WorkerServiceStub(channel)
         delay = 0.05
         try:

@@ -43,6 +43,11 @@ class RouteDecision:
     """Full blocks in the prompt (0 when the policy does not hash prompts)."""
     routing_overhead_s: float = 0.0
     """Time from tokens in hand to worker chosen (hashing, index lookup, cost); 0: not measured."""
+    cost: float = 0.0
+    """The chosen worker's cost under the policy (kv: blocks to prefill x weight + decode
+    blocks); 0 when the policy has none."""
+    policy: str = ""
+    """The policy that chose (a RouterMode value; "remote": a standalone router did)."""
 
 
 OVERHEAD_BUCKETS_S = (
@@ -51,15 +56,26 @@ OVERHEAD_BUCKETS_S = (
 
 
 class RoutingStats:
-    """Routing overhead histogram (seconds) and decision counters; cheap enough per request.
+    """Routing overhead histogram (seconds) and decision counters of one policy; cheap enough
+    per request.
 
     A frontend exports it as a Prometheus histogram: `buckets()` gives cumulative (le, count)
     pairs ending with +Inf, `total_s` the sum.
     """
 
-    __slots__ = ("bounds", "counts", "decisions", "overlap_blocks", "prompt_blocks", "total_s")
+    __slots__ = (
+        "bounds",
+        "counts",
+        "decisions",
+        "overlap_blocks",
+        "policy",
+        "prompt_blocks",
+        "total_s",
+    )
 
-    def __init__(self, bounds: Sequence[float] = OVERHEAD_BUCKETS_S) -> None:
+    def __init__(self, bounds: Sequence[float] = OVERHEAD_BUCKETS_S, policy: str = "") -> None:
+        self.policy = policy
+        """The routing policy (a RouterMode value) whose decisions these are."""
         self.bounds = tuple(bounds)
         self.counts = [0] * (len(self.bounds) + 1)
         self.total_s = 0.0
@@ -210,7 +226,7 @@ class SimpleRouter:
         self._cursor: dict[str, int] = {}
         self._booked: dict[str, WorkerHandle] = {}
         self._rng = random.Random(seed)
-        self.stats = RoutingStats()
+        self.stats = RoutingStats(policy=mode.value)
         if mode is RouterMode.KV:
             raise ValueError("RouterMode.KV is served by kvmesh.router.kv_router.KvRouter")
 
@@ -243,7 +259,7 @@ class SimpleRouter:
         self._booked[request_id] = chosen
         overhead = time.perf_counter() - t0
         self.stats.observe(overhead)
-        return RouteDecision(chosen, routing_overhead_s=overhead)
+        return RouteDecision(chosen, routing_overhead_s=overhead, policy=self.mode.value)
 
     def first_token(self, request_id: str) -> None:
         return None

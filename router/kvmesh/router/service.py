@@ -26,7 +26,7 @@ from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import RouteDecision, Router
 from kvmesh.runtime import wire
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
-from kvmesh.runtime.grpcutil import error_from_rpc, insecure_channel
+from kvmesh.runtime.grpcutil import error_from_rpc, mesh_channel
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import Role
 
@@ -162,12 +162,13 @@ class RemoteRouter:
     """Router interface backed by a `kvmesh router` service.
 
     Decisions come from the service; the worker handles (channels, model cards) come from the
-    frontend's own WorkerPool, keyed by worker id.
+    frontend's own WorkerPool, keyed by worker id. The channel to the service authenticates as
+    the pool's (`pool.security`).
     """
 
     def __init__(self, address: str, pool: WorkerPool) -> None:
         self.pool = pool
-        self._channel = insecure_channel(address)
+        self._channel = mesh_channel(address, pool.security)
         self._stub = rpb_grpc.RouterServiceStub(self._channel)
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -199,7 +200,7 @@ class RemoteRouter:
             raise error_from_rpc(exc) from None
         for w in self.pool.workers():
             if w.worker_id == resp.worker_id:
-                return RouteDecision(w, resp.overlap_blocks, resp.prompt_blocks)
+                return RouteDecision(w, resp.overlap_blocks, resp.prompt_blocks, policy="remote")
         self._report(request_id, rpb.REQUEST_STATE_CANCELLED)
         raise NotFound(
             f"router chose worker {resp.worker_id} which this frontend does not know yet"

@@ -18,6 +18,7 @@ from kvmesh.router.routing import Router, RouterMode, SimpleRouter
 from kvmesh.router.service import RemoteRouter
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.discovery import open_discovery
+from kvmesh.runtime.grpcutil import MeshSecurity
 
 
 @dataclass
@@ -61,11 +62,14 @@ class MeshConfig(DisaggConfig):
     )
 
 
-def build_router(mesh: MeshConfig) -> tuple[WorkerPool, Router]:
-    """The worker pool and the router a frontend or router process uses."""
+def build_router(
+    mesh: MeshConfig, security: MeshSecurity | None = None
+) -> tuple[WorkerPool, Router]:
+    """The worker pool and the router a frontend or router process uses; `security`: how they
+    authenticate to workers and router services (None: plaintext)."""
     if not mesh.discovery:
         raise ValueError("--discovery is required (file:///dir, static://host:port,...)")
-    pool = WorkerPool(open_discovery(mesh.discovery))
+    pool = WorkerPool(open_discovery(mesh.discovery), security=security)
     router: Router
     if mesh.router_address:
         router = RemoteRouter(mesh.router_address, pool)

@@ -6,7 +6,10 @@ Backends, chosen by URL:
   so a killed worker disappears without anyone cleaning up.
 - `static://host:port,host:port` — a fixed list of worker addresses (no registration).
 - `etcd://host:port[,host:port...][?prefix=/kvmesh&ttl=5]` — etcd with leases and watches, for
-  many machines (`EtcdDiscovery`; needs the `aetcd` client, the `etcd` extra).
+  many machines (`EtcdDiscovery`; needs the `aetcd` client, the `etcd` extra). Over TLS with
+  `cacert=CA.pem` (etcd's `--trusted-ca-file`), plus `cert=...&key=...` for client certificate
+  authentication (etcd's `--client-cert-auth`); the files are checked when the URL is opened
+  and reloaded when they change.
 
 `open_discovery` is the only place that knows the backends.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import json
 import logging
 import math
@@ -28,7 +32,10 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from urllib.parse import ParseResult, parse_qs, urlparse
 
+import grpc
+
 from kvmesh.runtime.errors import InvalidRequest, Unavailable, Unimplemented
+from kvmesh.runtime.tls import ReloadingTls, TlsError, TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +245,9 @@ _ETCD_BACKOFF_MIN_S = 0.1
 _ETCD_BACKOFF_MAX_S = 2.0
 _ETCD_WARN_EVERY = 20
 """While etcd stays unreachable, every this many failed attempts is logged as a warning again."""
-_ETCD_URL_FORM = "etcd://host:port[,host:port...][?prefix=/kvmesh&ttl=5]"
+_ETCD_URL_FORM = (
+    "etcd://host:port[,host:port...][?prefix=/kvmesh&ttl=5][&cacert=CA.pem[&cert=C.pem&key=K.pem]]"
+)
 
 
 def _etcd_from_url(parsed: ParseResult, ttl_s: float | None) -> EtcdDiscovery:
@@ -248,9 +257,11 @@ def _etcd_from_url(parsed: ParseResult, ttl_s: float | None) -> EtcdDiscovery:
     if not endpoints:
         raise InvalidRequest(f"etcd discovery needs at least one host:port ({_ETCD_URL_FORM})")
     query = parse_qs(parsed.query, keep_blank_values=True)
-    unknown = sorted(set(query) - {"prefix", "ttl"})
+    unknown = sorted(set(query) - {"prefix", "ttl", "cacert", "cert", "key"})
     if unknown:
-        raise InvalidRequest(f"unknown etcd discovery option(s) {unknown} (known: prefix, ttl)")
+        raise InvalidRequest(
+            f"unknown etcd discovery option(s) {unknown} (known: prefix, ttl, cacert, cert, key)"
+        )
     prefix = query.get("prefix", [ETCD_DEFAULT_PREFIX])[-1]
     lease_ttl = ETCD_DEFAULT_TTL_S if ttl_s is None else max(1, math.ceil(ttl_s))
     if "ttl" in query:
@@ -258,7 +269,45 @@ def _etcd_from_url(parsed: ParseResult, ttl_s: float | None) -> EtcdDiscovery:
         if not text.isdigit() or int(text) < 1:
             raise InvalidRequest(f"etcd ttl must be a whole number of seconds >= 1, got {text!r}")
         lease_ttl = int(text)
-    return EtcdDiscovery(endpoints, prefix=prefix, ttl_s=lease_ttl)
+    files = {k: query[k][-1] for k in ("cacert", "cert", "key") if query.get(k, [""])[-1]}
+    return EtcdDiscovery(endpoints, prefix=prefix, ttl_s=lease_ttl, tls=_etcd_tls(files))
+
+
+def _etcd_tls(files: Mapping[str, str]) -> EtcdTls | None:
+    """The TLS of an etcd URL's `cacert`, `cert` and `key` options (None: plaintext)."""
+    if not files:
+        return None
+    if "cacert" not in files or ("cert" in files) != ("key" in files):
+        raise InvalidRequest(
+            "etcd over TLS needs cacert=, and cert= with key= for a client certificate "
+            f"({_ETCD_URL_FORM})"
+        )
+    flags = ("etcd cert=", "etcd key=", "etcd cacert=")
+    if "cert" in files:
+        cert, key, ca = (Path(files[k]) for k in ("cert", "key", "cacert"))
+        # etcd may trust another CA for clients than the one that signed its own certificate.
+        return EtcdTls(ReloadingTls(TlsFiles(cert, key, ca, flags, chain_to_ca=False)))
+    try:
+        ca_pem = Path(files["cacert"]).read_bytes()
+    except OSError as exc:
+        raise TlsError(f"cannot read etcd cacert= {files['cacert']}: {exc.strerror}") from exc
+    return EtcdTls(None, ca_pem)
+
+
+class EtcdTls:
+    """TLS credentials for etcd clients: a CA only, or a client certificate that is reloaded
+    when its files change (each new client connects with the current one)."""
+
+    def __init__(self, client: ReloadingTls | None, ca: bytes | None = None) -> None:
+        self._client = client
+        self._ca = ca
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Credentials for a new connection."""
+        if self._client is None:
+            return grpc.ssl_channel_credentials(self._ca)
+        _, m = self._client.current()
+        return grpc.ssl_channel_credentials(m.ca, m.key, m.cert_chain)
 
 
 def _etcd_endpoint(text: str) -> tuple[str, int]:
@@ -271,6 +320,36 @@ def _etcd_endpoint(text: str) -> tuple[str, int]:
     if not host:
         raise InvalidRequest(f"bad etcd endpoint {text!r} ({_ETCD_URL_FORM})")
     return (f"[{host}]" if ":" in host else host), port or ETCD_DEFAULT_PORT
+
+
+@functools.cache
+def _tls_client() -> type[Any]:
+    """aetcd.Client over TLS. aetcd 1.0 only dials plaintext: this subclass opens a secure
+    channel instead and builds the same stubs on it (the attributes aetcd's methods use)."""
+    import aetcd
+    from aetcd import rpc, watcher
+
+    class TlsClient(aetcd.Client):  # type: ignore[misc]
+        def __init__(self, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._kvmesh_credentials = credentials
+
+        async def connect(self) -> None:
+            if self._connected.is_set():
+                return
+            target = f"{self._host}:{self._port}"
+            options = list(self._options.items())
+            self.channel = grpc.aio.secure_channel(target, self._kvmesh_credentials, options)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+
+    return TlsClient
 
 
 def _describe(exc: BaseException) -> str:
@@ -320,9 +399,10 @@ class EtcdDiscovery:
         prefix: str = ETCD_DEFAULT_PREFIX,
         ttl_s: int = ETCD_DEFAULT_TTL_S,
         request_timeout_s: float = 3.0,
+        tls: EtcdTls | None = None,
     ) -> None:
         """`endpoints`: (host, port) of etcd members, tried in turn; `request_timeout_s`: the
-        deadline of each etcd call."""
+        deadline of each etcd call; `tls`: connect over TLS (None: plaintext)."""
         try:
             import aetcd
         except ImportError as exc:
@@ -338,6 +418,7 @@ class EtcdDiscovery:
         self.prefix = "/" + prefix.strip("/") if prefix.strip("/") else ""
         self.ttl_s = ttl_s
         self.request_timeout_s = request_timeout_s
+        self.tls = tls
 
     @property
     def where(self) -> str:
@@ -356,13 +437,15 @@ class EtcdDiscovery:
         """A new client (connecting lazily) and its host:port; `attempt` picks the endpoint, so
         counting failed attempts tries the endpoints in turn."""
         host, port = self.endpoints[attempt % len(self.endpoints)]
-        client = self._aetcd.Client(
-            host=host,
-            port=port,
-            timeout=self.request_timeout_s,
-            options=dict(_ETCD_CHANNEL_OPTIONS),
-        )
-        return client, f"{host}:{port}"
+        kwargs: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "timeout": self.request_timeout_s,
+            "options": dict(_ETCD_CHANNEL_OPTIONS),
+        }
+        if self.tls is None:
+            return self._aetcd.Client(**kwargs), f"{host}:{port}"
+        return _tls_client()(self.tls.credentials(), **kwargs), f"{host}:{port}"
 
     async def register(self, instance: Instance) -> Registration:
         """Put `instance` under a new lease and keep the lease alive until closed.

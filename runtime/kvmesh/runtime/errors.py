@@ -66,6 +66,15 @@ class Unavailable(KvmeshError):
     reason = "UNAVAILABLE"
 
 
+class Aborted(KvmeshError):
+    """The operation conflicts with another one still in progress; retry once it is done
+    (gRPC ABORTED, HTTP 409)."""
+
+    http_status = 409
+    code = "conflict"
+    reason = "ABORTED"
+
+
 class Unimplemented(KvmeshError):
     """The engine or component does not support this operation (gRPC UNIMPLEMENTED, HTTP 501)."""
 
@@ -88,3 +97,21 @@ class DeadlineExceeded(KvmeshError):
     http_status = 504
     code = "timeout"
     reason = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(KvmeshError):
+    """The call carries no valid credentials: no API key or an unknown one, no mesh token or a
+    wrong one (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+    http_status = 401
+    code = "invalid_request_error"
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KvmeshError):
+    """The caller is authenticated but may not call this, e.g. a client certificate whose
+    identity is not one of the mesh's (gRPC PERMISSION_DENIED, HTTP 403)."""
+
+    http_status = 403
+    code = "permission_error"
+    reason = "PERMISSION_DENIED"

@@ -11,8 +11,12 @@ reads only the code and message still gets both.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
@@ -25,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from kvmesh.runtime import errors
+from kvmesh.runtime.tls import ReloadingTls, TlsConfig, TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +43,12 @@ _TO_STATUS: list[tuple[type[errors.KvmeshError], grpc.StatusCode]] = [
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.Aborted, grpc.StatusCode.ABORTED),
     (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 _FROM_STATUS: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
@@ -49,9 +57,12 @@ _FROM_STATUS: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.ABORTED: errors.Aborted,
     grpc.StatusCode.UNIMPLEMENTED: errors.Unimplemented,
     grpc.StatusCode.CANCELLED: errors.Cancelled,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
 
 # reason -> (class, the status code it travels with). A reason is trusted only with its code.
@@ -163,9 +174,18 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+Authorize = Callable[["grpc.aio.ServicerContext[Any, Any]"], None]
+"""Checks a call's credentials before its handler runs: returns, or raises Unauthenticated /
+PermissionDenied (ServerSecurity.authorize)."""
+
+
+def _wrap_unary(
+    fn: Callable[..., Awaitable[Any]], authorize: Authorize | None
+) -> Callable[..., Awaitable[Any]]:
     async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            if authorize is not None:
+                authorize(context)
             return await fn(request, context)
         except (errors.KvmeshError, ValueError, TypeError, KeyError, RuntimeError) as exc:
             await _abort(context, exc)
@@ -173,11 +193,15 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     return call
 
 
-def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(
+    fn: Callable[..., Any], authorize: Authorize | None
+) -> Callable[..., AsyncIterator[Any]]:
     # `fn` is an async generator method of a grpc.aio servicer (grpc's stubs type handlers as
     # the sync API's iterators).
     async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
+            if authorize is not None:
+                authorize(context)
             async for item in fn(request, context):
                 yield item
         except (errors.KvmeshError, ValueError, TypeError, KeyError, RuntimeError) as exc:
@@ -187,11 +211,19 @@ def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., AsyncIterator[Any]]:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns domain exceptions raised by servicers into gRPC status codes.
+    """Turns domain exceptions raised by servicers into gRPC status codes, and runs
+    `authorize` (if any) before every handler but those of `open_methods` (full method names,
+    or prefixes ending in "/": a whole service).
 
     Unexpected exceptions become INTERNAL with the exception type only (details are logged,
     never sent to the client).
     """
+
+    def __init__(
+        self, authorize: Authorize | None = None, open_methods: Collection[str] = ()
+    ) -> None:
+        self._authorize = authorize
+        self._open = tuple(open_methods)
 
     async def intercept_service(
         self,
@@ -203,14 +235,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # the method is not served
             return None
+        auth = self._authorize
+        if auth is not None and handler_call_details.method.startswith(self._open):
+            auth = None
         if handler.unary_unary is not None:
-            return _replaced(handler, unary_unary=_wrap_unary(handler.unary_unary))
+            return _replaced(handler, unary_unary=_wrap_unary(handler.unary_unary, auth))
         if handler.unary_stream is not None:
-            return _replaced(handler, unary_stream=_wrap_stream(handler.unary_stream))
+            return _replaced(handler, unary_stream=_wrap_stream(handler.unary_stream, auth))
         if handler.stream_unary is not None:
-            return _replaced(handler, stream_unary=_wrap_unary(handler.stream_unary))
+            return _replaced(handler, stream_unary=_wrap_unary(handler.stream_unary, auth))
         if handler.stream_stream is not None:
-            return _replaced(handler, stream_stream=_wrap_stream(handler.stream_stream))
+            return _replaced(handler, stream_stream=_wrap_stream(handler.stream_stream, auth))
         return handler
 
 
@@ -226,15 +261,26 @@ class GrpcServer:
 
     `add(register_fn, servicer, service_name)` for each service, then `await start()`;
     `port` is the bound port. `set_serving(bool)` flips the health status of every service.
+    `security`: TLS credentials and a per-call check (e.g. `MeshSecurity.server()`); None:
+    plaintext, every caller accepted.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, security: ServerSecurity | None = None
+    ) -> None:
+        security = security or ServerSecurity()
+        interceptor = ErrorInterceptor(security.authorize, security.open_methods)
+        self._server = grpc.aio.server(interceptors=[interceptor], options=SERVER_OPTIONS)
         self._health = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._names: list[str] = []
         self._host = host
-        self.port = self._server.add_insecure_port(f"{_bind_host(host)}:{port}")
+        self.security = security
+        target = f"{_bind_host(host)}:{port}"
+        if security.credentials is None:
+            self.port = self._server.add_insecure_port(target)
+        else:
+            self.port = self._server.add_secure_port(target, security.credentials)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
 
@@ -281,5 +327,345 @@ def _bind_host(host: str) -> str:
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A client channel with kvmesh's standard options."""
+    """A plaintext client channel with kvmesh's standard options (mesh links use
+    `mesh_channel`, which is this one when the mesh has no TLS and no token)."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+# --- security ---------------------------------------------------------------------------------
+
+HEALTH_METHODS = f"/{health.SERVICE_NAME}/"
+"""Method-name prefix of grpc.health.v1: probes call it without a mesh token."""
+
+MESH_TOKEN_HEADER = "x-kvmesh-mesh-token"
+"""Call metadata that carries the shared mesh token (meshes without TLS)."""
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a GrpcServer authenticates its callers."""
+
+    credentials: grpc.ServerCredentials | None = None
+    """TLS server credentials; None: plaintext."""
+    authorize: Authorize | None = None
+    """Runs before every handler but those of `open_methods`; None: every caller is accepted."""
+    open_methods: tuple[str, ...] = ()
+    """Full method names, or service prefixes ("/pkg.Service/"), callable without `authorize`."""
+
+
+class MeshSecurity:
+    """How this process's mesh links (worker, router, scaling servers and their clients)
+    authenticate, built once from its TlsConfig by `load`:
+
+    * mTLS (--tls-cert/--tls-key/--tls-ca): servers require a client certificate signed by the
+      CA, and with --mesh-identities one whose subject CN or SAN is listed (else
+      PERMISSION_DENIED); clients present their certificate and verify the server's. The files
+      are reloaded when they change: servers use the new certificate from the next handshake
+      on, clients for new calls (`mesh_channel`), while calls in flight finish on the
+      connections they started on.
+    * a shared token (no TLS, --mesh-token-file or $KVMESH_MESH_TOKEN): clients send it in the
+      `x-kvmesh-mesh-token` metadata; servers refuse calls without it, or with another one,
+      with UNAUTHENTICATED (but grpc.health.v1, for probes).
+    * neither: plaintext, every caller accepted (the default, for one machine).
+
+    `server()` is what a mesh GrpcServer takes, `channel(address)` a client channel. The planner
+    and tools that call a mesh server get theirs in one call: `mesh_channel(address, security)`.
+    """
+
+    def __init__(
+        self,
+        tls: ReloadingTls | None = None,
+        *,
+        identities: Collection[str] = (),
+        token: bytes | None = None,
+        server_name: str = "",
+    ) -> None:
+        if tls is not None and token is not None:
+            raise ValueError("a mesh uses TLS identities or a shared token, not both")
+        self.tls = tls
+        self.identities = frozenset(identities)
+        self.channel_options: Sequence[tuple[str, Any]] = (
+            (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name))
+            if server_name
+            else CHANNEL_OPTIONS
+        )
+        """Options of client channels (with --tls-server-name: the name servers' certificates
+        are checked against)."""
+        self._token = token
+        self._metadata: tuple[tuple[str, str], ...] = (
+            ((MESH_TOKEN_HEADER, token.decode()),) if token is not None else ()
+        )
+        self._client: tuple[int, grpc.ChannelCredentials] | None = None
+
+    @classmethod
+    def load(cls, config: TlsConfig) -> MeshSecurity:
+        """The security `config` describes, with its files read and checked now: raises
+        TlsError (missing, expired or mismatched certificate, bad token) at start-up."""
+        token = config.token()  # also refuses a token next to TLS
+        if config.enabled:
+            return cls(
+                ReloadingTls(config.files()),
+                identities=config.mesh_identities,
+                server_name=config.tls_server_name,
+            )
+        return cls(token=token)
+
+    @property
+    def mode(self) -> str:
+        """ "mtls", "token" or "none"."""
+        return "mtls" if self.tls is not None else ("token" if self._token else "none")
+
+    def server(self) -> ServerSecurity:
+        """What a mesh server (GrpcServer) takes."""
+        if self.tls is not None:
+            auth = self._authorize_identity if self.identities else None
+            return ServerSecurity(reloading_server_credentials(self.tls), auth)
+        if self._token is not None:
+            return ServerSecurity(None, self._authorize_token, (HEALTH_METHODS,))
+        return ServerSecurity()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A client channel to a mesh server (see `mesh_channel`)."""
+        if self.tls is None and self._token is None:
+            return insecure_channel(address)
+        return _MeshChannel(address, self)
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata every mesh call carries (the token, when there is one)."""
+        return self._metadata
+
+    def channel_credentials(self) -> tuple[int, grpc.ChannelCredentials | None]:
+        """(generation, credentials) for new client connections; the generation changes when
+        the certificate files were reloaded."""
+        if self.tls is None:
+            return 0, None
+        generation, material = self.tls.current()
+        if self._client is None or self._client[0] != generation:
+            creds = grpc.ssl_channel_credentials(material.ca, material.key, material.cert_chain)
+            self._client = (generation, creds)
+        return self._client
+
+    def _authorize_identity(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        auth = context.auth_context()
+        names = [
+            n.decode(errors="replace")
+            for key in ("x509_common_name", "x509_subject_alternative_name")
+            for n in auth.get(key, ())
+        ]
+        if not names:
+            raise errors.Unauthenticated("this mesh server needs a client certificate")
+        if self.identities.isdisjoint(names):
+            raise errors.PermissionDenied(
+                f"the client certificate ({', '.join(names)}) is not one of this mesh's "
+                "identities (--mesh-identities)"
+            )
+
+    def _authorize_token(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        assert self._token is not None
+        for key, value in context.invocation_metadata() or ():
+            if key == MESH_TOKEN_HEADER:
+                given = value if isinstance(value, bytes) else value.encode()
+                if hmac.compare_digest(given, self._token):
+                    return
+                raise errors.Unauthenticated("wrong mesh token")
+        raise errors.Unauthenticated(f"this mesh server needs the mesh token ({MESH_TOKEN_HEADER})")
+
+
+def mesh_server(host: str, port: int, security: MeshSecurity | None = None) -> GrpcServer:
+    """A GrpcServer for a mesh service (worker, router, scaling) at host:port with the process's
+    mesh security (plaintext when `security` is None)."""
+    return GrpcServer(host, port, security=security.server() if security is not None else None)
+
+
+def mesh_channel(address: str, security: MeshSecurity | None = None) -> grpc.aio.Channel:
+    """A client channel to a mesh server at `address` (host:port) with the process's mesh
+    security: plaintext when `security` is None or has neither TLS nor a token. The one call a
+    mesh client (router, frontend, worker, planner, a tool) needs:
+
+        security = MeshSecurity.load(tls_config)   # once per process, from its TlsConfig flags
+        stub = ScalingServiceStub(mesh_channel("127.0.0.1:7000", security))
+    """
+    return security.channel(address) if security is not None else insecure_channel(address)
+
+
+def reloading_server_credentials(
+    tls: ReloadingTls, *, require_client_certificate: bool = True
+) -> grpc.ServerCredentials:
+    """TLS server credentials that pick up reloaded files at the next handshake;
+    `require_client_certificate`: mTLS, against the material's CA."""
+    served, material = tls.current()
+    last = [served]
+
+    def config(m: TlsMaterial) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(m.key, m.cert_chain)], root_certificates=m.ca
+        )
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # Called by gRPC before each handshake; None keeps the current configuration.
+        try:
+            generation, m = tls.current()
+            if generation == last[0]:
+                return None
+            last[0] = generation
+            return config(m)
+        except Exception:  # never fail a handshake because of a reload
+            log.exception("cannot build the reloaded TLS configuration")
+            return None
+
+    # grpc documents None as "no change"; its stubs say the fetcher always returns one.
+    fetcher = cast("Callable[[], grpc.ServerCertificateConfiguration]", fetch)
+    return grpc.dynamic_ssl_server_credentials(
+        config(material), fetcher, require_client_authentication=require_client_certificate
+    )
+
+
+class _MeshChannel(grpc.aio.Channel):
+    """A client channel that follows a MeshSecurity: every call carries the mesh token (if
+    any), and each new call uses the current certificates. When the certificate files were
+    reloaded, new calls go to a new underlying channel and the previous one is closed once its
+    last call has ended (calls in flight are never cut)."""
+
+    def __init__(self, address: str, security: MeshSecurity) -> None:
+        self._address = address
+        self._security = security
+        self._generation = -1
+        self._channel: grpc.aio.Channel | None = None
+        self._calls: dict[grpc.aio.Channel, int] = {}
+        self._retired: set[grpc.aio.Channel] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def current(self) -> grpc.aio.Channel:
+        """The underlying channel new calls use."""
+        generation, creds = self._security.channel_credentials()
+        channel = self._channel
+        if channel is None or generation != self._generation:
+            if channel is not None:
+                self._retire(channel)
+            if creds is None:
+                channel = grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS)
+            else:
+                options = self._security.channel_options
+                channel = grpc.aio.secure_channel(self._address, creds, options=options)
+            self._channel, self._generation = channel, generation
+        return channel
+
+    def _started(self, channel: grpc.aio.Channel, call: Any) -> None:
+        self._calls[channel] = self._calls.get(channel, 0) + 1
+        call.add_done_callback(lambda _call: self._ended(channel))
+
+    def _ended(self, channel: grpc.aio.Channel) -> None:
+        left = self._calls.get(channel, 1) - 1
+        if left > 0:
+            self._calls[channel] = left
+            return
+        self._calls.pop(channel, None)
+        if channel in self._retired:
+            self._close_later(channel)
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        if self._calls.get(channel):
+            self._retired.add(channel)
+        else:
+            self._close_later(channel)
+
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        self._retired.discard(channel)
+        task = asyncio.get_running_loop().create_task(channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool = False,
+    ) -> Any:
+        return _MeshCallable(
+            self, "unary_unary", (method, request_serializer, response_deserializer)
+        )
+
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool = False,
+    ) -> Any:
+        return _MeshCallable(
+            self, "unary_stream", (method, request_serializer, response_deserializer)
+        )
+
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool = False,
+    ) -> Any:
+        return _MeshCallable(
+            self, "stream_unary", (method, request_serializer, response_deserializer)
+        )
+
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool = False,
+    ) -> Any:
+        return _MeshCallable(
+            self, "stream_stream", (method, request_serializer, response_deserializer)
+        )
+
+    async def close(self, grace: float | None = None) -> None:
+        channels = [c for c in (self._channel, *self._retired) if c is not None]
+        self._channel, self._generation = None, -1
+        self._retired.clear()
+        for channel in channels:
+            await channel.close(grace)
+        for task in list(self._closing):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.current().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self.current().wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self.current().channel_ready()
+
+    async def __aenter__(self) -> _MeshChannel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _MeshCallable:
+    """A multi-callable of a _MeshChannel: each call goes to the channel's current underlying
+    channel, with the mesh metadata added."""
+
+    __slots__ = ("_args", "_cached", "_kind", "_owner")
+
+    def __init__(self, owner: _MeshChannel, kind: str, args: tuple[Any, ...]) -> None:
+        self._owner = owner
+        self._kind = kind
+        self._args = args
+        self._cached: tuple[grpc.aio.Channel, Any] | None = None
+
+    def __call__(self, request: Any = None, **kwargs: Any) -> Any:
+        owner = self._owner
+        channel = owner.current()
+        cached = self._cached
+        if cached is None or cached[0] is not channel:
+            cached = self._cached = (channel, getattr(channel, self._kind)(*self._args))
+        extra = owner._security.call_metadata()
+        if extra:
+            kwargs["metadata"] = (*(kwargs.get("metadata") or ()), *extra)
+        call = cached[1](request, **kwargs)
+        owner._started(channel, call)
+        return call

@@ -8,15 +8,17 @@ import argparse
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvmesh.runtime.config import Flags, opt
+from kvmesh.runtime.telemetry import LOG_CONTEXT
 
 T = TypeVar("T")
 
@@ -42,22 +44,63 @@ class LogLevel(enum.Enum):
     ERROR = "error"
 
 
+class LogFormat(enum.Enum):
+    """How log lines are written."""
+
+    TEXT = "text"
+    JSON = "json"
+    """One JSON object per line, with trace_id, span_id and request_id on every line logged
+    while a request is handled (kvmesh.runtime.telemetry.LOG_CONTEXT)."""
+
+
 @dataclass
 class GlobalConfig:
-    """Flags every kvmesh command takes, before or after the command's name."""
+    """Flags every kvmesh command takes, before or after the command's name (kvmesh up passes
+    them to the processes it starts)."""
 
-    log_level: LogLevel = opt(
-        LogLevel.INFO, "log verbosity (kvmesh up passes it to the processes it starts)"
+    log_level: LogLevel = opt(LogLevel.INFO, "log verbosity")
+    log_format: LogFormat = opt(
+        LogFormat.TEXT,
+        "text, or json: one object per line with trace_id, span_id and request_id",
     )
+    log_content: bool = opt(
+        False,
+        "log each request's prompt and output text (at INFO; for debugging: never on by "
+        "default, prompts and outputs stay out of logs otherwise)",
+    )
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, the request's trace_id,
+    span_id and request_id when one is being handled, and the exception if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        ctx = LOG_CONTEXT.get()
+        if ctx is not None:
+            if ctx.trace_id:
+                out["trace_id"] = ctx.trace_id
+                out["span_id"] = ctx.span_id
+            if ctx.request_id:
+                out["request_id"] = ctx.request_id
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
 
 
 def setup_logging(config: GlobalConfig) -> None:
-    """Log to stderr at the configured level."""
-    logging.basicConfig(
-        level=config.log_level.value.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    """Log to stderr at the configured level and format."""
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format is LogFormat.JSON:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.log_level.value.upper(), handlers=[handler])
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -91,11 +134,13 @@ class ChildProcess:
     with no SIGCHLD handler. Create it on the loop that waits for it.
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        """Start `argv` with this process's environment plus `env` (e.g. secrets, which a
+        command line would show to every user of the machine)."""
         self.pid = os.posix_spawn(
             argv[0],
             list(argv),
-            os.environ,
+            {**os.environ, **env} if env else os.environ,
             setsid=True,
             setsigmask=(),
             # As subprocess does: Python ignores these, and an ignored signal stays ignored

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvmesh.runtime.kv_events import KvTier
+from kvmesh.runtime.tracing import TraceContext
 
 
 class FinishReason(enum.Enum):
@@ -224,6 +225,9 @@ class EngineRequest:
     priority: int = 0
     remote_prefill: RemotePrefill | None = None
     """Set on a decode worker: the prompt was prefilled remotely (see the module docstring)."""
+    trace: TraceContext | None = None
+    """The caller's span (W3C trace context from gRPC metadata): the engine's spans (queue,
+    prefill, kv_transfer, decode) are its children. None: no trace."""
 
 
 @dataclass(slots=True)

@@ -47,6 +47,16 @@ _ROLE_TO_PB = {
 _ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
 
 
+def role_to_pb(role: Role) -> cpb.WorkerRole.ValueType:
+    """Role -> WorkerRole."""
+    return _ROLE_TO_PB[role]
+
+
+def role_from_pb(role: int) -> Role | None:
+    """WorkerRole -> Role; None for UNSPECIFIED and unknown values."""
+    return _ROLE_FROM_PB.get(cpb.WorkerRole.ValueType(role))
+
+
 # --- requests -------------------------------------------------------------------------------
 
 
@@ -481,6 +491,13 @@ def load_to_pb(load: LoadInfo, *, timestamp_ms: int, draining: bool) -> cpb.Load
         spec_accepted_tokens_total=load.spec_accepted_tokens_total,
         spec_emitted_tokens_total=load.spec_emitted_tokens_total,
     )
+
+
+def device_cached_blocks(m: cpb.LoadMetrics) -> int:
+    """Blocks of reusable prefix-cache content in a worker's device tier (0: none reported):
+    what routing to it would reuse, and what draining it loses."""
+    device = (cpb.KV_TIER_DEVICE, cpb.KV_TIER_UNSPECIFIED)
+    return sum(t.blocks for t in m.kv_tiers if t.tier in device)
 
 
 def load_from_pb(m: cpb.LoadMetrics) -> LoadInfo:

@@ -23,10 +23,13 @@ in the order they were scheduled):
     another, each lasting `MockerConfig.tier_move_s`); the worker's scheduler completes it,
     and a worker that was waiting for an onboarding steps again. Moves start when the step
     that decided them ends (or at once when nothing was scheduled), as in the live mocker.
+  * TIMER: a call the replay asked for (`call_later`), e.g. a planner's tick or a new worker
+    becoming ready.
 
 The replay decides what happens to requests (kvmesh.sim.replay: aggregated; kvmesh.sim.disagg:
-prefill and decode pools); the cluster owns virtual time, the workers and the policy. A planner
-changing pool sizes over virtual time adds its events here.
+prefill and decode pools; kvmesh.sim.planned: a pool a planner resizes); the cluster owns virtual
+time, the workers and the policy. Workers can be added while it runs (`add_worker`); they join
+routing when the replay tells the policy.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -46,7 +49,7 @@ from kvmesh.runtime.kv_events import KvEventKind, KvEventLog
 from kvmesh.runtime.types import EngineRequest, KvTierStats, SamplingParams, StopParams
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.policies import Policy
-from kvmesh.sim.results import ModeResult, Timeline, summarize
+from kvmesh.sim.results import ModeResult, ReplicaSample, Timeline, summarize
 from kvmesh.sim.trace import VOCAB_SIZE, PromptBuilder, Trace
 from kvmesh.workers.batching.scheduler import SeqOutput
 from kvmesh.workers.batching.tiers import Lane, TierJob
@@ -87,6 +90,7 @@ class EventKind(enum.IntEnum):
     TRANSFER = 1
     ARRIVAL = 2
     TIER = 3
+    TIMER = 4
 
 
 class EventBuffer(KvEventLog):
@@ -116,6 +120,8 @@ class SimWorker:
         "requests",
         "result",
         "sched",
+        "started_at",
+        "stopped_at",
         "worker_id",
     )
 
@@ -133,6 +139,10 @@ class SimWorker:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.last_load = -math.inf
+        self.started_at = -math.inf
+        """When the worker was asked for (-inf: there from the start)."""
+        self.stopped_at = math.inf
+        """When it exited (inf: it runs to the end)."""
         self.lanes: dict[Lane, deque[TierJob]] = {lane: deque() for lane in Lane}
         """Tier moves under way per lane, in order."""
         self.lane_free = dict.fromkeys(Lane, 0.0)
@@ -196,18 +206,10 @@ class Cluster:
         max_model_len = mcfg.max_model_len or (
             max(r.input_length + r.max_tokens for r in trace.requests) + 1
         )
-        kv_events = policy.kv_aware and mcfg.enable_prefix_caching
+        self.max_model_len = max_model_len
         self.workers: list[SimWorker] = []
-        for i, wid in enumerate(worker_ids):
-            events = EventBuffer() if kv_events else None
-            sched = MockerScheduler(
-                mcfg,
-                vocab_size=VOCAB_SIZE,
-                max_model_len=max_model_len,
-                events=events,
-                tiers=config.tiers,
-            )
-            self.workers.append(SimWorker(i, wid, sched, events))
+        for wid in worker_ids:
+            self.add_worker(wid)
         self.load_interval_s = config.load_interval_ms / 1e3 if policy.kv_aware else 0.0
         self.builder = PromptBuilder(config.trace_block_size)
         arrival = [r.timestamp_ms / 1e3 / config.speedup for r in trace.requests]
@@ -216,8 +218,30 @@ class Cluster:
         self._heap = [(t, EventKind.ARRIVAL, i, i) for i, t in enumerate(arrival)]
         heapq.heapify(self._heap)
         self._seq = len(arrival)
+        self._timers: dict[int, Callable[[], None]] = {}
 
     # -- what replays call -----------------------------------------------------------------
+
+    def add_worker(self, worker_id: str) -> SimWorker:
+        """A new simulated worker (the next index), idle, not yet in routing."""
+        kv_events = self.policy.kv_aware and self.config.mocker.enable_prefix_caching
+        events = EventBuffer() if kv_events else None
+        sched = MockerScheduler(
+            self.config.mocker,
+            vocab_size=VOCAB_SIZE,
+            max_model_len=self.max_model_len,
+            events=events,
+            tiers=self.config.tiers,
+        )
+        worker = SimWorker(len(self.workers), worker_id, sched, events)
+        self.workers.append(worker)
+        return worker
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Call `fn()` `delay_s` virtual seconds from now (after the steps, transfers and
+        arrivals of that instant)."""
+        self._timers[self._seq] = fn
+        self.schedule(delay_s, EventKind.TIMER, self._seq)
 
     def schedule(self, delay_s: float, kind: EventKind, arg: int) -> None:
         """An event of `kind` with argument `arg`, `delay_s` virtual seconds from now."""
@@ -317,8 +341,10 @@ class Cluster:
                 elif kind == EventKind.TIER:
                     worker, lane = divmod(arg, len(_LANES))
                     self._tier_done(self.workers[worker], _LANE_OF[lane])
-                else:
+                elif kind == EventKind.ARRIVAL:
                     replay.arrival(arg, self.now)
+                else:
+                    self._timers.pop(arg)()
                 if progress is not None:
                     wall = time.perf_counter()
                     if wall >= next_report:
@@ -375,8 +401,11 @@ class Cluster:
         if worker.result is None and worker.sched.has_work:
             self._start_step(worker)
 
-    def summarize(self, mode: str, predicted_overlap_rate: float) -> ModeResult:
-        """The run's metrics (kvmesh.sim.results), labelled `mode`."""
+    def summarize(
+        self, mode: str, predicted_overlap_rate: float, replicas: Sequence[ReplicaSample] = ()
+    ) -> ModeResult:
+        """The run's metrics (kvmesh.sim.results), labelled `mode`; `replicas`: how a planned
+        pool's size changed over time."""
         return summarize(
             mode,
             self.trace,
@@ -385,4 +414,5 @@ class Cluster:
             self.timeline,
             predicted_overlap_rate,
             self.t_wall,
+            replicas,
         )

@@ -6,6 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.router.backend import DisaggConfig
 from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
@@ -26,7 +27,8 @@ class ReplayError(KvmeshError):
 class ReplayConfig:
     """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; its KV
     tiers a KvTierConfig, `tiers`, the worker's flags; the conditional disaggregation thresholds
-    the gateway's, a DisaggConfig, `disagg`)."""
+    the gateway's, a DisaggConfig, `disagg`; the SLO targets and the planner's settings the
+    live planner's, a PlannerConfig, `planning`)."""
 
     trace: str = opt(
         "",
@@ -64,12 +66,27 @@ class ReplayConfig:
     )
     seed: int = opt(0, "seed of the router's tie-breaking/sampling and of the random policy")
     json: bool = opt(False, "print one JSON object per router mode instead of tables")
-    plot: str = opt("", "write a PNG of the TTFT CDF per router mode here (needs matplotlib)")
+    plot: str = opt(
+        "",
+        "write a PNG here (needs matplotlib): the TTFT CDF per router mode; with --planner, "
+        "load, replicas and latency over time",
+    )
     progress: bool = opt(True, "progress bar on stderr (only on a terminal, never with --json)")
     prefill_workers: int = opt(
         0,
         "also replay disaggregated pools (kv routing): this many of --workers prefill, the "
         "others decode, so aggregated and disaggregated use the same total (kvmesh.sim.disagg)",
+    )
+    planner: PlannerPolicy | None = opt(
+        None,
+        "size the pool over time with this planner policy (sla, or the reactive queue "
+        "baseline) between --min-workers and --max-workers, workers taking "
+        "--worker-startup-s to start, instead of a static pool of --workers",
+    )
+    timeline_interval_s: float = opt(
+        0.0,
+        "interval of the JSON timeline (arrival rate, replicas, TTFT/ITL p90); 0: the "
+        "planner's --adjustment-interval-s",
     )
     mocker: MockerConfig = field(
         default_factory=MockerConfig,
@@ -78,6 +95,10 @@ class ReplayConfig:
     disagg: DisaggConfig = field(
         default_factory=DisaggConfig,
         metadata={"help": "conditional disaggregation (the gateway's flags)", "cli": False},
+    )
+    planning: PlannerConfig = field(
+        default_factory=PlannerConfig,
+        metadata={"help": "SLO targets and planner settings (the planner's flags)", "cli": False},
     )
     tiers: KvTierConfig = field(
         default_factory=KvTierConfig,
@@ -105,12 +126,21 @@ class ReplayConfig:
             raise ReplayError("--load-interval-ms must be >= 0")
         if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
             raise ReplayError("--prefill-workers must be between 1 and --workers - 1")
+        if self.planner is not None and self.prefill_workers:
+            raise ReplayError("--planner replays aggregated pools; drop --prefill-workers")
+        if not self.timeline_interval_s >= 0:
+            raise ReplayError("--timeline-interval-s must be >= 0")
         if self.tiers.enabled and not self.mocker.enable_prefix_caching:
             raise ReplayError("KV tiers (--kv-host-blocks) need prefix caching")
         try:
             self.kv_router()
         except ValueError as exc:
             raise ReplayError(str(exc)) from None
+
+    @property
+    def timeline_s(self) -> float:
+        """The timeline's interval."""
+        return self.timeline_interval_s or self.planning.adjustment_interval_s
 
     def kv_router(self) -> KvRouterConfig:
         """The KV-aware router's settings."""
@@ -125,7 +155,8 @@ class ReplayConfig:
 
 def add_replay_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvmesh replay`: ReplayConfig's, the mocker's (MockerConfig), its KV tiers
-    (KvTierConfig), and the conditional disaggregation thresholds (DisaggConfig)."""
+    (KvTierConfig), the conditional disaggregation thresholds (DisaggConfig) and the planner's
+    (PlannerConfig)."""
     add_args(parser, ReplayConfig, skip={"router"})
     parser.add_argument(
         "--router",
@@ -143,3 +174,4 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
     add_args(parser, KvTierConfig, skip={"kv_disk_dir"})
     # A simulated remote prefill never fails, so it never times out either.
     add_args(parser, DisaggConfig, skip={"disagg_prefill_timeout_s"})
+    add_args(parser, PlannerConfig)

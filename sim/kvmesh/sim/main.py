@@ -3,8 +3,6 @@ tables or JSON lines, plot TTFT CDFs."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import sys
 import time
@@ -13,8 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvmesh.planner.config import PlannerPolicy
+from kvmesh.planner.profile import PerfProfile
+from kvmesh.runtime.plotting import pyplot, require_matplotlib
 from kvmesh.sim.config import ReplayConfig, ReplayError
 from kvmesh.sim.disagg import DisaggStats, simulate_disaggregated
+from kvmesh.sim.planned import simulate_planned
+from kvmesh.sim.profiler import profile_mocker
 from kvmesh.sim.replay import simulate
 from kvmesh.sim.results import ModeResult
 from kvmesh.sim.trace import load_trace, prefix_hit_bound
@@ -107,14 +110,7 @@ def format_table(results: list[ModeResult]) -> str:
 
 def write_plot(results: list[ModeResult], path: str) -> None:
     """TTFT CDF per mode as a PNG (matplotlib, an optional dependency: kvmesh[plot])."""
-    try:  # imported by name: an optional dependency, absent from the type-checked environment
-        matplotlib = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")
-        plt: Any = importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise ReplayError(
-            "--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)"
-        ) from None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         xs = sorted(1e3 * t for t in r.ttft_s)
@@ -131,6 +127,46 @@ def write_plot(results: list[ModeResult], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_timeline_plot(runs: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Load, replicas and latency over time as a PNG, one line per run (`kvmesh replay --json`
+    objects): arrival rate; replicas (serving; dotted: serving + starting + draining); TTFT p90
+    and ITL p90 of the requests arriving in each interval, with the SLO targets."""
+    plt = pyplot()
+    fig, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 10))
+    first = runs[0]
+    rows0 = first["timeline"]
+    t0 = rows0[0]["t_s"] if rows0 else 0.0
+    axes[0].plot([(r["t_s"] - t0) / 60 for r in rows0], [r["arrival_rps"] for r in rows0],
+                 color="black")  # fmt: skip
+    axes[0].set_ylabel("arrivals (req/s)")
+    for run in runs:
+        rows = run["timeline"]
+        x = [(r["t_s"] - t0) / 60 for r in rows]
+        label = (
+            f"{run['mode']}: {run['worker_hours']:.2f} worker-h, "
+            f"SLO met by {100 * run['slo_attainment']:.1f} %"
+        )
+        (line,) = axes[1].step(x, [r["serving"] for r in rows], where="post", label=label)
+        total = [r["serving"] + r["starting"] + r["draining"] for r in rows]
+        axes[1].step(x, total, where="post", linestyle=":", color=line.get_color())
+        axes[2].plot(x, [r["ttft_p90_ms"] for r in rows], color=line.get_color())
+        axes[3].plot(x, [r["itl_p90_ms"] for r in rows], color=line.get_color())
+    axes[1].set_ylabel("workers (dotted: +starting, draining)")
+    axes[1].legend(fontsize=8, loc="upper left")
+    axes[2].axhline(first["ttft_slo_ms"], color="red", linestyle="--", linewidth=1)
+    axes[2].set_ylabel("TTFT p90 (ms)")
+    axes[2].set_yscale("log")
+    axes[3].axhline(first["itl_slo_ms"], color="red", linestyle="--", linewidth=1)
+    axes[3].set_ylabel("ITL p90 (ms, per request)")
+    axes[3].set_xlabel("time (min, simulated)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title or Path(str(first["trace"]).split(" (")[0]).name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -175,8 +211,8 @@ def run_replay(
     --prefill-workers), print the results."""
     out = out if out is not None else _std(sys.stdout)
     err = err if err is not None else _std(sys.stderr)
-    if config.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ReplayError("--plot needs matplotlib: pip install 'kvmesh[plot]' (or matplotlib)")
+    if config.plot:
+        require_matplotlib()
     trace = load_trace(config.trace, config.limit)
     bound_blocks, bound_tokens = prefix_hit_bound(trace, config.trace_block_size)
     show = config.progress and not config.json and err.isatty()
@@ -191,9 +227,20 @@ def run_replay(
             out.write(json.dumps({**result.to_json(), **extra}) + "\n")
             out.flush()
 
+    profile = None
+    if config.planner is PlannerPolicy.SLA:
+        path = config.planning.profile
+        profile = (
+            PerfProfile.load(path)
+            if path
+            else profile_mocker(config.mocker, max_model_len=config.mocker.max_model_len)
+        )
     for mode in config.router:
         with _progress_bar(err, mode.value, show) as bar:
-            report(simulate(trace, config, mode, progress=bar), {})
+            if config.planner is not None:
+                report(simulate_planned(trace, config, mode, profile, progress=bar), {})
+            else:
+                report(simulate(trace, config, mode, progress=bar), {})
     if config.prefill_workers:
         with _progress_bar(err, f"kv-disagg-{config.prefill_workers}p", show) as bar:
             result, stats = simulate_disaggregated(trace, config, progress=bar)
@@ -205,7 +252,12 @@ def run_replay(
         for note in notes:
             out.write(f"\n{note}\n")
     if config.plot:
-        write_plot(results, config.plot)
+        if config.planner is not None:
+            write_timeline_plot([r.to_json() for r in results], config.plot)
+            what = "load, replicas and latency over time"
+        else:
+            write_plot(results, config.plot)
+            what = "TTFT CDF"
         if not config.json:
-            out.write(f"\nTTFT CDF written to {config.plot}\n")
+            out.write(f"\n{what} written to {config.plot}\n")
     return 0

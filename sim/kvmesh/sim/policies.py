@@ -9,7 +9,10 @@ indices and keeps its bookings by request id, as the live routers do:
     `kvmesh.router.routing.pick_simple`, over the requests it has in flight per worker.
 
 Both count the requests they have in flight per worker, as the live routers count them on each
-worker handle (`WorkerHandle.inflight`, read by conditional disaggregation).
+worker handle (`WorkerHandle.inflight`, read by conditional disaggregation). Workers join
+(`add_worker`) and leave routing (`remove_worker`, e.g. drained by a planner) as live workers
+join and leave discovery; a removed worker's requests in flight keep their bookings until they
+finish, and its KV events and load no longer reach the router.
 """
 
 from __future__ import annotations
@@ -84,6 +87,14 @@ class Policy(Protocol):
         """Apply `worker`'s load metrics measured at `now`."""
         ...
 
+    def add_worker(self, worker: int, worker_id: str) -> None:
+        """Worker `worker` (the next index) joins routing."""
+        ...
+
+    def remove_worker(self, worker: int) -> None:
+        """`worker` leaves routing (its bookings stay until freed)."""
+        ...
+
 
 class _Bookings:
     """Which worker each booked request is on, and how many each has in flight."""
@@ -93,6 +104,12 @@ class _Bookings:
     def __init__(self, workers: int) -> None:
         self.counts = [0] * workers
         self.worker_of: dict[str, int] = {}
+
+    def add(self, worker: int) -> None:
+        """Count for one more worker (indices are handed out in order)."""
+        if worker != len(self.counts):
+            raise ValueError(f"worker {worker} joins out of order")
+        self.counts.append(0)
 
     def book(self, request_id: str, worker: int) -> None:
         self.free(request_id)  # re-booking an id replaces it
@@ -112,16 +129,30 @@ class KvPolicy:
 
     def __init__(self, config: KvRouterConfig, worker_ids: list[str], mocker: MockerConfig) -> None:
         self.sched = KvScheduler(config, router_id="replay")
-        for wid in worker_ids:
-            self.sched.add_worker(
-                wid,
-                block_size=mocker.block_size,
-                kv_total_blocks=mocker.num_gpu_blocks,
-                kv_events=mocker.enable_prefix_caching,
-            )
-        self.worker_ids = worker_ids
-        self.index_of = {w: i for i, w in enumerate(worker_ids)}
-        self.bookings = _Bookings(len(worker_ids))
+        self.mocker = mocker
+        self.worker_ids: list[str] = []
+        self.index_of: dict[str, int] = {}
+        self.routed: set[int] = set()
+        self.bookings = _Bookings(0)
+        for i, wid in enumerate(worker_ids):
+            self.add_worker(i, wid)
+
+    def add_worker(self, worker: int, worker_id: str) -> None:
+        self.bookings.add(worker)
+        self.worker_ids.append(worker_id)
+        self.index_of[worker_id] = worker
+        self.routed.add(worker)
+        mocker = self.mocker
+        self.sched.add_worker(
+            worker_id,
+            block_size=mocker.block_size,
+            kv_total_blocks=mocker.num_gpu_blocks,
+            kv_events=mocker.enable_prefix_caching,
+        )
+
+    def remove_worker(self, worker: int) -> None:
+        self.routed.discard(worker)
+        self.sched.remove_worker(self.worker_ids[worker])
 
     def route(
         self,
@@ -150,6 +181,8 @@ class KvPolicy:
         return self.bookings.counts[worker]
 
     def kv_events(self, worker: int, kinds: list[KvEventKind]) -> None:
+        if worker not in self.routed:
+            return
         apply = self.sched.indexer.apply_event
         wid = self.worker_ids[worker]
         for kind in kinds:
@@ -174,6 +207,15 @@ class SimplePolicy:
         self.turn = 0
         self.rng = random.Random(seed)
         self.bookings = _Bookings(workers)
+        self.routed = list(range(workers))
+        """Workers in routing, in the order they joined (the live pool's order)."""
+
+    def add_worker(self, worker: int, worker_id: str) -> None:
+        self.bookings.add(worker)
+        self.routed.append(worker)
+
+    def remove_worker(self, worker: int) -> None:
+        self.routed.remove(worker)
 
     def route(
         self,
@@ -185,7 +227,7 @@ class SimplePolicy:
         expected_output_tokens: int = 0,
     ) -> Route:
         counts = self.bookings.counts
-        pool = range(len(counts)) if candidates is None else candidates
+        pool = self.routed if candidates is None else candidates
         index, self.turn = pick_simple(self.mode, [counts[c] for c in pool], self.turn, self.rng)
         self.bookings.book(request_id, pool[index])
         return Route(pool[index])

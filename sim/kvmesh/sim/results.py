@@ -8,6 +8,14 @@ accounting), and `prefix_hit_rate_bound` = the trace's infinite-cache bound: lea
 seen in an earlier request / hash ids, as in `shared/ref/traces/trace_stats.json`
 (`prefix_hit_rate_bound_tokens` weighs it by tokens). Per worker: requests, prompt tokens,
 cached tokens, busy fraction (simulated step time / span), preemptions.
+
+SLO: `slo_attainment` = requests that finished with TTFT <= --ttft-slo-ms and a mean ITL (their
+own: (last token - first token) / (tokens - 1)) <= --itl-slo-ms / all requests of the trace
+(rejected and unfinished ones miss). `worker_hours` = simulated hours each worker existed within
+the span: a static pool's workers the whole span, a planned pool's from the moment the planner
+asked for them (start-up included) until they exited after draining. `timeline`: one row per
+interval of the span: arrival rate, replicas (serving, starting, draining) at its end, and the
+p90 TTFT and p90 per-request mean ITL of the requests that arrived in it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,18 @@ from kvmesh.runtime.types import KvTierStats
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.trace import Trace
 
-__all__ = ["ModeResult", "Stats", "Timeline", "WorkerResult", "WorkerTally", "summarize"]
+__all__ = [
+    "ModeResult",
+    "ReplicaSample",
+    "Stats",
+    "Timeline",
+    "WorkerResult",
+    "WorkerTally",
+    "summarize",
+]
+
+ReplicaSample = tuple[float, dict[str, int]]
+"""(virtual time, {"serving": n, "starting": n, "draining": n}) as a planned pool was then."""
 
 
 @dataclass(slots=True)
@@ -117,6 +136,16 @@ class ModeResult:
     """max / mean over workers of requests, prompt tokens and busy fraction."""
     wall_s: float
     """Wall-clock seconds the simulation took (the only non-deterministic field)."""
+    ttft_slo_ms: float = 0.0
+    itl_slo_ms: float = 0.0
+    slo_attainment: float = 0.0
+    """Requests within both SLO targets / requests (see the module doc)."""
+    worker_hours: float = 0.0
+    """Simulated worker-hours, starting and draining workers included."""
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    """Per interval: t_s, arrival_rps, serving/starting/draining replicas, ttft/itl p90 ms."""
+    planner: dict[str, Any] | None = None
+    """The planner's settings and what it did (planned runs only)."""
     ttft_s: list[float] = field(default_factory=list, repr=False)
     """Every finished request's TTFT in seconds (for plots; not in to_json)."""
 
@@ -213,6 +242,70 @@ class WorkerTally(Protocol):
     def steps(self) -> int: ...
     @property
     def kv_tiers(self) -> tuple[KvTierStats, ...]: ...
+    @property
+    def started_at(self) -> float:
+        """When the worker was asked for (-inf: from the start)."""
+        ...
+
+    @property
+    def stopped_at(self) -> float:
+        """When it exited (inf: it ran to the end)."""
+        ...
+
+
+def _mean_itl(t: Timeline, i: int) -> float:
+    """Request `i`'s own mean ITL in seconds (0 with one token)."""
+    n = t.ntok[i]
+    return (t.last_at[i] - t.first_at[i]) / (n - 1) if n > 1 else 0.0
+
+
+def slo_attainment(t: Timeline, ttft_s: float, itl_s: float) -> float:
+    """Requests that finished within both targets / all requests."""
+    n = len(t.arrival)
+    ok = 0
+    for i in range(n):
+        if math.isnan(t.finished_at[i]):
+            continue
+        if t.first_at[i] - t.arrival[i] <= ttft_s and _mean_itl(t, i) <= itl_s:
+            ok += 1
+    return ok / n if n else 0.0
+
+
+def _p90_ms(xs: list[float]) -> float:
+    return 1e3 * _quantile(sorted(xs), 0.9) if xs else 0.0
+
+
+def interval_rows(
+    t: Timeline, start: float, end: float, interval_s: float, replicas: Sequence[ReplicaSample]
+) -> list[dict[str, Any]]:
+    """The timeline: one row per `interval_s` from `start` to `end` (see the module doc)."""
+    if end <= start or interval_s <= 0:
+        return []
+    n_rows = math.ceil((end - start) / interval_s)
+    arrivals: list[list[int]] = [[] for _ in range(n_rows)]
+    for i, a in enumerate(t.arrival):
+        k = int((a - start) // interval_s)
+        if 0 <= k < n_rows:
+            arrivals[k].append(i)
+    rows: list[dict[str, Any]] = []
+    j = 0
+    current: dict[str, int] = dict(replicas[0][1]) if replicas else {}
+    for k in range(n_rows):
+        t0 = start + k * interval_s
+        while j < len(replicas) and replicas[j][0] <= t0 + interval_s:
+            current = dict(replicas[j][1])
+            j += 1
+        done = [i for i in arrivals[k] if not math.isnan(t.finished_at[i])]
+        rows.append(
+            {
+                "t_s": round(t0, 3),
+                "arrival_rps": round(len(arrivals[k]) / interval_s, 3),
+                **current,
+                "ttft_p90_ms": round(_p90_ms([t.first_at[i] - t.arrival[i] for i in done]), 3),
+                "itl_p90_ms": round(_p90_ms([_mean_itl(t, i) for i in done]), 3),
+            }
+        )
+    return rows
 
 
 def summarize(
@@ -223,13 +316,23 @@ def summarize(
     t: Timeline,
     predicted_overlap_rate: float,
     t_wall: float,
+    replicas: Sequence[ReplicaSample] = (),
 ) -> ModeResult:
     """Summarize one simulated run (aggregated or disaggregated) into a ModeResult; `t_wall`:
-    the wall clock (time.perf_counter) when it started."""
+    the wall clock (time.perf_counter) when it started; `replicas`: how a planned pool's size
+    changed (empty: a static pool of all `workers`)."""
     reqs = trace.requests
     n_req = len(t.arrival)
     fin = [i for i in range(n_req) if not math.isnan(t.finished_at[i])]
-    span = (max(t.finished_at[i] for i in fin) - min(t.arrival)) if fin else 0.0
+    t_start = min(t.arrival)
+    t_end = max(t.finished_at[i] for i in fin) if fin else t_start
+    span = t_end - t_start
+    hours = (
+        sum(max(0.0, min(w.stopped_at, t_end) - max(w.started_at, t_start)) for w in workers) / 3600
+    )
+    if not replicas:
+        replicas = [(t_start, {"serving": len(workers), "starting": 0, "draining": 0})]
+    slo = config.planning
     prompt_tokens = sum(reqs[i].input_length for i in fin)
     per_worker = [
         WorkerResult(
@@ -251,7 +354,7 @@ def summarize(
         requests_total=n_req,
         rejected=t.rejected,
         unfinished=n_req - len(fin) - t.rejected,
-        workers=config.workers,
+        workers=len(workers),
         speedup=config.speedup,
         block_size=config.mocker.block_size,
         num_gpu_blocks=config.mocker.num_gpu_blocks,
@@ -273,6 +376,11 @@ def summarize(
         per_worker=per_worker,
         imbalance=_imbalance(per_worker),
         wall_s=time.perf_counter() - t_wall,
+        ttft_slo_ms=slo.ttft_slo_ms,
+        itl_slo_ms=slo.itl_slo_ms,
+        slo_attainment=slo_attainment(t, slo.ttft_slo_ms / 1e3, slo.itl_slo_ms / 1e3),
+        worker_hours=hours,
+        timeline=interval_rows(t, t_start, t_end, config.timeline_s, replicas),
         ttft_s=ttft,
     )
 

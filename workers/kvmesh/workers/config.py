@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
+from kvmesh.runtime.metrics import METRICS_PORT_HELP
 from kvmesh.runtime.types import Role
 
 
@@ -44,4 +45,18 @@ class WorkerConfig:
     )
     discovery: str = opt("", "discovery URL (file:///dir, etcd://h:p); empty: do not register")
     worker_id: str = opt("", "unique worker id; empty: a random one")
-    drain_timeout_s: float = opt(30.0, "how long shutdown waits for in-flight requests")
+    drain_timeout_s: float = opt(
+        30.0,
+        "grace period of a shutdown or scale-down: how long in-flight requests may take to "
+        "finish before they are cancelled",
+    )
+    leave_delay_s: float = opt(
+        0.5,
+        "on shutdown, keep serving this long after leaving discovery, so that routers stop "
+        "sending before the worker refuses new requests (0: refuse at once)",
+    )
+    metrics_port: int = opt(-1, METRICS_PORT_HELP)
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0 or not self.leave_delay_s >= 0:
+            raise ValueError("--drain-timeout-s and --leave-delay-s must be >= 0")

@@ -64,6 +64,7 @@ from kvmesh.runtime.types import (
     PrefillResult,
     Role,
 )
+from kvmesh.workers.metrics import EngineStats
 
 KvReleaser = Callable[[KvTransferHandle], Awaitable[bool]]
 """Tells the prefill worker holding a handle's blocks to release them; True when they were
@@ -170,6 +171,10 @@ class _Channel:
 
 class Engine(abc.ABC):
     """Base class of every engine adapter. See the module docstring for the contract."""
+
+    stats: EngineStats | None = None
+    """Per-request timings and token counts for the worker's metrics (the engine core records
+    them; None: the engine keeps none, its worker exports only its load)."""
 
     @property
     @abc.abstractmethod

@@ -16,8 +16,11 @@ from typing import Any
 
 from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.errors import Unimplemented
+from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
+from kvmesh.runtime.tls import TlsConfig
 from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.config import EngineKind, WorkerConfig
@@ -151,26 +154,50 @@ def build_engine(config: WorkerConfig, ns: argparse.Namespace) -> Engine:
 
 
 async def serve_worker(
-    config: WorkerConfig, ns: argparse.Namespace, ready: Callable[[Worker], None] | None = None
+    config: WorkerConfig,
+    ns: argparse.Namespace,
+    ready: Callable[[Worker], None] | None = None,
+    security: MeshSecurity | None = None,
+    tracing: TracingConfig | None = None,
 ) -> None:
-    """Run a worker until SIGINT/SIGTERM."""
-    worker = Worker(config, build_engine(config, ns))
-    await worker.start()
-    if ready is not None:
-        ready(worker)
-    await wait_for_signal()
-    await worker.stop()
+    """Run a worker until SIGINT/SIGTERM (tracing: see kvmesh.runtime.telemetry)."""
+    worker = Worker(config, build_engine(config, ns), security)
+    setup_tracing(
+        tracing or TracingConfig(), "worker", role=config.role.value, worker_id=worker.worker_id
+    )
+    try:
+        await worker.start()
+        if ready is not None:
+            ready(worker)
+        await wait_for_signal()
+        await worker.stop()
+    finally:
+        shutdown_tracing()
 
 
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh worker`: serve until SIGINT/SIGTERM."""
-    run(serve_worker(from_args(WorkerConfig, ns), ns))
+    security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
+    run(
+        serve_worker(
+            from_args(WorkerConfig, ns),
+            ns,
+            security=security,
+            tracing=from_args(TracingConfig, ns),
+        )
+    )
     return 0
 
 
 ENTRY = Entry(
     "worker",
     "a worker process serving one engine (WorkerService)",
-    Flags.of(WorkerConfig, KvTierConfig, *(spec.config for spec in ENGINES.values())),
+    Flags.of(
+        WorkerConfig,
+        KvTierConfig,
+        TlsConfig,
+        *(spec.config for spec in ENGINES.values()),
+        TracingConfig,
+    ),
     main,
 )

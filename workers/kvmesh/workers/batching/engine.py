@@ -58,6 +58,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable
 from kvmesh.runtime.kv_events import CachedBlock, KvEventLog, KvTier
+from kvmesh.runtime.telemetry import SpanKind, tracer, wall_ns
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -77,6 +78,7 @@ from kvmesh.workers.batching.scheduler import BatchScheduler, SeqOutput
 from kvmesh.workers.batching.tiers import Lane, TierJob
 from kvmesh.workers.disagg.pins import PinnedTransfers
 from kvmesh.workers.engine import DisaggSettings, Engine, OutputSink, RequestHandle
+from kvmesh.workers.metrics import EngineStats
 from kvmesh.workers.validation import validate_request
 
 __all__ = ["BatchingEngine", "KvSource"]
@@ -122,6 +124,8 @@ class BatchingEngine(Engine, Generic[SchedT]):
 
     engine_name: ClassVar[str]
     """Names the engine in errors and logs ("the mocker engine is not running")."""
+    kv_transfer_backend: ClassVar[str] = ""
+    """How `_read_kv` moves KV ("nixl", "simulated"): the kv_transfer span's backend."""
 
     def __init__(self, *, events: KvEventLog | None, clock: Clock | None = None) -> None:
         self._events = events
@@ -135,6 +139,8 @@ class BatchingEngine(Engine, Generic[SchedT]):
         self._disagg = DisaggSettings()
         self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
         self._pulls: set[asyncio.Task[None]] = set()
+        self._stats = EngineStats()
+        self.stats = self._stats
         self._lanes: dict[Lane, deque[TierJob]] = {}
         """Tier moves waiting per lane (the head is running)."""
         self._lane_tasks: dict[Lane, asyncio.Task[None]] = {}
@@ -264,8 +270,11 @@ class BatchingEngine(Engine, Generic[SchedT]):
         return sched
 
     def _enqueue(self, request: EngineRequest, sink: OutputSink, *, pin: bool = False) -> None:
-        self.scheduler.add(request, self._clock.now(), pin=pin)
-        self._requests[request.request_id] = SubmittedRequest(sink, len(request.prompt))
+        now = self._clock.now()
+        self.scheduler.add(request, now, pin=pin)
+        self._requests[request.request_id] = SubmittedRequest(
+            sink, len(request.prompt), now, request.trace
+        )
         self._wake.set()
 
     def _cancel(self, request_id: str) -> None:
@@ -359,7 +368,13 @@ class BatchingEngine(Engine, Generic[SchedT]):
         source = self._kv_source()
         tid = self._pins.new_id()  # also the internal request id: never collides
         internal = EngineRequest(
-            tid, request.prompt, request.sampling, request.stop, request.lora_name, request.priority
+            tid,
+            request.prompt,
+            request.sampling,
+            request.stop,
+            request.lora_name,
+            request.priority,
+            trace=request.trace,
         )
         sink = FirstOutput()
         self._enqueue(internal, sink, pin=True)
@@ -423,8 +438,9 @@ class BatchingEngine(Engine, Generic[SchedT]):
         """Start a remote-prefilled request: receive its KV, then decode (a task per request)."""
         self.scheduler.check(request)
         rid = request.request_id
-        entry = SubmittedRequest(sink, len(request.prompt))
+        entry = SubmittedRequest(sink, len(request.prompt), trace=request.trace)
         entry.delivered = 1  # the first token, sampled on the prefill worker
+        entry.remote = True
         self._requests[rid] = entry
         task = asyncio.create_task(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
         self._pulls.add(task)
@@ -448,6 +464,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         handle = rp.handle
         blocks: list[int] | None = None
         if handle is not None:
+            started = self._clock.now()
             received = await self._receive(request, handle)
             try:
                 confirmed = await self._disagg.release_remote(handle)
@@ -472,6 +489,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
                 )
                 pool.release(received.blocks)
             entry.fallback = blocks is None
+            self._transferred(entry, handle, received, blocks is not None, started)
         rid = request.request_id
         if self._requests.get(rid) is not entry or self._scheduler is not sched:
             if blocks is not None:
@@ -492,10 +510,11 @@ class BatchingEngine(Engine, Generic[SchedT]):
                 )
             )
             return
+        entry.arrived = now = self._clock.now()
         try:
             sched.add(
                 request,
-                self._clock.now(),
+                now,
                 first_token=rp.first_token_id,
                 blocks=blocks,
                 cached_tokens=rp.cached_tokens,
@@ -553,10 +572,17 @@ class BatchingEngine(Engine, Generic[SchedT]):
     async def _loop(self) -> None:
         sched = self.scheduler
         wake = self._wake
+        requests = self._requests
+        clock = self._clock
         while True:
             self._dispatch_tier_jobs()
             if sched.has_work:
+                started = clock.now()
                 outputs = await self._run_step(sched)
+                for rid in sched.admitted:
+                    req = requests.get(rid)
+                    if req is not None and req.admitted is None:
+                        req.admitted = started
                 if outputs is not None:
                     self._deliver(outputs)
                     continue
@@ -619,16 +645,20 @@ class BatchingEngine(Engine, Generic[SchedT]):
 
     def _deliver(self, outputs: Sequence[SeqOutput]) -> None:
         requests = self._requests
+        now = self._clock.now()
         for out in outputs:
             req = requests.get(out.request_id)
             if req is None:
                 continue  # cancelled while the step ran
             req.delivered += 1
+            if req.first_at is None:
+                req.first_at = now
             logprobs = [out.logprob] if out.logprob is not None else None
             if out.finish_reason is None and not out.handoff:
                 req.sink.output(EngineOutput([out.token_id], logprobs))
             else:
                 del requests[out.request_id]
+                self._finished(req, out, now)
                 req.sink.output(
                     EngineOutput(
                         [out.token_id],
@@ -640,3 +670,119 @@ class BatchingEngine(Engine, Generic[SchedT]):
                         req.fallback,
                     )
                 )
+
+    # -- metrics and spans -----------------------------------------------------------------------
+
+    def _finished(self, req: SubmittedRequest, out: SeqOutput, now: float) -> None:
+        """Record a request that ended (or, pinned on a prefill worker, was handed off): the
+        worker's metrics, and its spans when its trace is sampled (queue, prefill, decode)."""
+        stats = self._stats
+        first = req.first_at if req.first_at is not None else now
+        admitted = req.admitted if req.admitted is not None else req.arrived
+        usage = out.usage
+        generated = (req.delivered - 1) if req.remote else req.delivered
+        stats.generation_tokens += generated
+        if usage is not None:
+            stats.prompt_tokens += usage.prompt_tokens
+            if not req.remote or req.fallback:
+                stats.prefix_query_tokens += usage.prompt_tokens
+                stats.prefix_hit_tokens += usage.cached_tokens
+        if out.finish_reason is not None:
+            stats.finished[out.finish_reason] = stats.finished.get(out.finish_reason, 0) + 1
+        stats.queue.observe(admitted - req.arrived)
+        prefilled_here = not req.remote or req.fallback
+        if prefilled_here:
+            stats.ttft.observe(first - req.arrived)
+            stats.prefill.observe(first - admitted)
+        decode_from = first if prefilled_here else admitted
+        gaps = req.delivered - 1
+        if not out.handoff:
+            stats.e2e.observe(now - req.arrived)
+            stats.decode.observe(now - decode_from)
+            if gaps > 0:
+                stats.itl.observe((now - first) / gaps, gaps)
+        trace = req.trace
+        if trace is None or not trace.sampled:
+            return
+        t = tracer()
+        if not t.enabled:
+            return
+        rid = out.request_id
+        queue = t.start(
+            "queue",
+            trace,
+            remote=True,
+            attributes={"kvmesh.request_id": rid},
+            start_ns=wall_ns(req.arrived),
+        )
+        queue.end(wall_ns(admitted))
+        if prefilled_here:
+            prefill = t.start(
+                "prefill",
+                trace,
+                remote=True,
+                attributes={
+                    "kvmesh.request_id": rid,
+                    "gen_ai.usage.input_tokens": req.prompt_tokens,
+                    "kvmesh.cached_tokens": usage.cached_tokens if usage is not None else 0,
+                },
+                start_ns=wall_ns(admitted),
+            )
+            prefill.end(wall_ns(first))
+        if out.handoff:
+            return
+        attributes: dict[str, Any] = {
+            "kvmesh.request_id": rid,
+            "gen_ai.usage.output_tokens": generated,
+            "gen_ai.server.time_per_output_token": (now - first) / gaps if gaps > 0 else 0.0,
+        }
+        if prefilled_here:
+            attributes["gen_ai.server.time_to_first_token"] = first - req.arrived
+        if out.finish_reason is not None:
+            attributes["gen_ai.response.finish_reasons"] = [out.finish_reason.value]
+        decode = t.start(
+            "decode", trace, remote=True, attributes=attributes, start_ns=wall_ns(decode_from)
+        )
+        decode.end(wall_ns(now))
+
+    def _transferred(
+        self,
+        entry: SubmittedRequest,
+        handle: KvTransferHandle,
+        received: _Received | None,
+        used: bool,
+        started: float,
+    ) -> None:
+        """Record a decode-side KV pull (metrics; the kv_transfer span when sampled)."""
+        now = self._clock.now()
+        nbytes = received.nbytes if received is not None else 0
+        stats = self._stats
+        stats.kv_transfer.observe(now - started)
+        stats.kv_transfer_bytes += nbytes
+        trace = entry.trace
+        if trace is None or not trace.sampled or not tracer().enabled:
+            return
+        span = tracer().start(
+            "kv_transfer",
+            trace,
+            kind=SpanKind.CLIENT,
+            remote=True,
+            attributes={
+                "kvmesh.kv_transfer.bytes": nbytes,
+                "kvmesh.kv_transfer.blocks": (
+                    len(received.blocks) - received.num_had if received is not None else 0
+                ),
+                "kvmesh.kv_transfer.cached_blocks": (
+                    received.num_had if received is not None else 0
+                ),
+                "kvmesh.kv_transfer.duration_ms": (now - started) * 1000.0,
+                "kvmesh.kv_transfer.backend": self.kv_transfer_backend,
+                "kvmesh.kv_transfer.id": handle.transfer_id,
+                "kvmesh.kv_transfer.prefill_worker_id": handle.prefill_worker_id,
+                "kvmesh.kv_transfer.used": used,
+            },
+            start_ns=wall_ns(started),
+        )
+        if not used:
+            span.error("kv_transfer_failed", "the pulled KV could not be used; recomputing")
+        span.end(wall_ns(now))

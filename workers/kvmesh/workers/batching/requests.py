@@ -5,21 +5,50 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput
 from kvmesh.workers.engine import OutputSink
 
 
 class SubmittedRequest:
-    """A submitted request: where its outputs go and what was delivered."""
+    """A submitted request: where its outputs go, what was delivered, and its timeline (engine
+    clock readings, for the worker's metrics and spans)."""
 
-    __slots__ = ("delivered", "fallback", "kv_bytes", "prompt_tokens", "sink")
+    __slots__ = (
+        "admitted",
+        "arrived",
+        "delivered",
+        "fallback",
+        "first_at",
+        "kv_bytes",
+        "prompt_tokens",
+        "remote",
+        "sink",
+        "trace",
+    )
 
-    def __init__(self, sink: OutputSink, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        sink: OutputSink,
+        prompt_tokens: int,
+        arrived: float = 0.0,
+        trace: TraceContext | None = None,
+    ) -> None:
         self.sink = sink
         self.prompt_tokens = prompt_tokens
         self.delivered = 0
         self.kv_bytes = 0
         self.fallback = False
+        self.arrived = arrived
+        """When the request reached the scheduler's queue."""
+        self.admitted: float | None = None
+        """When the scheduler first admitted it (the step that did started then)."""
+        self.first_at: float | None = None
+        """When its first output was delivered."""
+        self.remote = False
+        """Continues a remote prefill (its first token came from the prefill worker)."""
+        self.trace = trace
+        """The caller's span: the parent of this request's engine spans."""
 
 
 class FirstOutput:

@@ -269,6 +269,9 @@ class BatchScheduler(Generic[S, C]):
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_steps = 0
+        self.admitted: list[str] = []
+        """Ids of the requests the last `schedule()` admitted (running from then on; a request
+        preempted and admitted again appears again). The engine core times queue waits by it."""
         self._query_tokens = 0
         self._hit_tokens = 0
         self.pinned: dict[str, list[int]] = {}
@@ -525,6 +528,7 @@ class BatchScheduler(Generic[S, C]):
 
     def _schedule_into(self, step: StepT) -> StepT:
         self.num_steps += 1
+        self.admitted.clear()
         pool = self.pool
         bs = self.block_size
         budget = self.config.max_num_batched_tokens
@@ -595,6 +599,7 @@ class BatchScheduler(Generic[S, C]):
             self._num_waiting -= 1
             seq.blocks.extend(pool.allocate(need))
             seq.status = SeqStatus.RUNNING
+            self.admitted.append(seq.request_id)
             running.append(seq)
             sched.append(seq)
             counts.append(n)
@@ -640,6 +645,7 @@ class BatchScheduler(Generic[S, C]):
             seq.num_cached_blocks = hit_tokens // bs
             seq.decoding = False
             seq.status = SeqStatus.RUNNING
+            self.admitted.append(seq.request_id)
             if seq.cached_tokens < 0:  # first admission: what its usage reports
                 seq.cached_tokens = hit_tokens
                 self._device_hit_tokens += hit_tokens

@@ -9,7 +9,7 @@ import grpc
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from kvmesh.runtime.grpcutil import insecure_channel
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_channel
 from kvmesh.runtime.types import KvTransferHandle
 
 __all__ = ["GrpcKvReleaser"]
@@ -22,8 +22,9 @@ class GrpcKvReleaser:
     kept until `close`). Returns the worker's `released`; False when it cannot be reached, so a
     caller never trusts KV it could not confirm."""
 
-    def __init__(self, timeout_s: float = 5.0) -> None:
+    def __init__(self, timeout_s: float = 5.0, *, security: MeshSecurity | None = None) -> None:
         self.timeout_s = timeout_s
+        self.security = security
         self._channels: dict[str, tuple[grpc.aio.Channel, wpb_grpc.WorkerServiceAsyncStub]] = {}
 
     async def __call__(self, handle: KvTransferHandle) -> bool:
@@ -32,7 +33,7 @@ class GrpcKvReleaser:
             return False
         entry = self._channels.get(address)
         if entry is None:
-            channel = insecure_channel(address)
+            channel = mesh_channel(address, self.security)
             entry = self._channels[address] = (channel, wpb_grpc.WorkerServiceStub(channel))
         try:
             resp = await entry[1].ReleaseKvBlocks(

@@ -45,6 +45,7 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
     """
 
     engine_name = "mocker"
+    kv_transfer_backend = "simulated"
 
     def __init__(
         self,

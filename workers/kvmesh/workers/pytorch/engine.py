@@ -116,6 +116,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
     """
 
     engine_name = "torch"
+    kv_transfer_backend = "nixl"
 
     def __init__(
         self,

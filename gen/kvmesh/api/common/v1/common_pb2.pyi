@@ -206,6 +206,18 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The request was cancelled (CANCELLED)."""
     ERROR_REASON_DEADLINE_EXCEEDED: _ErrorReason.ValueType  # 9
     """A deadline passed (DEADLINE_EXCEEDED)."""
+    ERROR_REASON_UNAUTHENTICATED: _ErrorReason.ValueType  # 10
+    """The call carries no credentials, or ones that are not valid: no mesh token or a wrong one,
+    no API key or an unknown one (UNAUTHENTICATED).
+    """
+    ERROR_REASON_PERMISSION_DENIED: _ErrorReason.ValueType  # 11
+    """The caller is authenticated but not allowed to call this: a client certificate whose
+    identity is not one of the mesh's (PERMISSION_DENIED).
+    """
+    ERROR_REASON_ABORTED: _ErrorReason.ValueType  # 12
+    """The operation conflicts with another one still in progress, e.g. a Scale while the
+    previous Scale of the pool is still being applied; retry once it is done (ABORTED).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The kind of an error, for callers that need more than its gRPC status code. Every error a
@@ -241,6 +253,18 @@ ERROR_REASON_CANCELLED: ErrorReason.ValueType  # 8
 """The request was cancelled (CANCELLED)."""
 ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 9
 """A deadline passed (DEADLINE_EXCEEDED)."""
+ERROR_REASON_UNAUTHENTICATED: ErrorReason.ValueType  # 10
+"""The call carries no credentials, or ones that are not valid: no mesh token or a wrong one,
+no API key or an unknown one (UNAUTHENTICATED).
+"""
+ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 11
+"""The caller is authenticated but not allowed to call this: a client certificate whose
+identity is not one of the mesh's (PERMISSION_DENIED).
+"""
+ERROR_REASON_ABORTED: ErrorReason.ValueType  # 12
+"""The operation conflicts with another one still in progress, e.g. a Scale while the
+previous Scale of the pool is still being applied; retry once it is done (ABORTED).
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final

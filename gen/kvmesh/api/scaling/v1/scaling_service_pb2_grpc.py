@@ -28,8 +28,11 @@ if _version_not_supported:
 class ScalingServiceStub:
     """Sets and reports pool sizes.
 
-    Errors: INVALID_ARGUMENT (unknown pool, replicas over the connector's maximum), NOT_FOUND
-    (unknown model), FAILED_PRECONDITION (the connector cannot scale this pool).
+    Errors: INVALID_ARGUMENT (unknown pool, replicas over the per-pool maximum or the total
+    budget; a negative count sent by a client as a signed int arrives as a huge unsigned one and
+    is refused the same way), NOT_FOUND (unknown model), ABORTED (a Scale is still being applied:
+    retry once it has returned), UNAVAILABLE (the new workers could not be started),
+    FAILED_PRECONDITION (the connector cannot scale this pool). A refused Scale changes nothing.
     """
 
     def __init__(self, channel):
@@ -53,14 +56,18 @@ class ScalingServiceStub:
 class ScalingServiceServicer:
     """Sets and reports pool sizes.
 
-    Errors: INVALID_ARGUMENT (unknown pool, replicas over the connector's maximum), NOT_FOUND
-    (unknown model), FAILED_PRECONDITION (the connector cannot scale this pool).
+    Errors: INVALID_ARGUMENT (unknown pool, replicas over the per-pool maximum or the total
+    budget; a negative count sent by a client as a signed int arrives as a huge unsigned one and
+    is refused the same way), NOT_FOUND (unknown model), ABORTED (a Scale is still being applied:
+    retry once it has returned), UNAVAILABLE (the new workers could not be started),
+    FAILED_PRECONDITION (the connector cannot scale this pool). A refused Scale changes nothing.
     """
 
     def Scale(self, request, context):
-        """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (no
-        new requests, in-flight ones finish) before stopping them. Returns once the change is
-        under way, not when it is complete.
+        """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (they
+        leave discovery and routing first, in-flight requests finish within a grace period)
+        before stopping them, preferring those whose prefix cache holds the least. Returns once
+        the change is under way, not when it is complete.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,8 +104,11 @@ def add_ScalingServiceServicer_to_server(servicer, server):
 class ScalingService:
     """Sets and reports pool sizes.
 
-    Errors: INVALID_ARGUMENT (unknown pool, replicas over the connector's maximum), NOT_FOUND
-    (unknown model), FAILED_PRECONDITION (the connector cannot scale this pool).
+    Errors: INVALID_ARGUMENT (unknown pool, replicas over the per-pool maximum or the total
+    budget; a negative count sent by a client as a signed int arrives as a huge unsigned one and
+    is refused the same way), NOT_FOUND (unknown model), ABORTED (a Scale is still being applied:
+    retry once it has returned), UNAVAILABLE (the new workers could not be started),
+    FAILED_PRECONDITION (the connector cannot scale this pool). A refused Scale changes nothing.
     """
 
     @staticmethod

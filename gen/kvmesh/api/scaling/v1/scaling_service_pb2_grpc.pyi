@@ -32,8 +32,11 @@ GRPC_VERSION: str
 class ScalingServiceStub:
     """Sets and reports pool sizes.
 
-    Errors: INVALID_ARGUMENT (unknown pool, replicas over the connector's maximum), NOT_FOUND
-    (unknown model), FAILED_PRECONDITION (the connector cannot scale this pool).
+    Errors: INVALID_ARGUMENT (unknown pool, replicas over the per-pool maximum or the total
+    budget; a negative count sent by a client as a signed int arrives as a huge unsigned one and
+    is refused the same way), NOT_FOUND (unknown model), ABORTED (a Scale is still being applied:
+    retry once it has returned), UNAVAILABLE (the new workers could not be started),
+    FAILED_PRECONDITION (the connector cannot scale this pool). A refused Scale changes nothing.
     """
 
     @_typing.overload
@@ -41,9 +44,10 @@ class ScalingServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ScalingServiceAsyncStub: ...
     Scale: _grpc.UnaryUnaryMultiCallable[_scaling_service_pb2.ScaleRequest, _scaling_service_pb2.ScaleResponse]
-    """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (no
-    new requests, in-flight ones finish) before stopping them. Returns once the change is
-    under way, not when it is complete.
+    """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (they
+    leave discovery and routing first, in-flight requests finish within a grace period)
+    before stopping them, preferring those whose prefix cache holds the least. Returns once
+    the change is under way, not when it is complete.
     """
     ListPools: _grpc.UnaryUnaryMultiCallable[_scaling_service_pb2.ListPoolsRequest, _scaling_service_pb2.ListPoolsResponse]
     """Current and target sizes of every pool."""
@@ -52,15 +56,19 @@ class ScalingServiceStub:
 class ScalingServiceAsyncStub(ScalingServiceStub):
     """Sets and reports pool sizes.
 
-    Errors: INVALID_ARGUMENT (unknown pool, replicas over the connector's maximum), NOT_FOUND
-    (unknown model), FAILED_PRECONDITION (the connector cannot scale this pool).
+    Errors: INVALID_ARGUMENT (unknown pool, replicas over the per-pool maximum or the total
+    budget; a negative count sent by a client as a signed int arrives as a huge unsigned one and
+    is refused the same way), NOT_FOUND (unknown model), ABORTED (a Scale is still being applied:
+    retry once it has returned), UNAVAILABLE (the new workers could not be started),
+    FAILED_PRECONDITION (the connector cannot scale this pool). A refused Scale changes nothing.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Scale: _aio.UnaryUnaryMultiCallable[_scaling_service_pb2.ScaleRequest, _scaling_service_pb2.ScaleResponse]  # type: ignore[assignment]
-    """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (no
-    new requests, in-flight ones finish) before stopping them. Returns once the change is
-    under way, not when it is complete.
+    """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (they
+    leave discovery and routing first, in-flight requests finish within a grace period)
+    before stopping them, preferring those whose prefix cache holds the least. Returns once
+    the change is under way, not when it is complete.
     """
     ListPools: _aio.UnaryUnaryMultiCallable[_scaling_service_pb2.ListPoolsRequest, _scaling_service_pb2.ListPoolsResponse]  # type: ignore[assignment]
     """Current and target sizes of every pool."""
@@ -68,8 +76,11 @@ class ScalingServiceAsyncStub(ScalingServiceStub):
 class ScalingServiceServicer(metaclass=_abc_1.ABCMeta):
     """Sets and reports pool sizes.
 
-    Errors: INVALID_ARGUMENT (unknown pool, replicas over the connector's maximum), NOT_FOUND
-    (unknown model), FAILED_PRECONDITION (the connector cannot scale this pool).
+    Errors: INVALID_ARGUMENT (unknown pool, replicas over the per-pool maximum or the total
+    budget; a negative count sent by a client as a signed int arrives as a huge unsigned one and
+    is refused the same way), NOT_FOUND (unknown model), ABORTED (a Scale is still being applied:
+    retry once it has returned), UNAVAILABLE (the new workers could not be started),
+    FAILED_PRECONDITION (the connector cannot scale this pool). A refused Scale changes nothing.
     """
 
     @_abc_1.abstractmethod
@@ -78,9 +89,10 @@ class ScalingServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _scaling_service_pb2.ScaleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_scaling_service_pb2.ScaleResponse, _abc.Awaitable[_scaling_service_pb2.ScaleResponse]]:
-        """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (no
-        new requests, in-flight ones finish) before stopping them. Returns once the change is
-        under way, not when it is complete.
+        """Set the replica count of a pool. Scale-up starts workers; scale-down drains workers (they
+        leave discovery and routing first, in-flight requests finish within a grace period)
+        before stopping them, preferring those whose prefix cache holds the least. Returns once
+        the change is under way, not when it is complete.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,342 @@
+"""The planner's decisions, as pure functions of what it observed: `Planner.decide(now,
+observation, pools)` returns the size each pool should have. The live planner (kvmesh.planner.
+main, fed by the gateways' metrics) and the simulator (kvmesh.sim.planned, fed by the replay's
+own timeline) call the same code.
+
+Two policies compute the size each pool wants:
+
+  * `SlaPolicy`: predicts the next intervals' request rate (`--predictor`, plus
+    `--prediction-margin` times the running RMS of how far its past one-interval predictions
+    fell short, so the margin grows while the load rises faster than predicted) and the mean prompt
+    and output lengths (averaged over the last intervals: they wander without a trend), reads
+    from the performance profile how many requests/s one worker serves within the targets
+    (kvmesh.planner.model), corrects that by what the pool
+    showed (observed TTFT at `--ttft-quantile` / the model's TTFT at the observed load, observed
+    mean ITL / the model's ITL, both smoothed), and adds the queued work: requests in flight
+    beyond what the ready and starting workers hold at that capacity, to be served within
+    one interval. Workers already starting count as capacity (never asked for twice).
+    Aggregated pools and disaggregated prefill/decode pools (prefill sized on TTFT, decode on
+    ITL).
+  * `QueuePolicy`: the reactive baseline, as KEDA/HPA scale on queue length: replicas *
+    (in-flight requests per ready worker / `--queue-target`), unchanged within 10 %.
+
+`Planner` then applies what both share: the per-pool minimum and maximum, the scale-down
+stabilization window (a pool shrinks only to the largest size wanted over the last
+`--scale-down-delay-s`, and only once that window of history exists; it grows at once), and the
+total budget. With no traffic at all a pool goes to its minimum, which may be 0; a request
+waiting while a pool is at 0 brings it back to at least 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
+from kvmesh.planner.model import WorkerModel
+from kvmesh.planner.predictors import MovingAveragePredictor, Predictor, make_predictor
+from kvmesh.planner.profile import PerfProfile
+from kvmesh.runtime.errors import InvalidRequest
+from kvmesh.runtime.types import Role
+
+__all__ = [
+    "Decision",
+    "Observation",
+    "Planner",
+    "PoolState",
+    "QueuePolicy",
+    "SlaPolicy",
+]
+
+FACTOR_LIMITS = (0.2, 20.0)
+"""Bounds of the observed/expected corrections (a wild measurement cannot run away)."""
+FACTOR_SMOOTHING = 0.3
+"""Weight of the newest observed/expected ratio in the smoothed correction."""
+MIN_SAMPLES = 5
+"""Fewest first tokens in an interval for its latencies to move the corrections."""
+QUEUE_TOLERANCE = 0.1
+LENGTH_WINDOW = 6
+"""Intervals the mean prompt and output lengths are averaged over."""
+ERROR_SMOOTHING = 0.2
+"""Weight of the newest squared rate-prediction error in its running mean."""
+"""The reactive policy leaves a pool alone while metric/target is within 1 +- this (HPA)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the gateways measured over one adjustment interval (NaN: nothing to measure)."""
+
+    interval_s: float
+    requests: int
+    """Requests that arrived."""
+    isl_mean: float = math.nan
+    """Prompt tokens per arrived request."""
+    osl_mean: float = math.nan
+    """Output tokens per request that finished."""
+    first_tokens: int = 0
+    """Requests whose first token came in the interval."""
+    ttft_ms: float = math.nan
+    """Their mean TTFT."""
+    ttft_tail_ms: float = math.nan
+    """Their TTFT at the planner's `ttft_quantile`."""
+    itl_ms: float = math.nan
+    """Mean gap between consecutive tokens emitted in the interval."""
+    inflight: int = 0
+    """Requests in flight at the end (arrived, not finished)."""
+
+    @property
+    def rate_rps(self) -> float:
+        """Arrivals per second."""
+        return self.requests / self.interval_s if self.interval_s > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """A pool as its connector reports it."""
+
+    role: Role
+    target: int
+    ready: int
+    """Workers serving (registered, not draining)."""
+    starting: int = 0
+    draining: int = 0
+
+
+@dataclass(slots=True)
+class Decision:
+    """What the planner wants, and why."""
+
+    targets: dict[Role, int]
+    reasons: dict[Role, str] = field(default_factory=dict)
+    predicted_rps: float = 0.0
+    capacity_rps: dict[Role, float] = field(default_factory=dict)
+    """Requests/s one worker of each pool serves within the targets (sla)."""
+
+    def changes(self, pools: Mapping[Role, PoolState]) -> dict[Role, int]:
+        """The targets that differ from the pools' current ones."""
+        return {r: n for r, n in self.targets.items() if r in pools and pools[r].target != n}
+
+
+class Policy(Protocol):
+    """Computes the size each pool wants now (before limits and stabilization)."""
+
+    def desired(
+        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+    ) -> dict[Role, int]: ...
+
+
+def _clamp(value: float, lo: float, hi: float) -> float:
+    return min(max(value, lo), hi)
+
+
+class SlaPolicy:
+    """Replicas from the profile and the predicted load (see the module doc)."""
+
+    def __init__(self, config: PlannerConfig, profile: PerfProfile, roles: Sequence[Role]) -> None:
+        self.config = config
+        if Role.AGGREGATED in roles and (Role.PREFILL in roles or Role.DECODE in roles):
+            raise InvalidRequest("the planner sizes aggregated or prefill/decode pools, not both")
+        if (Role.PREFILL in roles) != (Role.DECODE in roles):
+            raise InvalidRequest("disaggregated planning needs both a prefill and a decode pool")
+        self.models: dict[Role, WorkerModel] = {}
+        for role in roles:
+            prefill = profile.prefill_curve(role) if role is not Role.DECODE else None
+            decode = profile.decode_grid(role) if role is not Role.PREFILL else None
+            self.models[role] = WorkerModel(prefill, decode)
+        interval = config.adjustment_interval_s
+        self.rate: Predictor = make_predictor(config.predictor, interval)
+        # Mean prompt and output lengths wander without a trend: extrapolating their noise
+        # would swing the capacity, so they are averaged over the last intervals.
+        self.isl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
+        self.osl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
+        self.seen_isl = False
+        self.seen_osl = False
+        self.rate_error = 0.0
+        """Exponentially weighted mean square of how far the one-interval rate predictions
+        fell short (over-predictions count as 0)."""
+        self._predicted_next: float | None = None
+        self.horizon = 1 + math.ceil(config.worker_startup_s / interval)
+        """Intervals ahead a worker asked for now will serve (start-up, then one interval)."""
+        self.ttft_factor = 1.0
+        self.itl_factor = 1.0
+
+    def _observe(self, obs: Observation) -> None:
+        if self._predicted_next is not None:
+            under = max(0.0, obs.rate_rps - self._predicted_next)  # only too low hurts
+            a = ERROR_SMOOTHING
+            self.rate_error = (1 - a) * self.rate_error + a * under * under
+        self.rate.observe(obs.rate_rps)
+        if obs.requests and math.isfinite(obs.isl_mean):
+            self.isl.observe(obs.isl_mean)
+            self.seen_isl = True
+        if math.isfinite(obs.osl_mean):
+            self.osl.observe(obs.osl_mean)
+            self.seen_osl = True
+
+    def _correct(self, obs: Observation, pools: Mapping[Role, PoolState], osl: float) -> None:
+        """Move the corrections toward observed / expected at the observed load."""
+        if obs.first_tokens < MIN_SAMPLES or not math.isfinite(obs.isl_mean):
+            return
+        osl = obs.osl_mean if math.isfinite(obs.osl_mean) else osl
+        lo, hi = FACTOR_LIMITS
+        a = FACTOR_SMOOTHING
+        for role, model in self.models.items():
+            ready = pools[role].ready if role in pools else 0
+            if ready < 1:
+                continue
+            expected = model.latency(obs.rate_rps / ready, obs.isl_mean, osl)
+            if model.prefill is not None and math.isfinite(obs.ttft_tail_ms):
+                if 0 < expected.ttft_ms < math.inf:
+                    f = _clamp(obs.ttft_tail_ms / expected.ttft_ms, lo, hi)
+                    self.ttft_factor = (1 - a) * self.ttft_factor + a * f
+            if model.decode is not None and math.isfinite(obs.itl_ms):
+                if 0 < expected.itl_ms < math.inf:
+                    f = _clamp(obs.itl_ms / expected.itl_ms, lo, hi)
+                    self.itl_factor = (1 - a) * self.itl_factor + a * f
+
+    def desired(
+        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+    ) -> dict[Role, int]:
+        cfg = self.config
+        self._observe(obs)
+        isl = self.isl.predict() if self.seen_isl else 0.0
+        osl = max(1.0, self.osl.predict()) if self.seen_osl else 1.0
+        self._predicted_next = self.rate.predict(1)
+        # The load a worker asked for now will serve, plus the prediction's typical error.
+        rate = max(self._predicted_next, self.rate.predict(self.horizon))
+        rate += cfg.prediction_margin * math.sqrt(self.rate_error)
+        decision.predicted_rps = rate
+        self._correct(obs, pools, osl)
+        ttft_target = cfg.ttft_slo_ms / self.ttft_factor
+        itl_target = cfg.itl_slo_ms * cfg.itl_headroom / self.itl_factor
+        out: dict[Role, int] = {}
+        for role, model in self.models.items():
+            cap = model.capacity(isl, osl, ttft_target, itl_target)
+            decision.capacity_rps[role] = cap
+            state = pools.get(role)
+            if obs.requests == 0 and obs.inflight == 0:
+                out[role] = 0  # no traffic at all: the minimum
+                decision.reasons[role] = "sla: no traffic"
+                continue
+            if cap <= 0:
+                out[role] = cfg.max_workers
+                decision.reasons[role] = "sla: targets unreachable per the profile: pool at maximum"
+                continue
+            # Queued work: requests in flight beyond what ready + starting workers hold at
+            # this capacity, to be served within one interval.
+            backlog = 0.0
+            if state is not None:
+                lat = model.latency(cap, isl, osl)
+                hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
+                backlog = max(0.0, obs.inflight - (state.ready + state.starting) * hold)
+            demand = rate + backlog / cfg.adjustment_interval_s
+            # at least one worker while anything waits (a pool at 0 with a request queued)
+            out[role] = max(1, math.ceil(demand / cap - 1e-9))
+            decision.reasons[role] = (
+                f"sla: {rate:.2f} req/s predicted (isl {isl:.0f}, osl {osl:.0f}), "
+                f"backlog {backlog:.0f}, {cap:.2f} req/s per worker "
+                f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f})"
+            )
+        return out
+
+
+class QueuePolicy:
+    """Reactive queue-length scaling, as KEDA/HPA do it (see the module doc)."""
+
+    def __init__(self, config: PlannerConfig, roles: Sequence[Role]) -> None:
+        self.config = config
+        self.roles = list(roles)
+
+    def desired(
+        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+    ) -> dict[Role, int]:
+        decision.predicted_rps = obs.rate_rps
+        out: dict[Role, int] = {}
+        for role in self.roles:
+            state = pools.get(role)
+            if state is None:
+                continue
+            current = state.ready
+            if current == 0:
+                out[role] = 1 if obs.inflight or obs.requests else 0
+                decision.reasons[role] = "queue: empty pool"
+                continue
+            ratio = obs.inflight / current / self.config.queue_target
+            if abs(ratio - 1) <= QUEUE_TOLERANCE:
+                out[role] = state.target
+            else:
+                out[role] = math.ceil(current * ratio)
+            decision.reasons[role] = (
+                f"queue: {obs.inflight} in flight on {current} workers, "
+                f"target {self.config.queue_target:g} per worker"
+            )
+        return out
+
+
+class Planner:
+    """One planner over a set of pools: a policy plus the limits, stabilization and budget."""
+
+    def __init__(
+        self,
+        config: PlannerConfig,
+        policy: PlannerPolicy,
+        roles: Sequence[Role],
+        profile: PerfProfile | None = None,
+    ) -> None:
+        if not roles:
+            raise InvalidRequest("the planner needs at least one pool")
+        self.config = config
+        self.roles = list(roles)
+        if policy is PlannerPolicy.SLA:
+            if profile is None:
+                raise InvalidRequest("the sla policy needs a performance profile (--profile)")
+            self.policy: Policy = SlaPolicy(config, profile, roles)
+        else:
+            self.policy = QueuePolicy(config, roles)
+        self._wanted: dict[Role, deque[tuple[float, int]]] = {r: deque() for r in roles}
+        self._since: float | None = None
+
+    def decide(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision:
+        """The size each pool should have from now on (`now`: seconds on any clock that only
+        goes forward)."""
+        cfg = self.config
+        decision = Decision(targets={})
+        desired = self.policy.desired(obs, pools, decision)
+        if self._since is None:
+            self._since = now
+        window = cfg.stabilization_s
+        history_covers_window = now - self._since >= window
+        for role in self.roles:
+            state = pools.get(role)
+            current = state.target if state is not None else 0
+            want = int(_clamp(desired.get(role, current), cfg.min_workers, cfg.max_workers))
+            wanted = self._wanted[role]
+            wanted.append((now, want))
+            while wanted and wanted[0][0] < now - window:
+                wanted.popleft()
+            if want >= current:
+                target = want
+            elif history_covers_window:
+                target = min(current, max(w for _, w in wanted))
+            else:
+                target = current
+            decision.targets[role] = target
+        self._apply_budget(decision)
+        return decision
+
+    def _apply_budget(self, decision: Decision) -> None:
+        """Cut the largest pools first until the total fits `max_total_workers`."""
+        budget = self.config.max_total_workers
+        targets = decision.targets
+        if not budget:
+            return
+        floor = self.config.min_workers
+        while sum(targets.values()) > budget:
+            role = max(targets, key=lambda r: targets[r])
+            if targets[role] <= floor:
+                break
+            targets[role] -= 1
+            decision.reasons[role] = decision.reasons.get(role, "") + " (cut to the budget)"

@@ -1,0 +1,225 @@
+"""Load predictors: one value per adjustment interval in (request rate, mean prompt length,
+mean output length), the value expected `steps` intervals ahead out.
+
+Always available (nothing to install): `constant` (the last value), `moving-average` (mean of
+the last `window`), `kalman` (a local linear trend Kalman filter: level and slope, so a ramp is
+followed and extrapolated). Optional extras: `arima` (statsmodels' ARIMA, `pip install
+'kvmesh[arima]'`) and `prophet` (`pip install 'kvmesh[prophet]'`); both answer with the last
+value until they have enough history to fit.
+
+Every predictor is a small state machine fed one observation per interval (`observe`), pure
+and clock-free, so the live planner and the simulator drive the same code. Predictions are
+never negative.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import math
+from collections import deque
+from typing import Any, Protocol
+
+from kvmesh.runtime.errors import Unimplemented
+
+__all__ = [
+    "ArimaPredictor",
+    "ConstantPredictor",
+    "KalmanPredictor",
+    "MovingAveragePredictor",
+    "Predictor",
+    "PredictorKind",
+    "ProphetPredictor",
+    "make_predictor",
+]
+
+
+class PredictorKind(enum.Enum):
+    """Which load predictor the planner uses."""
+
+    CONSTANT = "constant"
+    MOVING_AVERAGE = "moving-average"
+    KALMAN = "kalman"
+    ARIMA = "arima"
+    PROPHET = "prophet"
+
+
+class Predictor(Protocol):
+    """Predicts a series observed once per interval."""
+
+    def observe(self, value: float) -> None:
+        """The value of the interval that just ended."""
+        ...
+
+    def predict(self, steps: int = 1) -> float:
+        """The value expected `steps` intervals from now (0 before any observation)."""
+        ...
+
+
+class ConstantPredictor:
+    """The next interval looks like the last one."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def observe(self, value: float) -> None:
+        self.last = value
+
+    def predict(self, steps: int = 1) -> float:
+        return max(0.0, self.last)
+
+
+class MovingAveragePredictor:
+    """The mean of the last `window` intervals."""
+
+    def __init__(self, window: int = 5) -> None:
+        if window < 1:
+            raise ValueError("moving-average window must be >= 1")
+        self.values: deque[float] = deque(maxlen=window)
+
+    def observe(self, value: float) -> None:
+        self.values.append(value)
+
+    def predict(self, steps: int = 1) -> float:
+        return max(0.0, sum(self.values) / len(self.values)) if self.values else 0.0
+
+
+class KalmanPredictor:
+    """Local linear trend: the series is a level that moves by a slope, both drifting, seen
+    through noise. State x = (level, slope), x' = F x with F = [[1, 1], [0, 1]]; observation
+    y = level + noise. The filter is scale-free: the measurement noise variance R follows the
+    squared innovations (exponentially weighted), and the process noises are multiples of it
+    (`level_noise`, `slope_noise`: how fast level and slope may change, relative to the
+    noise; their ratio to it, not its size, sets how fast the filter follows: the defaults
+    pick up a ramp within two or three intervals and keep Poisson-like noise of a request rate
+    counted over the interval mostly out). Prediction `steps` ahead: level + steps * slope.
+    """
+
+    def __init__(
+        self, level_noise: float = 2.0, slope_noise: float = 0.5, noise_memory: float = 0.1
+    ) -> None:
+        self.q_level = level_noise
+        self.q_slope = slope_noise
+        self.memory = noise_memory
+        self.level = 0.0
+        self.slope = 0.0
+        self.p = [[1.0, 0.0], [0.0, 1.0]]
+        self.r = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        if self.n == 0:
+            self.level, self.n = value, 1
+            self.r = (0.1 * value) ** 2 or 1.0
+            self.p = [[self.r, 0.0], [0.0, self.r]]
+            return
+        self.n += 1
+        # predict
+        level = self.level + self.slope
+        slope = self.slope
+        (p00, p01), (p10, p11) = self.p
+        q0, q1 = self.q_level * self.r, self.q_slope * self.r
+        a00 = p00 + p01 + p10 + p11 + q0
+        a01 = p01 + p11
+        a10 = p10 + p11
+        a11 = p11 + q1
+        # update
+        innovation = value - level
+        s = a00 + self.r
+        k0, k1 = a00 / s, a10 / s
+        self.level = level + k0 * innovation
+        self.slope = slope + k1 * innovation
+        self.p = [
+            [(1 - k0) * a00, (1 - k0) * a01],
+            [a10 - k1 * a00, a11 - k1 * a01],
+        ]
+        # the noise follows the innovations (floored so a flat series keeps a tiny noise)
+        m = self.memory
+        self.r = max((1 - m) * self.r + m * innovation * innovation, 1e-9 * (1 + value * value))
+
+    def predict(self, steps: int = 1) -> float:
+        return max(0.0, self.level + steps * self.slope)
+
+
+def _optional(module: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise Unimplemented(
+            f"the {extra} predictor needs {module.split('.')[0]}: pip install 'kvmesh[{extra}]'"
+        ) from None
+
+
+class ArimaPredictor:
+    """ARIMA(p, d, q) refitted on the last `window` values each interval (statsmodels)."""
+
+    def __init__(self, order: tuple[int, int, int] = (1, 1, 1), window: int = 60) -> None:
+        self._arima = _optional("statsmodels.tsa.arima.model", "arima").ARIMA
+        self._warnings = importlib.import_module("warnings")
+        self.order = order
+        self.values: deque[float] = deque(maxlen=window)
+        self.min_points = max(8, 2 * sum(order) + 2)
+        self._forecast: list[float] = []
+
+    def observe(self, value: float) -> None:
+        self.values.append(value)
+        self._forecast = []
+
+    def predict(self, steps: int = 1) -> float:
+        if len(self.values) < self.min_points or len(set(self.values)) < 2:
+            return max(0.0, self.values[-1]) if self.values else 0.0
+        if len(self._forecast) < steps:
+            with self._warnings.catch_warnings():
+                self._warnings.simplefilter("ignore")  # convergence chatter on short series
+                try:
+                    fit = self._arima(list(self.values), order=self.order).fit()
+                    self._forecast = [float(v) for v in fit.forecast(steps=max(steps, 1))]
+                except (ValueError, ArithmeticError, IndexError):
+                    self._forecast = [self.values[-1]] * steps
+        value = self._forecast[steps - 1]
+        return max(0.0, value) if math.isfinite(value) else max(0.0, self.values[-1])
+
+
+class ProphetPredictor:
+    """Prophet (trend + seasonality) fitted on the last `window` intervals; interval i is
+    dated i * `interval_s` seconds after an arbitrary epoch."""
+
+    def __init__(self, interval_s: float, window: int = 240) -> None:
+        self._prophet = _optional("prophet", "prophet").Prophet
+        self._pandas = importlib.import_module("pandas")
+        self.interval_s = interval_s
+        self.values: deque[float] = deque(maxlen=window)
+        self.count = 0
+        self.min_points = 12
+
+    def observe(self, value: float) -> None:
+        self.values.append(value)
+        self.count += 1
+
+    def predict(self, steps: int = 1) -> float:
+        if len(self.values) < self.min_points:
+            return max(0.0, self.values[-1]) if self.values else 0.0
+        pd = self._pandas
+        first = self.count - len(self.values)
+        ds = pd.to_datetime(
+            [(first + i) * self.interval_s for i in range(len(self.values))], unit="s"
+        )
+        model = self._prophet()
+        model.fit(pd.DataFrame({"ds": ds, "y": list(self.values)}))
+        future = pd.DataFrame(
+            {"ds": pd.to_datetime([(self.count - 1 + steps) * self.interval_s], unit="s")}
+        )
+        return max(0.0, float(model.predict(future)["yhat"].iloc[0]))
+
+
+def make_predictor(kind: PredictorKind, interval_s: float, window: int = 5) -> Predictor:
+    """A new predictor of `kind` (Unimplemented when its optional package is missing)."""
+    if kind is PredictorKind.CONSTANT:
+        return ConstantPredictor()
+    if kind is PredictorKind.MOVING_AVERAGE:
+        return MovingAveragePredictor(window)
+    if kind is PredictorKind.KALMAN:
+        return KalmanPredictor()
+    if kind is PredictorKind.ARIMA:
+        return ArimaPredictor()
+    return ProphetPredictor(interval_s)

@@ -1,0 +1,280 @@
+"""kvmesh's ended spans (`SpanRecord`) and their way out through the OpenTelemetry SDK's OTLP
+exporters.
+
+A span costs the request path one small object; everything else happens on the SDK
+`BatchSpanProcessor`'s thread. There, for OTLP/gRPC, `encode_request` writes the
+ExportTraceServiceRequest directly in protobuf's wire format (the request is parsed back into
+the SDK's message type, in C, for the SDK exporter to send): about a third of the CPU of the
+SDK's own encoder, which builds a message object per span, attribute and value, in Python. For
+OTLP http/protobuf, whose SDK exporter encodes inside `export`, records become SDK
+`ReadableSpan`s and take the SDK's encoder. Either way the SDK exporters do the rest: endpoint,
+headers, TLS, compression, timeouts, retries, all from their `OTEL_EXPORTER_OTLP_*` variables.
+
+Wire format: opentelemetry-proto `collector/trace/v1` and `trace/v1` (field numbers in the
+constants below); `tests/unit/test_otlp.py` checks the encoding against the SDK's, field by
+field.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["SpanRecord", "encode_request", "grpc_exporter", "http_exporter"]
+
+
+class _Sampled:
+    """What the SDK's BatchSpanProcessor reads of a span before queueing it
+    (`span.context.trace_flags.sampled`): only sampled spans are ever recorded."""
+
+    sampled = True
+
+    @property
+    def trace_flags(self) -> _Sampled:
+        return self
+
+
+_SAMPLED = _Sampled()
+
+
+class SpanRecord:
+    """One ended span, as the exporter needs it (ids as lowercase hex)."""
+
+    __slots__ = (
+        "attributes",
+        "end_ns",
+        "error",
+        "flags",
+        "kind",
+        "name",
+        "parent_id",
+        "parent_remote",
+        "span_id",
+        "start_ns",
+        "trace_id",
+        "tracestate",
+    )
+
+    context = _SAMPLED
+
+    def __init__(
+        self,
+        name: str,
+        trace_id: str,
+        span_id: str,
+        parent_id: str,
+        parent_remote: bool,
+        flags: int,
+        tracestate: str,
+        kind: int,
+        start_ns: int,
+        end_ns: int,
+        attributes: Mapping[str, Any],
+        error: str | None,
+    ) -> None:
+        self.name = name
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_id = parent_id
+        """"" for a root span."""
+        self.parent_remote = parent_remote
+        self.flags = flags
+        self.tracestate = tracestate
+        self.kind = kind
+        """opentelemetry.trace.SpanKind value (INTERNAL 0, SERVER 1, CLIENT 2)."""
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.attributes = attributes
+        self.error = error
+        """Status message of a failed span; None: status unset."""
+
+
+# --- protobuf wire format ------------------------------------------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL = [_varint(i) for i in range(0x4000)]
+_PACK_Q = struct.Struct("<Q").pack
+_PACK_d = struct.Struct("<d").pack
+_PACK_I = struct.Struct("<I").pack
+
+
+def _len(n: int) -> bytes:
+    return _SMALL[n] if n < 0x4000 else _varint(n)
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field."""
+    return tag + _len(len(payload)) + payload
+
+
+# Tags: (field number << 3) | wire type (0 varint, 1 fixed64, 2 length-delimited, 5 fixed32).
+_ANY_STRING, _ANY_BOOL, _ANY_INT, _ANY_DOUBLE, _ANY_ARRAY = (
+    b"\x0a",
+    b"\x10",
+    b"\x18",
+    b"\x21",
+    b"\x2a",
+)
+_KV_KEY, _KV_VALUE = b"\x0a", b"\x12"
+_SPAN_TRACE_ID, _SPAN_SPAN_ID, _SPAN_TRACE_STATE = b"\x0a\x10", b"\x12\x08", b"\x1a"
+_SPAN_PARENT, _SPAN_NAME, _SPAN_KIND = b"\x22\x08", b"\x2a", b"\x30"
+_SPAN_START, _SPAN_END, _SPAN_ATTRIBUTE = b"\x39", b"\x41", b"\x4a"
+_SPAN_STATUS, _SPAN_FLAGS = b"\x7a", b"\x85\x01"
+_STATUS_MESSAGE, _STATUS_ERROR = b"\x12", b"\x18\x02"
+_STATUS_UNSET = b"\x7a\x00"  # an empty Status, as the SDK's encoder writes it
+_SCOPE_SPANS_SCOPE, _SCOPE_SPANS_SPAN = b"\x0a", b"\x12"
+_RESOURCE_SPANS_RESOURCE, _RESOURCE_SPANS_SCOPE_SPANS = b"\x0a", b"\x12"
+_REQUEST_RESOURCE_SPANS = b"\x0a"
+_RESOURCE_ATTRIBUTE = b"\x0a"
+_SCOPE_NAME, _SCOPE_VERSION = b"\x0a", b"\x12"
+_ARRAY_VALUE = b"\x0a"
+
+# SpanFlags: bits 0-7 the trace flags (the SDK leaves them 0, and so does this encoder); bit 8:
+# whether the parent's remoteness is known; bit 9: the parent is remote.
+_HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200
+
+
+def _any(value: Any) -> bytes:
+    """An AnyValue."""
+    if isinstance(value, str):
+        return _field(_ANY_STRING, value.encode())
+    if isinstance(value, bool):
+        return _ANY_BOOL + (b"\x01" if value else b"\x00")
+    if isinstance(value, int):
+        return _ANY_INT + _varint(value & 0xFFFFFFFFFFFFFFFF)
+    if isinstance(value, float):
+        return _ANY_DOUBLE + _PACK_d(value)
+    if isinstance(value, (list, tuple)):
+        return _field(_ANY_ARRAY, b"".join(_field(_ARRAY_VALUE, _any(v)) for v in value))
+    return _field(_ANY_STRING, str(value).encode())
+
+
+_KEYS: dict[str, bytes] = {}
+
+
+def _attribute(key: str, value: Any) -> bytes:
+    """A KeyValue."""
+    encoded = _KEYS.get(key)
+    if encoded is None:
+        encoded = _KEYS[key] = _field(_KV_KEY, key.encode())
+    return encoded + _field(_KV_VALUE, _any(value))
+
+
+def _span(r: SpanRecord) -> bytes:
+    parts = [_SPAN_TRACE_ID, bytes.fromhex(r.trace_id), _SPAN_SPAN_ID, bytes.fromhex(r.span_id)]
+    if r.tracestate:
+        parts.append(_field(_SPAN_TRACE_STATE, r.tracestate.encode()))
+    flags = _HAS_IS_REMOTE  # as the SDK's encoder: no trace flag bits
+    if r.parent_id:
+        parts += (_SPAN_PARENT, bytes.fromhex(r.parent_id))
+        if r.parent_remote:
+            flags |= _IS_REMOTE
+    parts += (
+        _field(_SPAN_NAME, r.name.encode()),
+        _SPAN_KIND,
+        _SMALL[r.kind + 1],  # the proto's kinds start at UNSPECIFIED = 0
+        _SPAN_START,
+        _PACK_Q(r.start_ns),
+        _SPAN_END,
+        _PACK_Q(r.end_ns),
+    )
+    for key, value in r.attributes.items():
+        parts.append(_field(_SPAN_ATTRIBUTE, _attribute(key, value)))
+    if r.error is None:
+        parts.append(_STATUS_UNSET)
+    else:
+        status = _field(_STATUS_MESSAGE, r.error.encode()) if r.error else b""
+        parts.append(_field(_SPAN_STATUS, status + _STATUS_ERROR))
+    parts += (_SPAN_FLAGS, _PACK_I(flags))
+    return b"".join(parts)
+
+
+def encode_resource(attributes: Mapping[str, Any]) -> bytes:
+    """A Resource message."""
+    return b"".join(_field(_RESOURCE_ATTRIBUTE, _attribute(k, v)) for k, v in attributes.items())
+
+
+def encode_scope(name: str, version: str) -> bytes:
+    """An InstrumentationScope message."""
+    return _field(_SCOPE_NAME, name.encode()) + _field(_SCOPE_VERSION, version.encode())
+
+
+def encode_request(resource: bytes, scope: bytes, records: Sequence[SpanRecord]) -> bytes:
+    """An ExportTraceServiceRequest of `records` (one resource, one scope)."""
+    spans = b"".join(_field(_SCOPE_SPANS_SPAN, _span(r)) for r in records)
+    scope_spans = _field(_SCOPE_SPANS_SCOPE, scope) + spans
+    resource_spans = _field(_RESOURCE_SPANS_RESOURCE, resource) + _field(
+        _RESOURCE_SPANS_SCOPE_SPANS, scope_spans
+    )
+    return _field(_REQUEST_RESOURCE_SPANS, resource_spans)
+
+
+# --- exporters ---------------------------------------------------------------------------------
+
+
+def grpc_exporter(endpoint: str | None, resource: Any, scope_name: str, scope_version: str) -> Any:
+    """The SDK's OTLP/gRPC span exporter, taking SpanRecords (encoded by `encode_request`)."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    resource_bytes = encode_resource(resource.attributes)
+    scope_bytes = encode_scope(scope_name, scope_version)
+
+    class RecordExporter(OTLPSpanExporter):
+        def _translate_data(self, data: Sequence[Any]) -> ExportTraceServiceRequest:
+            return ExportTraceServiceRequest.FromString(
+                encode_request(resource_bytes, scope_bytes, data)
+            )
+
+    return RecordExporter(endpoint=endpoint)
+
+
+def http_exporter(endpoint: str | None, resource: Any, scope_name: str, scope_version: str) -> Any:
+    """The SDK's OTLP http/protobuf span exporter, taking SpanRecords (as SDK ReadableSpans)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExportResult
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
+    from opentelemetry.trace.status import Status, StatusCode
+
+    scope = InstrumentationScope(scope_name, scope_version)
+
+    def readable(r: SpanRecord) -> ReadableSpan:
+        state = TraceState.from_header([r.tracestate]) if r.tracestate else None
+        flags = TraceFlags(r.flags & 0xFF)
+        parent = (
+            SpanContext(int(r.trace_id, 16), int(r.parent_id, 16), r.parent_remote, flags, state)
+            if r.parent_id
+            else None
+        )
+        return ReadableSpan(
+            name=r.name,
+            context=SpanContext(int(r.trace_id, 16), int(r.span_id, 16), False, flags, state),
+            parent=parent,
+            resource=resource,
+            attributes=r.attributes,
+            kind=SpanKind(r.kind),
+            instrumentation_scope=scope,
+            status=Status(StatusCode.ERROR, r.error) if r.error is not None else Status(),
+            start_time=r.start_ns,
+            end_time=r.end_ns,
+        )
+
+    class RecordExporter(OTLPSpanExporter):
+        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            return super().export([readable(r) for r in spans])
+
+    return RecordExporter(endpoint=endpoint)

@@ -1,0 +1,449 @@
+"""OpenTelemetry tracing for every kvmesh process: setup from the standard variables (or flags),
+cheap spans on the request path, export through the SDK's batch processor and OTLP exporters.
+
+Setup: each process's `main` calls `setup_tracing(config, service, ...)` once and
+`shutdown_tracing()` when it stops (flushes what is still queued). Tracing is on when
+`--otel-endpoint` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT` is set
+(and `OTEL_SDK_DISABLED` is not true); the protocol is `--otel-protocol` or
+`OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` (`grpc` or `http/protobuf`, the specification's default);
+the sampler `--otel-sampler-ratio` (parent-based ratio) or `OTEL_TRACES_SAMPLER[_ARG]` (default
+`parentbased_always_on`); the resource `OTEL_RESOURCE_ATTRIBUTES` plus `service.name` (`--otel-
+service-name`, else `OTEL_SERVICE_NAME`, else `kvmesh-<process>`), a unique
+`service.instance.id`, and `kvmesh.role` / `kvmesh.worker_id` where the process has them. Every
+other `OTEL_EXPORTER_OTLP_*` variable (headers, timeout, compression, certificates, insecure)
+is read by the SDK's exporters themselves.
+
+Spans: `tracer().start(name, parent)` returns a `Span`; `end()` hands a `SpanRecord` to the
+SDK's `BatchSpanProcessor` (a queue append; encoding and export run on the processor's thread,
+never on the event loop; kvmesh.runtime.otlp). Span ids are the W3C ids of
+`kvmesh.runtime.tracing.TraceContext`, which travels hop to hop as before: `span.context` is
+what the next hop gets as its parent.
+A span records only when tracing is on and its trace is sampled; otherwise `start` returns a
+non-recording span whose context still carries the trace on (so the ids stay consistent
+across processes whatever each one samples). No SDK span object, lock or context
+variable is created on the request path: a recording span costs a few microseconds. No span
+is ever created per token.
+
+Logs: `LogContext` (a context variable set per request: trace id, span id, request id) is what
+the JSON log format of kvmesh.runtime.process writes on every line of a request.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.runtime import __version__
+from kvmesh.runtime.config import ConfigError, opt
+from kvmesh.runtime.otlp import SpanRecord, grpc_exporter, http_exporter
+from kvmesh.runtime.tracing import TraceContext
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import Sampler
+
+__all__ = [
+    "LOG_CONTEXT",
+    "LogContext",
+    "Protocol",
+    "Span",
+    "SpanKind",
+    "Tracer",
+    "TracingConfig",
+    "setup_tracing",
+    "shutdown_tracing",
+    "tracer",
+    "wall_ns",
+]
+
+log = logging.getLogger(__name__)
+
+SCOPE = "kvmesh"
+"""The instrumentation scope of every kvmesh span."""
+
+
+class Protocol(enum.Enum):
+    """OTLP transports for traces."""
+
+    DEFAULT = ""
+    """OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http/protobuf (the specification's default)."""
+    GRPC = "grpc"
+    HTTP_PROTOBUF = "http/protobuf"
+
+
+@dataclass
+class TracingConfig:
+    """OpenTelemetry tracing (OTLP export). Every flag defaults to the standard OTEL_* variable;
+    `kvmesh up` passes both the flags and the variables to the processes it starts."""
+
+    otel_endpoint: str = opt(
+        "",
+        "OTLP endpoint to export traces to (grpc: http://host:4317; http/protobuf: the base URL, "
+        "/v1/traces is appended); empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT; tracing is off when none is set",
+    )
+    otel_protocol: Protocol = opt(
+        Protocol.DEFAULT,
+        "OTLP protocol (grpc, http/protobuf); empty: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else "
+        "http/protobuf",
+    )
+    otel_sampler_ratio: float = opt(
+        -1.0,
+        "fraction of new traces to sample, parent-based (a sampled parent is always followed); "
+        "-1: OTEL_TRACES_SAMPLER[_ARG] (default parentbased_always_on)",
+    )
+    otel_service_name: str = opt(
+        "", "service.name of this process; empty: OTEL_SERVICE_NAME, else kvmesh-<process>"
+    )
+
+    def __post_init__(self) -> None:
+        if self.otel_sampler_ratio != -1.0 and not 0.0 <= self.otel_sampler_ratio <= 1.0:
+            raise ValueError("--otel-sampler-ratio must be in [0, 1] (or -1: the environment)")
+
+
+class SpanKind(enum.IntEnum):
+    """OpenTelemetry span kinds (values of opentelemetry.trace.SpanKind)."""
+
+    INTERNAL = 0
+    SERVER = 1
+    CLIENT = 2
+
+
+# --- log context -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LogContext:
+    """What the JSON log format writes on each line logged while handling a request."""
+
+    trace_id: str = ""
+    span_id: str = ""
+    request_id: str = ""
+
+
+LOG_CONTEXT: contextvars.ContextVar[LogContext | None] = contextvars.ContextVar(
+    "kvmesh_log_context", default=None
+)
+"""The request being handled by the current task (set by the request handlers; tasks they
+start inherit it)."""
+
+
+# --- spans -------------------------------------------------------------------------------------
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """The wall-clock time (ns since the epoch) of a `time.monotonic()` reading."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
+class Span:
+    """A span that records nothing (tracing off, or its trace not sampled); the base of the
+    recording one. `context` is what the next hop gets as its parent."""
+
+    __slots__ = ("context",)
+
+    recording = False
+
+    def __init__(self, context: TraceContext) -> None:
+        self.context = context
+
+    def set(self, key: str, value: str | bool | int | float | list[str]) -> None:
+        """Set an attribute."""
+
+    def update(self, attributes: Mapping[str, str | bool | int | float | list[str]]) -> None:
+        """Set several attributes."""
+
+    def error(self, error_type: str, message: str = "") -> None:
+        """Mark the span failed: status ERROR and the `error.type` attribute."""
+
+    def end(self, end_ns: int | None = None) -> None:
+        """End the span (at `end_ns`, ns since the epoch; default now). Idempotent."""
+
+
+class _RecordingSpan(Span):
+    __slots__ = (
+        "_ended",
+        "_error",
+        "_tracer",
+        "attributes",
+        "kind",
+        "name",
+        "parent",
+        "remote_parent",
+        "start_ns",
+    )
+
+    recording = True
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        name: str,
+        context: TraceContext,
+        parent: TraceContext | None,
+        remote_parent: bool,
+        kind: SpanKind,
+        attributes: dict[str, Any],
+        start_ns: int,
+    ) -> None:
+        self.context = context
+        self._tracer = tracer
+        self.name = name
+        self.parent = parent
+        self.remote_parent = remote_parent
+        self.kind = kind
+        self.attributes = attributes
+        self.start_ns = start_ns
+        self._error: str | None = None
+        self._ended = False
+
+    def set(self, key: str, value: str | bool | int | float | list[str]) -> None:
+        self.attributes[key] = value
+
+    def update(self, attributes: Mapping[str, str | bool | int | float | list[str]]) -> None:
+        self.attributes.update(attributes)
+
+    def error(self, error_type: str, message: str = "") -> None:
+        self.attributes["error.type"] = error_type
+        self._error = message or error_type
+
+    def end(self, end_ns: int | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._tracer._finish(self, time.time_ns() if end_ns is None else end_ns)
+
+
+class Tracer:
+    """Starts spans; exports the ended ones through the SDK (see the module docstring).
+
+    A Tracer built without `provider` is off: every span is non-recording.
+    """
+
+    def __init__(
+        self,
+        provider: TracerProvider | None = None,
+        processor: BatchSpanProcessor | None = None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.enabled = provider is not None and processor is not None
+        """Whether spans can record (tracing was set up)."""
+        self.provider = provider
+        self._processor = processor
+        self._sampler = sampler
+        self._parent_based = True
+        """A remote parent's sampled flag decides (the sampler need not be asked)."""
+        if self.enabled:
+            from opentelemetry.sdk.trace.sampling import ParentBased
+
+            self._parent_based = sampler is None or isinstance(sampler, ParentBased)
+
+    def start(
+        self,
+        name: str,
+        parent: TraceContext | None,
+        *,
+        kind: SpanKind = SpanKind.INTERNAL,
+        remote: bool = False,
+        attributes: dict[str, Any] | None = None,
+        start_ns: int | None = None,
+    ) -> Span:
+        """Start span `name`, a child of `parent` (None: a new trace).
+
+        `remote`: `parent` came from another process (or a client). A new trace is sampled by
+        the configured sampler; a child follows its parent's sampled flag, but for a remote
+        parent under a sampler that is not parent-based (`always_on`, `traceidratio`, ...),
+        which decides again. `attributes` is kept (not copied).
+        """
+        if parent is None:
+            context = TraceContext.new()
+            if self.enabled and not self._sample(None, context.trace_id, name, kind):
+                context = TraceContext(context.trace_id, context.span_id, 0)
+        else:
+            context = parent.child()
+            if self.enabled and remote and not self._parent_based:
+                sampled = self._sample(parent, parent.trace_id, name, kind)
+                if sampled != parent.sampled:
+                    flags = (parent.flags | 1) if sampled else (parent.flags & ~1)
+                    context = TraceContext(
+                        context.trace_id, context.span_id, flags, parent.tracestate
+                    )
+        if not self.enabled or not context.sampled:
+            return Span(context)
+        return _RecordingSpan(
+            self,
+            name,
+            context,
+            parent,
+            remote,
+            kind,
+            attributes if attributes is not None else {},
+            time.time_ns() if start_ns is None else start_ns,
+        )
+
+    def _sample(
+        self, parent: TraceContext | None, trace_id: str, name: str, kind: SpanKind
+    ) -> bool:
+        sampler = self._sampler
+        if sampler is None:
+            return True
+        from opentelemetry import trace as otel_trace
+        from opentelemetry.sdk.trace.sampling import Decision
+
+        context = None
+        if parent is not None:
+            context = otel_trace.set_span_in_context(
+                otel_trace.NonRecordingSpan(_span_context(parent, remote=True))
+            )
+        result = sampler.should_sample(
+            context, int(trace_id, 16), name, otel_trace.SpanKind(int(kind))
+        )
+        return result.decision is Decision.RECORD_AND_SAMPLE
+
+    def _finish(self, span: _RecordingSpan, end_ns: int) -> None:
+        processor = self._processor
+        if processor is None:  # pragma: no cover - recording spans exist only when enabled
+            return
+        ctx = span.context
+        parent = span.parent
+        processor.on_end(
+            SpanRecord(  # type: ignore[arg-type]  # the batch processor only queues it
+                span.name,
+                ctx.trace_id,
+                ctx.span_id,
+                parent.span_id if parent is not None else "",
+                span.remote_parent,
+                ctx.flags,
+                ctx.tracestate,
+                int(span.kind),
+                span.start_ns,
+                end_ns,
+                span.attributes,
+                span._error,
+            )
+        )
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Export what is queued now; False if that did not finish in time."""
+        if self.provider is None:
+            return True
+        return bool(self.provider.force_flush(int(timeout_s * 1000)))
+
+    def shutdown(self) -> None:
+        """Flush and stop the exporter (the tracer is off afterwards)."""
+        provider, self.provider = self.provider, None
+        self.enabled = False
+        if provider is not None:
+            provider.shutdown()
+
+
+def _span_context(ctx: TraceContext, *, remote: bool) -> Any:
+    from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+
+    state = TraceState.from_header([ctx.tracestate]) if ctx.tracestate else None
+    return SpanContext(
+        int(ctx.trace_id, 16), int(ctx.span_id, 16), remote, TraceFlags(ctx.flags), state
+    )
+
+
+# --- setup -------------------------------------------------------------------------------------
+
+_TRACER = Tracer()
+
+
+def tracer() -> Tracer:
+    """This process's tracer (off until setup_tracing)."""
+    return _TRACER
+
+
+def _env(*names: str) -> str:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return ""
+
+
+def setup_tracing(
+    config: TracingConfig,
+    process: str,
+    *,
+    role: str = "",
+    worker_id: str = "",
+) -> Tracer:
+    """Configure this process's tracer (see the module docstring); returns it. `process`
+    names the default service (`kvmesh-<process>`). Off (and free) when no endpoint is set."""
+    global _TRACER
+    endpoint = config.otel_endpoint or _env(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    disabled = (
+        _env("OTEL_SDK_DISABLED").lower() == "true"
+        or _env("OTEL_TRACES_EXPORTER").lower() == "none"
+    )
+    if not endpoint or disabled:
+        _TRACER = Tracer()
+        return _TRACER
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    protocol = config.otel_protocol.value or _env(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"
+    )
+    protocol = protocol or Protocol.HTTP_PROTOBUF.value
+    if protocol not in (Protocol.GRPC.value, Protocol.HTTP_PROTOBUF.value):
+        raise ConfigError(
+            f"unsupported OTLP protocol {protocol!r} (kvmesh exports grpc or http/protobuf)"
+        )
+    attributes: dict[str, str] = {"service.instance.id": uuid.uuid4().hex}
+    named = config.otel_service_name or _env("OTEL_SERVICE_NAME")
+    if config.otel_service_name or not (
+        named or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    ):
+        attributes["service.name"] = config.otel_service_name or f"kvmesh-{process}"
+    attributes["service.version"] = __version__
+    attributes["kvmesh.process"] = process
+    if role:
+        attributes["kvmesh.role"] = role
+    if worker_id:
+        attributes["kvmesh.worker_id"] = worker_id
+    sampler = (
+        ParentBased(TraceIdRatioBased(config.otel_sampler_ratio))
+        if config.otel_sampler_ratio >= 0
+        else None
+    )
+    resource = Resource.create(attributes)
+    if protocol == Protocol.GRPC.value:
+        exporter = grpc_exporter(config.otel_endpoint or None, resource, SCOPE, __version__)
+    else:
+        url = config.otel_endpoint.rstrip("/") + "/v1/traces" if config.otel_endpoint else None
+        exporter = http_exporter(url, resource, SCOPE, __version__)
+    provider = TracerProvider(sampler=sampler, resource=resource)
+    processor = BatchSpanProcessor(exporter)
+    provider.add_span_processor(processor)
+    _TRACER = Tracer(provider, processor, provider.sampler)
+    log.info(
+        "tracing: exporting to %s over %s as %s",
+        endpoint,
+        protocol,
+        provider.resource.attributes.get("service.name"),
+    )
+    return _TRACER
+
+
+def shutdown_tracing(timeout_s: float = 5.0) -> None:
+    """Flush queued spans and stop exporting (graceful shutdown)."""
+    t = _TRACER
+    if t.enabled:
+        t.flush(timeout_s)
+        t.shutdown()

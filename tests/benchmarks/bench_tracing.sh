@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Tracing overhead at the gateway: streaming chat throughput and server CPU per request of
+# `kvmesh up` (2 instant mocker workers, 200 clients, 8 tokens), in three modes, rounds
+# interleaved so the machine's noise hits each mode alike:
+#   base : the code of BASE (default main: `git archive`, no tracing code at all)
+#   off  : this tree, tracing off (no OTEL endpoint)
+#   on   : this tree, every process tracing at 100 % sampling (parentbased_always_on), OTLP/gRPC
+#          to a span sink on this machine (tests/otlp_receiver.py, counting spans)
+#   bash tests/benchmarks/bench_tracing.sh            # N=4000 C=200 ROUNDS=3
+# Server CPU counts the frontend and worker processes only (not the client, not the sink).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-$PWD/.venv/bin/python}
+N=${N:-4000}; C=${C:-200}; ROUNDS=${ROUNDS:-3}; BASE=${BASE:-main}; MODES=${MODES:-"base off on"}
+free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+PORT=${PORT:-$(free_port)}; SINK_PORT=${SINK_PORT:-$(free_port)}
+WORK=$(mktemp -d /tmp/kvmesh-bench-tracing.XXXXXX)
+git archive "$BASE" | tar -x -C "$WORK"
+BASE_PATH=$(printf "$WORK/%s:" gen runtime frontend router workers planner sim apps)
+
+cpu_of() { # CPU ticks of the children of `kvmesh up` $1 (its frontend and workers)
+  local t=0; for p in $(pgrep -P "$1" || true); do
+  t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done; echo $t; }
+
+"$PY" -m tests.otlp_receiver "$SINK_PORT" >"$WORK/sink.log" 2>&1 &
+SINK=$!
+trap 'kill $SINK 2>/dev/null || true; wait $SINK 2>/dev/null || true; cat "$WORK/sink.log"; rm -rf "$WORK"' EXIT
+
+run_mode() { # mode round
+  local mode=$1 env=(env -u OTEL_EXPORTER_OTLP_ENDPOINT -u OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
+  case $mode in
+    base) env+=(PYTHONPATH="$BASE_PATH") ;;
+    on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT" OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
+  esac
+  "${env[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
+    --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
+  local up=$!
+  for _ in $(seq 150); do curl -sf "127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.2; done
+  local before; before=$(cpu_of $up)
+  local out; out=$("$PY" -m kvmesh bench --url "http://127.0.0.1:$PORT" -n "$N" -c "$C" --sequential 0)
+  local ticks=$(( $(cpu_of $up) - before ))
+  kill -INT $up; wait $up || true
+  echo "$out" | "$PY" -c "import sys,json
+c=json.loads(sys.stdin.readline())
+print(f'$mode round $2: {c[\"req_per_s\"]:7.1f} req/s  p50 {c[\"lat_ms_p50\"]:6.1f} ms  p99 {c[\"lat_ms_p99\"]:6.1f} ms | server CPU {$ticks*10000/($N+100):.0f} us/request', flush=True)"
+}
+
+uptime
+for r in $(seq 1 "$ROUNDS"); do
+  for mode in $MODES; do run_mode "$mode" "$r"; done
+done
+uptime

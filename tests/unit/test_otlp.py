@@ -1,0 +1,88 @@
+"""kvmesh.runtime.otlp writes the same ExportTraceServiceRequest as the OpenTelemetry SDK's own
+encoder: every field of every span (ids, parent and its remoteness, trace state, kind, times,
+attributes of every type, status), the resource and the scope."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
+from opentelemetry.trace.status import Status, StatusCode
+
+from kvmesh.runtime.otlp import SpanRecord, encode_request, encode_resource, encode_scope
+
+pytestmark = pytest.mark.unit
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+ATTRS = {
+    "http.request.method": "POST",
+    "gen_ai.usage.input_tokens": 1234567,
+    "negative": -5,
+    "big": 2**62,
+    "ratio": 0.125,
+    "ok": True,
+    "no": False,
+    "gen_ai.response.finish_reasons": ["stop", "length"],
+    "empty": "",
+    "unicode": "prompt \u00e9\u4e2d",
+    "long": "x" * 20000,
+}
+
+
+def records() -> list[SpanRecord]:
+    return [
+        SpanRecord("POST /v1/chat/completions", TRACE, "00f067aa0ba902b7", "a0b1c2d3e4f5a6b7",
+                   True, 1, "vendor=value", 1, 1_700_000_000_000_000_000,
+                   1_700_000_000_500_000_000, ATTRS, None),
+        SpanRecord("route", TRACE, "1111111111111111", "00f067aa0ba902b7", False, 1, "", 0,
+                   1_700_000_000_100_000_000, 1_700_000_000_100_050_000, {}, "no worker"),
+        SpanRecord("kv_transfer", TRACE, "2222222222222222", "", False, 1, "", 2, 5, 6,
+                   {"kvmesh.kv_transfer.bytes": 8388608}, ""),
+    ]  # fmt: skip
+
+
+def readable(r: SpanRecord, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+    state = TraceState.from_header([r.tracestate]) if r.tracestate else None
+    flags = TraceFlags(r.flags)
+    parent = (
+        SpanContext(int(r.trace_id, 16), int(r.parent_id, 16), r.parent_remote, flags, state)
+        if r.parent_id
+        else None
+    )
+    return ReadableSpan(
+        name=r.name,
+        context=SpanContext(int(r.trace_id, 16), int(r.span_id, 16), False, flags, state),
+        parent=parent,
+        resource=resource,
+        attributes=r.attributes,
+        kind=SpanKind(r.kind),
+        instrumentation_scope=scope,
+        status=Status(StatusCode.ERROR, r.error or None) if r.error is not None else Status(),
+        start_time=r.start_ns,
+        end_time=r.end_ns,
+    )
+
+
+def test_the_encoding_is_the_sdks_field_for_field() -> None:
+    resource = Resource.create({"service.name": "kvmesh-worker", "kvmesh.role": "decode"})
+    scope = InstrumentationScope("kvmesh", "0.1.0")
+    ours = ExportTraceServiceRequest.FromString(
+        encode_request(
+            encode_resource(resource.attributes), encode_scope("kvmesh", "0.1.0"), records()
+        )
+    )
+    sdk = encode_spans([readable(r, resource, scope) for r in records()])
+    assert ours == sdk
+    spans = ours.resource_spans[0].scope_spans[0].spans
+    assert [s.name for s in spans] == ["POST /v1/chat/completions", "route", "kv_transfer"]
+    assert spans[0].flags == 0x300 and spans[1].flags == 0x100  # parent remote / local
+    assert spans[1].status.code == 2 and spans[1].status.message == "no worker"
+
+
+def test_an_empty_batch_is_a_valid_request() -> None:
+    msg = ExportTraceServiceRequest.FromString(encode_request(b"", encode_scope("k", "1"), []))
+    assert len(msg.resource_spans) == 1 and not msg.resource_spans[0].scope_spans[0].spans

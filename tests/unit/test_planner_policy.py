@@ -1,0 +1,242 @@
+"""The planner's pure parts: predictors, the latency model over a profile, the SLA and queue
+policies, the shared limits (min/max, stabilization window, budget), the drain order."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
+from kvmesh.planner.drain import DrainCandidate, drain_order
+from kvmesh.planner.model import WorkerModel
+from kvmesh.planner.policy import Observation, Planner, PoolState
+from kvmesh.planner.predictors import (
+    ConstantPredictor,
+    KalmanPredictor,
+    MovingAveragePredictor,
+    PredictorKind,
+    make_predictor,
+)
+from kvmesh.planner.profile import DecodeGrid, PerfProfile, PrefillCurve, RoleProfile
+from kvmesh.runtime.errors import InvalidRequest, Unimplemented
+from kvmesh.runtime.types import Role
+
+pytestmark = pytest.mark.unit
+
+AGG = Role.AGGREGATED
+
+# A worker whose prefill takes 10 ms + 0.02 ms/token alone, and whose decode step is 5 ms plus
+# 0.05 ms per sequence (context does not matter), measured up to 256 sequences.
+PREFILL = PrefillCurve([100.0, 1000.0, 10000.0], [12.0, 30.0, 210.0], [4e4, 4e4, 4e4])
+CONC = [1.0, 16.0, 64.0, 256.0]
+DECODE = DecodeGrid(
+    [512.0, 8192.0],
+    CONC,
+    [[5.0 + 0.05 * c for c in CONC], [5.0 + 0.05 * c for c in CONC]],
+    [[c / (5.0 + 0.05 * c) * 1e3 for c in CONC], [c / (5.0 + 0.05 * c) * 1e3 for c in CONC]],
+)
+PROFILE = PerfProfile("test", "m", "hand-made", {AGG: RoleProfile(PREFILL, DECODE)})
+
+
+def obs(rate: float, *, interval: float = 10.0, inflight: int = 0, **kw: float) -> Observation:
+    n = round(rate * interval)
+    return Observation(
+        interval_s=interval, requests=n, isl_mean=1000.0 if n else math.nan,
+        osl_mean=100.0 if n else math.nan, inflight=inflight, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def config(**kw: object) -> PlannerConfig:
+    base: dict[str, object] = {
+        "ttft_slo_ms": 200.0,
+        "itl_slo_ms": 20.0,
+        "adjustment_interval_s": 10.0,
+        "predictor": PredictorKind.CONSTANT,
+        "min_workers": 1,
+        "max_workers": 20,
+        "scale_down_delay_s": 30.0,
+        "worker_startup_s": 0.0,
+        "prediction_margin": 0.0,
+    }
+    base.update(kw)
+    return PlannerConfig(**base)  # type: ignore[arg-type]
+
+
+def test_predictors() -> None:
+    c = ConstantPredictor()
+    assert c.predict() == 0.0
+    c.observe(5.0)
+    assert c.predict(3) == 5.0
+    m = MovingAveragePredictor(window=3)
+    for v in (1, 2, 3, 10):
+        m.observe(v)
+    assert m.predict() == pytest.approx(5.0)
+    k = KalmanPredictor()
+    for t in range(40):  # a ramp, +2 per interval, with a little noise
+        k.observe(10 + 2 * t + (0.5 if t % 2 else -0.5))
+    assert k.predict(1) == pytest.approx(10 + 2 * 40, abs=2.0)
+    assert k.predict(5) == pytest.approx(10 + 2 * 44, abs=4.0)  # extrapolates the trend
+    flat = KalmanPredictor()
+    for _ in range(30):
+        flat.observe(7.0)
+    assert flat.predict(10) == pytest.approx(7.0, abs=1e-3)
+    down = KalmanPredictor()
+    for t in range(20):
+        down.observe(max(0.0, 20 - 3 * t))
+    assert down.predict(5) >= 0.0  # never negative
+
+
+def test_optional_predictors_say_how_to_get_them() -> None:
+    for kind, module in ((PredictorKind.ARIMA, "statsmodels"), (PredictorKind.PROPHET, "prophet")):
+        try:
+            __import__(module)
+        except ImportError:
+            with pytest.raises(Unimplemented, match=f"kvmesh\\[{kind.value}\\]"):
+                make_predictor(kind, 10.0)
+        else:
+            p = make_predictor(kind, 10.0)
+            for t in range(30):
+                p.observe(10.0 + t)
+            assert p.predict(1) == pytest.approx(40.0, abs=4.0)
+
+
+def test_latency_model_and_capacity() -> None:
+    model = WorkerModel(PREFILL, DECODE)
+    idle = model.latency(1e-6, 1000, 100)
+    assert idle.ttft_ms == pytest.approx(30.0, rel=1e-3)  # the prefill alone
+    assert idle.itl_ms == pytest.approx(5.05, rel=1e-2)
+    busy = model.latency(20.0, 1000, 100)  # rho = 0.6: queueing and interleaved prefills
+    assert busy.ttft_ms > idle.ttft_ms and busy.itl_ms > idle.itl_ms / (1 - 0.6) * 0.99
+    assert math.isinf(model.latency(40.0, 1000, 100).ttft_ms)  # prefill saturated
+    cap = model.capacity(1000, 100, ttft_ms=200.0, itl_ms=20.0)
+    at_cap = model.latency(cap, 1000, 100)
+    assert at_cap.itl_ms <= 20.0 + 1e-6 and at_cap.ttft_ms <= 200.0 + 1e-6
+    over = model.latency(cap * 1.05, 1000, 100)
+    assert over.itl_ms > 20.0 or over.ttft_ms > 200.0
+    assert model.capacity(1000, 100, ttft_ms=1.0, itl_ms=20.0) == 0.0  # unreachable
+    # decode-only and prefill-only workers (disaggregated pools)
+    assert WorkerModel(None, DECODE).latency(10.0, 1000, 100).ttft_ms == 0.0
+    assert WorkerModel(PREFILL, None).capacity(1000, 100, 200.0, 1.0) > 0
+
+
+def test_sla_planner_follows_the_load_both_ways() -> None:
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    high = math.floor(100 * cap) / 10  # 10 workers' worth, in whole requests per interval
+    pool = PoolState(AGG, target=1, ready=1)
+    now = 0.0
+    targets = []
+    for rate in (2.0, high, high, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0):
+        now += 10.0
+        d = planner.decide(now, obs(rate), {AGG: pool})
+        targets.append(d.targets[AGG])
+        pool = PoolState(AGG, target=d.targets[AGG], ready=d.targets[AGG])
+    assert targets[0] == 1
+    assert targets[1] == math.ceil(high / cap - 1e-9) == 10  # up at once
+    # down only once the window (30 s, ends included) holds nothing larger: the last high
+    # interval was at 30 s, so 60 s still holds
+    assert targets[2:6] == [10, 10, 10, 10]
+    assert targets[6] == 1
+    assert targets[-1] == 1  # zero traffic: the minimum
+
+
+def test_zero_traffic_scales_to_zero_and_a_waiting_request_brings_one_back() -> None:
+    planner = Planner(
+        config(min_workers=0, scale_down_delay_s=0.0), PlannerPolicy.SLA, [AGG], PROFILE
+    )
+    d = planner.decide(10.0, obs(0.0), {AGG: PoolState(AGG, target=2, ready=2)})
+    assert d.targets[AGG] == 0
+    d = planner.decide(20.0, obs(0.0, inflight=1), {AGG: PoolState(AGG, target=0, ready=0)})
+    assert d.targets[AGG] == 1
+
+
+def test_queued_work_counts_and_starting_workers_are_not_counted_twice() -> None:
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    calm = planner.decide(10.0, obs(5.0), {AGG: PoolState(AGG, target=1, ready=1)})
+    assert calm.targets[AGG] == 1
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    burst = planner.decide(10.0, obs(5.0, inflight=2000), {AGG: PoolState(AGG, target=1, ready=1)})
+    assert burst.targets[AGG] > 3  # the backlog asks for more workers
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    pending = planner.decide(
+        10.0,
+        obs(5.0, inflight=2000),
+        {AGG: PoolState(AGG, target=burst.targets[AGG], ready=1, starting=burst.targets[AGG] - 1)},
+    )
+    # the same backlog with those workers already starting: no more than asked before
+    assert pending.targets[AGG] <= burst.targets[AGG]
+
+
+def test_observed_latency_corrects_the_profile() -> None:
+    def capacity(ttft_tail: float, itl: float) -> float:
+        planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+        o = obs(30.0, first_tokens=300, ttft_tail_ms=ttft_tail, itl_ms=itl)
+        decision = planner.decide(10.0, o, {AGG: PoolState(AGG, target=3, ready=3)})
+        return decision.capacity_rps[AGG]
+
+    expected = WorkerModel(PREFILL, DECODE).latency(10.0, 1000, 100)
+    as_profiled = capacity(expected.ttft_ms, expected.itl_ms)
+    assert as_profiled == pytest.approx(
+        WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9), rel=1e-6
+    )
+    # slower than the profile says (TTFT tail or ITL): less per worker, so more workers
+    assert capacity(20 * expected.ttft_ms, expected.itl_ms) < as_profiled
+    assert capacity(expected.ttft_ms, 2 * expected.itl_ms) < as_profiled
+    assert capacity(expected.ttft_ms / 2, expected.itl_ms / 2) > as_profiled
+
+
+def test_prediction_margin_grows_with_prediction_errors() -> None:
+    def planned(margin: float, rates: list[float]) -> float:
+        planner = Planner(config(prediction_margin=margin), PlannerPolicy.SLA, [AGG], PROFILE)
+        d = None
+        for i, rate in enumerate(rates):
+            d = planner.decide(10.0 * (i + 1), obs(rate), {AGG: PoolState(AGG, 1, 1)})
+        assert d is not None
+        return d.predicted_rps
+
+    steady = [20.0] * 8
+    assert planned(1.0, steady) == pytest.approx(planned(0.0, steady))  # no error, no margin
+    jumpy = [20.0, 40.0, 20.0, 40.0, 20.0, 40.0]
+    assert planned(1.0, jumpy) > planned(0.0, jumpy) + 5
+
+
+def test_budget_and_limits() -> None:
+    planner = Planner(config(max_total_workers=5, max_workers=4), PlannerPolicy.SLA,
+                      [Role.PREFILL, Role.DECODE], PROFILE)  # fmt: skip
+    pools = {
+        Role.PREFILL: PoolState(Role.PREFILL, target=1, ready=1),
+        Role.DECODE: PoolState(Role.DECODE, target=1, ready=1),
+    }
+    d = planner.decide(10.0, obs(500.0), pools)
+    assert all(1 <= n <= 4 for n in d.targets.values())
+    assert sum(d.targets.values()) == 5
+    with pytest.raises(InvalidRequest, match="not both"):
+        Planner(config(), PlannerPolicy.SLA, [AGG, Role.DECODE], PROFILE)
+    with pytest.raises(InvalidRequest, match="profile"):
+        Planner(config(), PlannerPolicy.SLA, [AGG], None)
+    with pytest.raises(ValueError, match="min-workers"):
+        PlannerConfig(min_workers=5, max_workers=2)
+
+
+def test_queue_policy_is_hpa() -> None:
+    cfg = config(queue_target=4.0, scale_down_delay_s=0.0)
+    planner = Planner(cfg, PlannerPolicy.QUEUE, [AGG])
+    pool = PoolState(AGG, target=10, ready=10)
+    assert planner.decide(10.0, obs(1.0, inflight=40), {AGG: pool}).targets[AGG] == 10
+    assert planner.decide(20.0, obs(1.0, inflight=43), {AGG: pool}).targets[AGG] == 10  # +-10 %
+    assert planner.decide(30.0, obs(1.0, inflight=60), {AGG: pool}).targets[AGG] == 15
+    assert planner.decide(40.0, obs(1.0, inflight=8), {AGG: pool}).targets[AGG] == 2
+
+
+def test_drain_order_prefers_the_least_cached_value() -> None:
+    order = drain_order(
+        [
+            DrainCandidate("hot", started=1.0, cached_blocks=900, inflight=1),
+            DrainCandidate("cold", started=2.0, cached_blocks=10, inflight=5),
+            DrainCandidate("cold-idle", started=0.0, cached_blocks=10, inflight=0),
+            DrainCandidate("booting", started=3.0, serving=False),
+            DrainCandidate("booting-new", started=4.0, serving=False),
+        ]
+    )
+    assert [c.worker_id for c in order] == ["booting-new", "booting", "cold-idle", "cold", "hot"]

