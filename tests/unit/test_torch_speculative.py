@@ -17,6 +17,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 from kvmesh.runtime import wire
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
+from kvmesh.workers.metrics import WorkerCollector
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
@@ -110,6 +111,11 @@ async def test_greedy_output_identical_and_drafts_accepted(
         stats.accepted_tokens,
         stats.emitted_tokens,
     )
+    # ... and the worker's /metrics, under vLLM's names
+    collector = WorkerCollector("w", lambda: spec.info, spec.load, None)
+    values = {m.name: m.samples[0].value for m in collector.collect()}
+    assert values["kvmesh_worker_spec_decode_num_draft_tokens"] == stats.draft_tokens
+    assert values["kvmesh_worker_spec_decode_num_accepted_tokens"] == stats.accepted_tokens
 
 
 async def test_mixed_batch_and_budget_cuts(
