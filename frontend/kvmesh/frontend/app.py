@@ -312,30 +312,36 @@ class _Routes:
     # -- LoRA adapters (vLLM's runtime loading API) ----------------------------------------
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        path = LOAD_LORA_PATH
+        obs = self._observed(request, LOAD_LORA_PATH)
         try:
             parsed = parse_lora_request(LoadLoraAdapterRequest, await request.read())
             await self.service.load_lora_adapter(parsed.lora_name, parsed.lora_path, parsed.model)
         except web.HTTPException as exc:
-            return self._http_error(path, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(path, exc)
-        self.metrics.request_done(path, 200)
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
         return web.Response(
             text=f"Success: LoRA adapter '{parsed.lora_name}' added successfully.",
             content_type="text/plain",
         )
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        path = UNLOAD_LORA_PATH
+        obs = self._observed(request, UNLOAD_LORA_PATH)
         try:
             parsed = parse_lora_request(UnloadLoraAdapterRequest, await request.read())
             await self.service.unload_lora_adapter(parsed.lora_name)
         except web.HTTPException as exc:
-            return self._http_error(path, exc)
+            return self._http_error(obs, exc)
         except Exception as exc:
-            return self._error(path, exc)
-        self.metrics.request_done(path, 200)
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
         return web.Response(
             text=f"Success: LoRA adapter '{parsed.lora_name}' removed successfully.",
             content_type="text/plain",
@@ -415,6 +421,8 @@ _ENDPOINTS = {
     CHAT_PATH: "chat_completions",
     COMPLETIONS_PATH: "completions",
     EMBEDDINGS_PATH: "embeddings",
+    LOAD_LORA_PATH: "load_lora_adapter",
+    UNLOAD_LORA_PATH: "unload_lora_adapter",
 }
 """The metrics' endpoint label of each OpenAI route (Dynamo's values)."""
 
