@@ -312,28 +312,28 @@ class _Routes:
     # -- LoRA adapters (vLLM's runtime loading API) ----------------------------------------
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        obs = self._observed(request, LOAD_LORA_PATH)
-        try:
-            parsed = parse_lora_request(LoadLoraAdapterRequest, await request.read())
+        async def load(body: bytes) -> str:
+            parsed = parse_lora_request(LoadLoraAdapterRequest, body)
             await self.service.load_lora_adapter(parsed.lora_name, parsed.lora_path, parsed.model)
-        except web.HTTPException as exc:
-            return self._http_error(obs, exc)
-        except Exception as exc:
-            return self._error(obs, exc)
-        except asyncio.CancelledError:
-            obs.done(_CLIENT_CLOSED)
-            raise
-        obs.done(200)
-        return web.Response(
-            text=f"Success: LoRA adapter '{parsed.lora_name}' added successfully.",
-            content_type="text/plain",
-        )
+            return f"Success: LoRA adapter '{parsed.lora_name}' added successfully."
+
+        return await self._lora(request, LOAD_LORA_PATH, load)
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        obs = self._observed(request, UNLOAD_LORA_PATH)
-        try:
-            parsed = parse_lora_request(UnloadLoraAdapterRequest, await request.read())
+        async def unload(body: bytes) -> str:
+            parsed = parse_lora_request(UnloadLoraAdapterRequest, body)
             await self.service.unload_lora_adapter(parsed.lora_name)
+            return f"Success: LoRA adapter '{parsed.lora_name}' removed successfully."
+
+        return await self._lora(request, UNLOAD_LORA_PATH, unload)
+
+    async def _lora(
+        self, request: web.Request, path: str, act: Callable[[bytes], Awaitable[str]]
+    ) -> web.Response:
+        """Run a load/unload on the request body; vLLM's plain-text answer on success."""
+        obs = self._observed(request, path)
+        try:
+            text = await act(await request.read())
         except web.HTTPException as exc:
             return self._http_error(obs, exc)
         except Exception as exc:
@@ -342,10 +342,7 @@ class _Routes:
             obs.done(_CLIENT_CLOSED)
             raise
         obs.done(200)
-        return web.Response(
-            text=f"Success: LoRA adapter '{parsed.lora_name}' removed successfully.",
-            content_type="text/plain",
-        )
+        return web.Response(text=text, content_type="text/plain")
 
     # -- errors ----------------------------------------------------------------------------
 
