@@ -177,6 +177,7 @@ class FakeSglangEngine:
             incremental_streaming_output=bool(kwargs.get("incremental_streaming_output")),
             disaggregation_bootstrap_port=int(kwargs.get("disaggregation_bootstrap_port", 8998)),
             lora_paths=kwargs.get("lora_paths"),
+            grammar_backend=kwargs.get("grammar_backend", "xgrammar"),
         )
         self.scheduler_info = {
             "max_total_num_tokens": 256 * page,

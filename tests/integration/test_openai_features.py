@@ -389,6 +389,19 @@ async def test_forced_tool_choice_uses_guided_decoding(gw: Gateway) -> None:
     assert guided is not None
     schema = json.loads(guided.value)
     assert schema["type"] == "array" and len(schema["items"]["anyOf"]) == 2
+    assert all(v["additionalProperties"] is False for v in schema["items"]["anyOf"])
+    assert "maxItems" not in schema
+
+    gw.say('[{"name": "get_time", "parameters": {}}]')
+    await gw.client.chat.completions.create(
+        model=GUIDED,
+        messages=USER,
+        tools=WEATHER,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    guided = gw.backend.calls[-1].request.sampling.guided
+    assert guided is not None and json.loads(guided.value)["maxItems"] == 1  # one call at most
 
 
 async def test_tools_without_a_parser_are_refused(gw: Gateway, tok: Tokenizer) -> None:

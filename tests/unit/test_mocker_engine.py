@@ -76,8 +76,9 @@ async def test_virtual_time_follows_the_timing_model(speedup: float) -> None:
     await eng.stop()
     assert sum(len(o.token_ids) for o in outs) == 3
     poly = PolynomialTiming()
-    # step 1 prefills 1000 tokens (first token, no decode time); steps 2-3 decode at 63/100 blocks
-    expected_ms = poly.prefill_ms(1000) + 2 * poly.decode_ms(0.63)
+    # step 1 prefills 1000 tokens (first token, no decode time); steps 2-3 decode 1001 and 1002
+    # context tokens in 100 blocks x 16 token slots
+    expected_ms = poly.prefill_ms(1000) + poly.decode_ms(1001 / 1600) + poly.decode_ms(1002 / 1600)
     assert clock.now() == pytest.approx(expected_ms / 1000 / speedup)
 
 

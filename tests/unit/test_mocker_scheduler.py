@@ -295,11 +295,14 @@ def test_step_timing_numbers() -> None:
     r = sched.step(0.0)
     assert r.duration_s == pytest.approx(poly.prefill_ms(1000) / 1000)  # no decode time
     r = sched.step(0.0)
-    assert r.prefill_tokens == 0 and r.kv_usage == pytest.approx(63 / 100)
-    assert r.duration_s == pytest.approx(poly.decode_ms(0.63) / 1000)
+    # decode usage in token slots: prompt + first token over 100 blocks x 16 tokens
+    assert r.prefill_tokens == 0 and r.kv_usage == pytest.approx(1001 / 1600)
+    assert r.duration_s == pytest.approx(poly.decode_ms(1001 / 1600) / 1000)
     sched.add(req("b", 100, max_tokens=3), 0.0)
-    r = sched.step(0.0)  # mixed step: prefill + decode
-    assert r.duration_s == pytest.approx((poly.prefill_ms(100) + poly.decode_ms(r.kv_usage)) / 1000)
+    r = sched.step(0.0)  # mixed step: b's prefill adds prefill time only; a decodes at 1002
+    assert r.kv_usage == pytest.approx(1002 / 1600)
+    expected_ms = poly.prefill_ms(100) + poly.decode_ms(1002 / 1600)
+    assert r.duration_s == pytest.approx(expected_ms / 1000)
 
 
 def test_load_reports_pending_prefill() -> None:

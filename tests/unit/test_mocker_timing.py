@@ -82,16 +82,63 @@ def test_scheduler_prefill_step_matches_dynamo(case: dict[str, Any]) -> None:
     assert _scheduler_steps_ms(case)[0] == pytest.approx(case["ttft_ms"], abs=TOL_MS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known difference: kvmesh's mocker feeds decode_ms the fraction of whole blocks in "
-    "use, Dynamo's the fraction of token slots (e.g. a 1-token prompt in 100 blocks of 64: "
-    "kvmesh u=0.01 -> 6.28 ms, Dynamo u=2/6400 -> 5.76 ms); changing it changes every replay "
-    "number, so it is left to the engine-core owners",
-)
 def test_scheduler_decode_step_matches_dynamo() -> None:
+    """The decode step's KV usage counts token slots (prompt + first token over blocks x block
+    size), not whole blocks: e.g. a 1-token prompt in 100 blocks of 64 is u = 2/6400."""
     got = [_scheduler_steps_ms(case)[1] for case in CASES]
     assert got == pytest.approx([case["ttst_ms"] for case in CASES], abs=TOL_MS)
+
+
+def _prompt(hash_ids: list[int], length: int) -> list[int]:
+    """Equal hash ids give equal token runs of the trace block size (as in a Mooncake replay)."""
+    tb = DYNAMO["trace_block_size"]
+    tokens = [(h * 7919 + 13 * i) % 997 + 3 for h in hash_ids for i in range(tb)]
+    return tokens[:length]
+
+
+def _replay_one_worker(num_gpu_blocks: int, rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """First-token and finish times (ms) of `rows` on one mocker scheduler in virtual time: a
+    request that arrives during a step joins the next one."""
+    sched = MockerScheduler(
+        MockerConfig(num_gpu_blocks=num_gpu_blocks, block_size=BLOCK),
+        vocab_size=1000,
+        max_model_len=1 << 20,
+    )
+    pending = sorted(range(len(rows)), key=lambda i: rows[i]["timestamp_ms"])
+    got: list[dict[str, float]] = [{} for _ in rows]
+    now_ms = 0.0
+    while pending or sched.has_work:
+        while pending and rows[pending[0]]["timestamp_ms"] <= now_ms:
+            i = pending.pop(0)
+            row = rows[i]
+            stop = StopParams(max_tokens=row["output_length"], ignore_eos=True)
+            prompt = _prompt(row["hash_ids"], row["input_length"])
+            sched.add(EngineRequest(str(i), prompt, SamplingParams(temperature=0.0), stop), 0.0)
+        if not sched.has_work:
+            now_ms = rows[pending[0]]["timestamp_ms"]
+            continue
+        result = sched.step(now_ms / 1e3)
+        now_ms += result.duration_s * 1e3
+        for out in result.outputs:
+            times = got[int(out.request_id)]
+            times.setdefault("first_token_ms", now_ms)
+            if out.finish_reason is not None:
+                times["finish_ms"] = now_ms
+                assert out.usage is not None
+                times["reused_input_tokens"] = out.usage.cached_tokens
+    return got
+
+
+@pytest.mark.parametrize("batch", DYNAMO["batches"], ids=lambda b: b["name"])
+def test_batches_match_dynamo(batch: dict[str, Any]) -> None:
+    """Steps that mix requests are timed as Dynamo times them: prefill time over the step's new
+    tokens plus decode time at the decoding requests' context tokens (requests prefilling in the
+    step add no decode usage), with cached prefixes and chunked prefill."""
+    got = _replay_one_worker(batch["num_gpu_blocks"], batch["requests"])
+    for want, have in zip(batch["requests"], got, strict=True):
+        assert have["reused_input_tokens"] == want["reused_input_tokens"]
+        assert have["first_token_ms"] == pytest.approx(want["first_token_ms"], abs=1e-5)
+        assert have["finish_ms"] == pytest.approx(want["finish_ms"], abs=1e-5)
 
 
 def test_polynomial_clamps_usage_and_skips_empty_prefill() -> None:

@@ -72,6 +72,34 @@ CASES: list[tuple[str, str, str, tuple[str, str]]] = [
         "Reasoning from the prompt's tag</think>Answer",
         ("Reasoning from the prompt's tag", "Answer"),
     ),
+    # gpt-oss (harmony): the analysis channel is the reasoning, final the content; a message
+    # to a tool goes on to the gpt_oss tool parser as it is.
+    (
+        "gpt_oss",
+        "",
+        "<|channel|>analysis<|message|>User says hi. Reply.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Hello! <How> are you?<|return|>",
+        ("User says hi. Reply.", "Hello! <How> are you?"),
+    ),
+    (
+        "gpt_oss",
+        "",
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"c": 1}'
+        "<|call|>",
+        (
+            "Need the weather.",
+            "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+            '<|constrain|>json<|message|>{"c": 1}<|call|>',
+        ),
+    ),
+    (
+        "gpt_oss",
+        "",
+        "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis"
+        "<|message|>Two, cut off",
+        ("One.\nTwo, cut off", ""),
+    ),
 ]
 
 
@@ -107,7 +135,9 @@ def test_streaming_is_incremental() -> None:
 
 
 def test_lookup_and_detection() -> None:
-    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1"}
+    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "gpt_oss"}
+    assert REASONING_PARSERS["gpt_oss"].needs_special_tokens
+    assert detect_reasoning_parser("{{ '<|channel|>analysis<|message|>' }}") == "gpt_oss"
     assert get_reasoning_parser("deepseek") is REASONING_PARSERS["deepseek_r1"]
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         get_reasoning_parser("nope")

@@ -263,11 +263,11 @@ def test_virtual_time_follows_the_timing_model(tmp_path: Path) -> None:
     timing = PolynomialTiming()
     ttft_ms = timing.prefill_ms(1000)
     assert result.ttft_ms.mean == pytest.approx(ttft_ms)
-    blocks = 2048
-    # decode steps hold ceil(1001 / 64) = 16, then ceil(1002 / 64) = 16 blocks
-    itl_ms = timing.decode_ms(16 / blocks)
-    assert result.itl_ms.mean == pytest.approx(itl_ms)
-    assert result.e2e_ms.mean == pytest.approx(ttft_ms + 2 * itl_ms)
+    slots = 2048 * 64
+    # decode steps count 1001, then 1002 context tokens over the pool's token slots
+    itl_ms = [timing.decode_ms(1001 / slots), timing.decode_ms(1002 / slots)]
+    assert result.itl_ms.mean == pytest.approx(sum(itl_ms) / 2)
+    assert result.e2e_ms.mean == pytest.approx(ttft_ms + sum(itl_ms))
     assert result.duration_s == pytest.approx(result.e2e_ms.mean / 1e3)  # first arrival -> end
 
 

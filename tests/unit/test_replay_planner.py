@@ -28,8 +28,8 @@ from kvmesh.sim.replay import simulate
 from kvmesh.sim.reshape import day_rate, reshape_day
 from kvmesh.sim.results import ModeResult
 from kvmesh.sim.trace import Trace, TraceRequest, load_trace, write_trace
+from kvmesh.workers.mocker import PolynomialTiming
 from kvmesh.workers.mocker.config import MockerConfig
-from kvmesh.workers.mocker.timing import PolynomialTiming
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""KvScheduler: the cost function, choice, busy thresholds, load tracking, peers, approximate
+"""KvScheduler: the linear cost function, choice, busy thresholds, load tracking, peers, approximate
 mode. All synchronous, with explicit `now` (as `kvmesh replay` drives it)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.router.hashing import block_hashes
+from kvmesh.router.kv_policy import KvPolicyKind
 from kvmesh.router.kv_scheduler import (
     KvRouterConfig,
     KvScheduler,
@@ -37,8 +38,10 @@ def cache(sched: KvScheduler, worker: str, tokens: list[int]) -> None:
     sched.indexer.apply_event(worker, BlocksStored(None, blocks))
 
 
-def make(n: int = 3, **cfg: float) -> KvScheduler:
-    sched = KvScheduler(KvRouterConfig(**cfg), router_id="r1")  # type: ignore[arg-type]
+def make(n: int = 3, policy: KvPolicyKind = KvPolicyKind.COST, **cfg: float) -> KvScheduler:
+    """A scheduler over `n` workers; the linear cost policy unless `policy` says otherwise (the
+    ttft policy has its own tests, tests/unit/test_kv_policy.py)."""
+    sched = KvScheduler(KvRouterConfig(policy=policy, **cfg), router_id="r1")  # type: ignore[arg-type]
     for i in range(n):
         sched.add_worker(f"w{i}", block_size=BS, kv_total_blocks=100)
     return sched
@@ -69,7 +72,7 @@ def test_load_outweighs_overlap_and_the_weight_trades_them() -> None:
         sched.first_token(f"busy{i}")
     sel = sched.select(prompt, now=0.0)
     assert sel.costs == {"w0": 30.0, "w1": 20.0} and sel.worker_id == "w1"
-    heavy = KvScheduler(KvRouterConfig(overlap_weight=4.0))
+    heavy = KvScheduler(KvRouterConfig(overlap_weight=4.0, policy=KvPolicyKind.COST))
     for w in ("w0", "w1"):
         heavy.add_worker(w, block_size=BS)
     cache(heavy, "w0", prompt)

@@ -156,6 +156,19 @@ def test_choice_becomes_an_exact_regex() -> None:
     assert not pattern.fullmatch("aXb (c)") and not pattern.fullmatch("yesno")
 
 
+@pytest.mark.parametrize(("backend", "guided"), [("llguidance", True), ("none", False)])
+async def test_guided_decoding_follows_the_grammar_backend(backend: str, guided: bool) -> None:
+    """SGLang's own option (`grammar_backend`, via --sglang-engine-args) decides whether the
+    card advertises GUIDED_DECODING; "none" turns it off, so guided requests are refused."""
+    eng, build = make_engine(grammar_backend=backend)
+    await eng.start()
+    try:
+        assert ("GUIDED_DECODING" in eng.info.capabilities) is guided
+    finally:
+        await eng.stop()
+        await build.last.aclose()
+
+
 def test_what_sglang_cannot_do_is_an_invalid_request() -> None:
     with pytest.raises(InvalidRequest) as e:
         sampling_dict(request(repetition_penalty=2.5), 1024)

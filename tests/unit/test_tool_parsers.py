@@ -210,6 +210,88 @@ CASES: list[tuple[str, str, Expected]] = [
     ("pythonic", "[1, 2, 3] are numbers", ("[1, 2, 3] are numbers", [])),
     ("pythonic", "Sure! Here you go.", ("Sure! Here you go.", [])),
     ("pythonic", "[get_weather(city='Par", ("[get_weather(city='Par", [])),
+    # -- qwen3_coder (Qwen3-Coder) --------------------------------------------------------------
+    (
+        "qwen3_coder",
+        "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_time>\n<parameter=timezone>\nPST\n</parameter>\n"
+        "</function>\n</tool_call>",
+        (
+            "I'll check.",
+            [
+                ("get_weather", {"city": "San Francisco", "days": 3}),
+                ("get_time", {"timezone": "PST"}),
+            ],
+        ),
+    ),
+    (
+        "qwen3_coder",
+        '<tool_call>\n<function=search>\n<parameter=opts>\n{"k": [1, true]}\n</parameter>\n'
+        "<parameter=query>\nline one\nline two\n</parameter>\n</function>\n</tool_call>",
+        ("", [("search", {"opts": {"k": [1, True]}, "query": "line one\nline two"})]),
+    ),
+    ("qwen3_coder", "Plain answer.", ("Plain answer.", [])),
+    ("qwen3_coder", "<tool_call>oops</tool_call>", ("<tool_call>oops</tool_call>", [])),
+    # -- glm45 (GLM-4.5 / 4.6) ---------------------------------------------------------------
+    (
+        "glm45",
+        "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing"
+        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n"
+        "<tool_call>get_time\n</tool_call>",
+        ("Checking.", [("get_weather", {"city": "Beijing", "days": 2}), ("get_time", {})]),
+    ),
+    ("glm45", "No tools needed.", ("No tools needed.", [])),
+    # -- deepseek_v3 (DeepSeek V3 / R1) ----------------------------------------------------------
+    (
+        "deepseek_v3",
+        "Let me look.<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin"
+        "\uff5c>function<\uff5ctool\u2581sep\uff5c>get_weather\n```json\n"
+        '{"city": "Paris", "days": 3}\n```<\uff5ctool\u2581call\u2581end\uff5c>'
+        "<\uff5ctool\u2581call\u2581begin\uff5c>function<\uff5ctool\u2581sep\uff5c>get_time\n"
+        "```json\n{}\n```<\uff5ctool\u2581call\u2581end\uff5c><\uff5ctool\u2581calls\u2581end"
+        "\uff5c>",
+        ("Let me look.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ),
+    ("deepseek_v3", "Just text.", ("Just text.", [])),
+    # -- deepseek_v31 (DeepSeek V3.1) ------------------------------------------------------------
+    (
+        "deepseek_v31",
+        "<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>"
+        'get_weather<\uff5ctool\u2581sep\uff5c>{"city": "Paris"}<\uff5ctool\u2581call\u2581end'
+        "\uff5c><\uff5ctool\u2581calls\u2581end\uff5c>",
+        ("", [("get_weather", {"city": "Paris"})]),
+    ),
+    # -- kimi_k2 -------------------------------------------------------------------------------
+    (
+        "kimi_k2",
+        "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+        'functions.get_time:1<|tool_call_argument_begin|>{"timezone": "PST"}<|tool_call_end|>'
+        "<|tool_calls_section_end|>",
+        ("Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "PST"})]),
+    ),
+    ("kimi_k2", "Nothing to call.", ("Nothing to call.", [])),
+    # -- gpt_oss (harmony) ---------------------------------------------------------------------
+    (
+        "gpt_oss",
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+        "<|call|>",
+        ("", [("get_weather", {"city": "Paris"})]),
+    ),
+    (
+        "gpt_oss",
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|><|call|>",
+        ("", [("get_time", {})]),
+    ),
+    (
+        "gpt_oss",
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Hello there!<|return|>",
+        ("Hello there!", []),
+    ),
+    ("gpt_oss", "Plain text.", ("Plain text.", [])),
 ]
 
 
@@ -330,13 +412,34 @@ def test_named_tool_choice_stream() -> None:
 
 
 def test_lookup_and_detection() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(TOOL_PARSERS) == {
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "pythonic",
+        "qwen3_coder",
+        "glm45",
+        "deepseek_v3",
+        "deepseek_v31",
+        "kimi_k2",
+        "gpt_oss",
+    }
     assert get_tool_parser("qwen3") is get_tool_parser("hermes")
+    assert get_tool_parser("glm4_moe") is get_tool_parser("glm45")
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         get_tool_parser("nope")
     assert detect_tool_parser(CHAT_TEMPLATE) == "llama3_json"  # the tiny model: Llama 3 style
     assert detect_tool_parser("... <tool_call>\\n{{ tool_call | tojson }} ...") == "hermes"
     assert detect_tool_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_tool_parser("[func_name1(params_name1=params_value1...)]") == "pythonic"
+    qwen3_coder = "<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>\n{{ v }}"
+    assert detect_tool_parser(qwen3_coder) == "qwen3_coder"
+    glm = "<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>"
+    assert detect_tool_parser(glm) == "glm45"
+    ds_begin = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+    assert detect_tool_parser(ds_begin + "function ... ```json") == "deepseek_v3"
+    assert detect_tool_parser(ds_begin + "{{ name }}") == "deepseek_v31"
+    assert detect_tool_parser("<|tool_calls_section_begin|>") == "kimi_k2"
+    assert detect_tool_parser("<|start|>assistant<|channel|>final<|message|>") == "gpt_oss"
     assert detect_tool_parser("{{ messages }}") is None
     assert detect_tool_parser(None) is None

@@ -1,5 +1,5 @@
 """The `kvmesh` command: up, frontend, router, worker, planner, model, bench, replay, reshape,
-profile.
+profile, workload.
 
 Parsing happens in main() only. Each process (up, frontend, router, worker) has one entry point
 in its component (`ENTRY`: its name, the config dataclasses its flags come from, and the function
@@ -95,11 +95,18 @@ def _cmd_reshape(ns: argparse.Namespace) -> int:
     return run_reshape(from_args(ReshapeConfig, ns))
 
 
+def _cmd_workload(ns: argparse.Namespace) -> int:
+    from kvmesh.sim.workloads import run_workload
+
+    return run_workload(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (built on demand, never at import time)."""
     from kvmesh.apps.bench import BenchConfig
     from kvmesh.sim.config import add_replay_args
     from kvmesh.sim.reshape import ReshapeConfig
+    from kvmesh.sim.workloads import WorkloadConfig
 
     parser = argparse.ArgumentParser(prog="kvmesh", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
@@ -157,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         "reshape", "re-time a trace's requests into a day (low -> peak -> low)", _cmd_reshape
     )
     add_args(reshape, ReshapeConfig)
+
+    workload = command(
+        "workload",
+        "write a generated trace with known prefix sharing (Mooncake JSONL) for kvmesh replay",
+        _cmd_workload,
+    )
+    add_args(workload, WorkloadConfig)
     return parser
 
 

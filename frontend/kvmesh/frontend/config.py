@@ -67,7 +67,8 @@ class FrontendConfig:
     tool_call_parser: str = opt(
         "auto",
         "how tool calls are read from model output: hermes, llama3_json, mistral, pythonic, "
-        "none, or auto (from the chat template); per model: 'model=parser,...' (an entry "
+        "qwen3_coder, glm45, deepseek_v3, deepseek_v31, kimi_k2, none, or auto (from the "
+        "chat template); per model: 'model=parser,...' (an entry "
         "without 'model=' is the default)",
     )
     reasoning_parser: str = opt(

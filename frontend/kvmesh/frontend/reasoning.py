@@ -12,6 +12,13 @@ the output is inspected: it starts with `<think>` or it is all content. The `dee
 parser instead treats output without an opening tag as reasoning until `</think>` (and all of
 it when the tag never comes), as DeepSeek-R1 behaves.
 
+gpt-oss writes OpenAI's harmony format instead (`gpt_oss`): messages
+`<|channel|>analysis<|message|>...<|end|>`, `<|start|>assistant<|channel|>final<|message|>...`,
+each ending in `<|end|>`, `<|call|>` or `<|return|>`. The `analysis` channel is the reasoning;
+`final` (and `commentary` addressed to nobody) is the content; a message addressed to a tool
+(`to=functions.NAME`) is passed on, markers and all, for the `gpt_oss` tool-call parser. Its
+markers are special tokens, so the gateway keeps special tokens when detokenizing for it.
+
 Whitespace around the tags is dropped (reasoning and content are stripped at the boundaries);
 a tail that could be the start of `</think>` is held back until resolved, so the tags never
 leak into either field, however the text is split into pieces.
@@ -20,13 +27,17 @@ leak into either field, however the text is split into pieces.
 from __future__ import annotations
 
 import enum
+import re
+from dataclasses import dataclass
 
 __all__ = [
     "REASONING_PARSERS",
+    "HarmonyMessage",
     "ReasoningParser",
     "ReasoningStream",
     "detect_reasoning_parser",
     "get_reasoning_parser",
+    "harmony_messages",
     "split_reasoning",
 ]
 
@@ -44,6 +55,9 @@ class _State(enum.Enum):
 
 class ReasoningParser:
     """A `<think>`-style reasoning format (see the module docstring)."""
+
+    needs_special_tokens = False
+    """Detokenize with special tokens kept (the markers are special tokens: harmony)."""
 
     def __init__(
         self, name: str, *, start: str = "<think>", end: str = "</think>", implicit: bool
@@ -166,12 +180,158 @@ def _marker_prefix_len(text: str, marker: str) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# Harmony (gpt-oss)
+
+_H_START = "<|start|>"
+_H_CHANNEL = "<|channel|>"
+_H_MESSAGE = "<|message|>"
+_H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+_H_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_H_WORD = re.compile(r"[^\s<]*")
+
+
+@dataclass(slots=True)
+class HarmonyMessage:
+    """One message of a harmony output, as far as the text goes."""
+
+    channel: str
+    """"analysis", "commentary", "final"; "" for text outside any message."""
+    recipient: str | None
+    """e.g. "functions.get_weather" (a tool call); None for the user."""
+    body: str
+    """The text so far (a tail that could start an end marker is held back)."""
+    end: str | None
+    """The end marker, once the message is complete."""
+    header: str = ""
+    """The header text before `<|message|>` (markers included)."""
+
+
+def _held(text: str, final: bool) -> str:
+    """`text` without a tail that could start an end marker (unless `final`)."""
+    if final:
+        return text
+    keep = max(_marker_prefix_len(text, m) for m in (*_H_ENDS, _H_START, _H_CHANNEL))
+    return text[: len(text) - keep]
+
+
+def harmony_messages(text: str, final: bool) -> list[HarmonyMessage]:
+    """The messages a prefix of a harmony output determines (the last may be incomplete;
+    a header that is not complete yet is left out). Monotone: a longer prefix only extends the
+    last message or adds messages. Text that is not inside a message (no header) comes as
+    messages with channel "" up to the next marker."""
+    out: list[HarmonyMessage] = []
+    n = len(text)
+    i = 0
+    while i < n:
+        rest = text[i:]
+        if not (rest.startswith((_H_START, _H_CHANNEL))):
+            if not final and (_H_START.startswith(rest) or _H_CHANNEL.startswith(rest)):
+                break
+            nxt = min(
+                (k for m in (_H_START, _H_CHANNEL) if (k := text.find(m, i)) != -1), default=n
+            )
+            body = text[i:nxt] if nxt < n else _held(rest, final)
+            if body:
+                out.append(HarmonyMessage("", None, body, None))
+            if nxt == n:
+                break
+            i = nxt
+            continue
+        m = text.find(_H_MESSAGE, i)
+        if m == -1:
+            if final:
+                out.append(HarmonyMessage("", None, rest, None))
+            break
+        header = text[i:m]
+        c = header.find(_H_CHANNEL)
+        word = _H_WORD.match(header, c + len(_H_CHANNEL)) if c != -1 else None
+        channel = word.group() if word is not None else ""
+        to = _H_RECIPIENT.search(header)
+        start = m + len(_H_MESSAGE)
+        ends = [(k, e) for e in _H_ENDS if (k := text.find(e, start)) != -1]
+        if not ends:
+            out.append(
+                HarmonyMessage(
+                    channel, to and to.group(1), _held(text[start:], final), None, header
+                )
+            )
+            break
+        k, e = min(ends)
+        out.append(HarmonyMessage(channel, to and to.group(1), text[start:k], e, header))
+        i = k + len(e)
+    return out
+
+
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony format (see the module docstring)."""
+
+    needs_special_tokens = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, implicit=False)
+
+    def stream(self, prompt: str = "") -> ReasoningStream:
+        return HarmonyReasoningStream()
+
+
+def harmony_split(text: str, final: bool) -> tuple[str, str]:
+    """(reasoning, content) of a harmony output prefix: analysis bodies (one per line), then
+    final / unaddressed bodies, and tool-addressed messages as their own text."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    for msg in harmony_messages(text, final):
+        if msg.channel == "analysis":
+            reasoning.append(msg.body)
+        elif msg.recipient is not None:
+            content.append(f"{msg.header}{_H_MESSAGE}{msg.body}{msg.end or ''}")
+        else:
+            content.append(msg.body)
+    return "\n".join(reasoning), "".join(content)
+
+
+class HarmonyReasoningStream(ReasoningStream):
+    """Splits a harmony output fed in pieces (re-scans it and sends what is new)."""
+
+    __slots__ = ("_sent_content", "_sent_reasoning", "_text")
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._sent_reasoning = 0
+        self._sent_content = 0
+
+    @property
+    def in_reasoning(self) -> bool:
+        messages = harmony_messages(self._text, False)
+        return not messages or messages[-1].channel == "analysis"
+
+    def _diff(self, final: bool) -> tuple[str, str]:
+        reasoning, content = harmony_split(self._text, final)
+        r, c = reasoning[self._sent_reasoning :], content[self._sent_content :]
+        self._sent_reasoning, self._sent_content = len(reasoning), len(content)
+        return r, c
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._text += text
+        return self._diff(False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._diff(True)
+
+
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "qwen3": ReasoningParser("qwen3", implicit=False),
     "deepseek_r1": ReasoningParser("deepseek_r1", implicit=True),
+    "gpt_oss": HarmonyReasoningParser("gpt_oss"),
 }
 """Reasoning parsers by name (the values of --reasoning-parser)."""
-_ALIASES = {"think": "qwen3", "qwq": "qwen3", "deepseek": "deepseek_r1"}
+_ALIASES = {
+    "think": "qwen3",
+    "qwq": "qwen3",
+    "deepseek": "deepseek_r1",
+    "openai_gptoss": "gpt_oss",
+    "harmony": "gpt_oss",
+}
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
@@ -184,7 +344,9 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 
 
 def detect_reasoning_parser(chat_template: str | None) -> str | None:
-    """The parser a chat template implies (`<think>` blocks), or None."""
+    """The parser a chat template implies (`<think>` blocks, harmony channels), or None."""
+    if chat_template and "<|channel|>" in chat_template:
+        return "gpt_oss"
     if chat_template and "<think>" in chat_template and "</think>" in chat_template:
         return "qwen3"
     return None

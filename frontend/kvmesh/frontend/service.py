@@ -67,6 +67,7 @@ from kvmesh.frontend.reasoning import (
 )
 from kvmesh.frontend.tokenizer import Tokenizer, TokenizerRegistry
 from kvmesh.frontend.tool_parsers import (
+    TOOL_PARSERS,
     JsonListParser,
     NamedToolCallStream,
     ToolCallStream,
@@ -620,7 +621,7 @@ class OpenAIService:
                 )
             what = f"tool_choice {choice.name or choice.mode!r}"
             self._require_guided(info, request.model, "tool_choice", what)
-            schema = _tool_schema(tools, choice.name)
+            schema = _tool_schema(tools, choice.name, request.parallel_tool_calls)
             options = _with(
                 options, guided=GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(schema))
             )
@@ -640,7 +641,7 @@ class OpenAIService:
                 raise InvalidRequest(
                     f"tool calling is not set up for model `{request.model}`: its chat template "
                     "names no known tool-call format; start the frontend with "
-                    "--tool-call-parser (hermes, llama3_json, mistral or pythonic)",
+                    f"--tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})",
                     param="tools",
                 )
             names = [n for n in (tool_name(t) for t in tools) if n is not None]
@@ -652,6 +653,8 @@ class OpenAIService:
                 options = _with(options, skip_special_tokens=False)
         if options.guided is not None and options.guided_param != "tool_choice":
             self._require_guided(info, request.model, options.guided_param, "structured output")
+        if reasoning is not None and reasoning.needs_special_tokens and options.skip_special_tokens:
+            options = _with(options, skip_special_tokens=False)
         if reasoning is None and make_tools is None:
             return options, None
         return options, lambda: _OutputParser(
@@ -1060,9 +1063,14 @@ def _tool_parameters(tool: Mapping[str, Any]) -> Any:
     return params if isinstance(params, (dict, bool)) else {"type": "object"}
 
 
-def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[str, Any]:
+def _tool_schema(
+    tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool = True
+) -> dict[str, Any]:
     """JSON Schema forcing a tool call: the named function's arguments, or (tool_choice
-    "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them."""
+    "required") a non-empty list of {"name", "parameters"} objects, as vLLM builds them, with
+    no other keys (as xgrammar's strict mode, vLLM's default, enforces: a grammar that allows
+    extra keys lets a model write them instead of ending the call); one call at most when
+    `parallel` (parallel_tool_calls) is false."""
     if name is not None:
         for tool in tools:
             if tool_name(tool) == name:
@@ -1075,11 +1083,19 @@ def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str | None) -> dict[s
                 "parameters": _tool_parameters(tool),
             },
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         }
         for tool in tools
         if (function := tool_name(tool)) is not None
     ]
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": variants},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def _with(options: GenerationOptions, **changes: Any) -> GenerationOptions:

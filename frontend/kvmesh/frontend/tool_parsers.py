@@ -11,6 +11,19 @@ Formats (selected per model with `--tool-call-parser`, or detected from its chat
   tokenizers) or `name[ARGS]{...}` per call (v11+ tokenizers, optionally `name[CALL_ID]id[ARGS]`).
 - `pythonic` (Llama 3.2 / Llama 4, Toolace): the whole output is a Python list of calls,
   `[get_weather(city="Paris"), f()]`, optionally inside `<|python_start|>...<|python_end|>`.
+- `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
+  ...</function></tool_call>`; `glm45` (GLM-4.5 / 4.6): `<tool_call>NAME<arg_key>KEY</arg_key>
+  <arg_value>VALUE</arg_value>...</tool_call>`. Arguments become a JSON object that grows one
+  complete parameter at a time; a value is JSON when it reads as a JSON number, boolean, null,
+  object or list, else a string (the tool's schema is not consulted).
+- `deepseek_v3` (DeepSeek V3 / R1; its markers are written with fullwidth bars and U+2581):
+  `<|tool▁calls▁begin|><|tool▁call▁begin|>function<|tool▁sep|>` NAME, then the
+  arguments in a ```json fence, `<|tool▁call▁end|>`; `deepseek_v31` (V3.1):
+  `<|tool▁call▁begin|>NAME<|tool▁sep|>{...}<|tool▁call▁end|>`; `kimi_k2`:
+  `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>`
+  `{...}<|tool_call_end|>`. JSON arguments stream as written.
+- `gpt_oss` (harmony): messages addressed `to=functions.NAME`, their body the JSON arguments
+  (kvmesh.frontend.reasoning reads the format and takes the `analysis` channel as reasoning).
 
 How parsing works. Each parser is a pure function `scan(text, final)` of the output so far that
 returns the content and the calls (name, arguments text) that this prefix already determines.
@@ -41,6 +54,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.frontend.dataplane import ToolCall, ToolCallDelta
+from kvmesh.frontend.reasoning import harmony_messages
 
 __all__ = [
     "TOOL_PARSERS",
@@ -653,6 +667,314 @@ def _py_call(source: str) -> PartialCall | None:
         return None
 
 
+def _name_until(text: str, j: int, stop: str) -> tuple[str, int] | None:
+    """(the stripped name at text[j] up to `stop`, the index of `stop`); None until `stop`
+    arrives. Raises _Bad for an empty name."""
+    k = text.find(stop, j)
+    if k == -1:
+        return None
+    name = text[j:k].strip()
+    if not name:
+        raise _Bad
+    return name, k
+
+
+class _MarkedJsonParser(ToolParser):
+    """Calls inside a section of marker tokens, each `CALL header ARGS CALL_END` with JSON
+    arguments (DeepSeek V3 / V3.1, Kimi K2). Subclasses set the markers and `_header`, which
+    reads a call's header at text[j] (the name and where the arguments start)."""
+
+    needs_special_tokens = True
+    SECTION = ""
+    CALL = ""
+    CALL_END = ""
+    ARGS_CLOSE = ""
+    """Text expected between the arguments and CALL_END (besides whitespace)."""
+
+    @abc.abstractmethod
+    def _header(self, text: str, j: int) -> tuple[str, int] | None:
+        """(name, index where the JSON arguments start) for the header at text[j]; None while
+        it is incomplete. Raises _Bad if it is malformed."""
+
+    def scan(self, text: str, final: bool) -> ScanResult:
+        pos, content = _content_until(text, (self.SECTION,), final)
+        out = ScanResult(content)
+        if pos == -1:
+            return out
+        n = len(text)
+        i = pos + len(self.SECTION)
+        try:
+            while True:
+                j = _skip_ws(text, i)
+                started = _starts(text[j:], self.CALL)
+                if not started:
+                    if (started is False and not out.calls) or final:
+                        raise _Bad
+                    break
+                header = self._header(text, j + len(self.CALL))
+                if header is None:
+                    if final:
+                        raise _Bad
+                    break
+                name, k = header
+                call = PartialCall(name)
+                out.calls.append(call)
+                k = _skip_ws(text, k)
+                if k >= n:
+                    break
+                if text[k] != "{":
+                    raise _Bad
+                end = _value_end(text, k)
+                if end is None:
+                    call.arguments = text[k:]
+                    break
+                call.arguments = text[k:end]
+                closers = (self.ARGS_CLOSE, self.CALL_END) if self.ARGS_CLOSE else (self.CALL_END,)
+                after = _expect(text, end, closers)
+                if after is None:
+                    break
+                i = after
+        except _Bad:
+            if not out.calls:
+                out.content = text
+        return out
+
+
+class DeepSeekV3Parser(_MarkedJsonParser):
+    """DeepSeek V3 / R1: `<|tool▁calls▁begin|><|tool▁call▁begin|>function<|tool▁sep|>NAME`,
+    a newline, the arguments in a ```json fence, `<|tool▁call▁end|>`, ...,
+    `<|tool▁calls▁end|>`."""
+
+    name = "deepseek_v3"
+    SECTION = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+    CALL = "<\uff5ctool\u2581call\u2581begin\uff5c>"
+    SEP = "<\uff5ctool\u2581sep\uff5c>"
+    CALL_END = "<\uff5ctool\u2581call\u2581end\uff5c>"
+    ARGS_CLOSE = "```"
+    FENCE = "```json"
+
+    def _header(self, text: str, j: int) -> tuple[str, int] | None:
+        k = _expect(text, j, ("function" + self.SEP,))
+        named = None if k is None else _name_until(text, k, "\n")
+        if named is None:
+            return None
+        k = _expect(text, named[1], (self.FENCE,))
+        return None if k is None else (named[0], k)
+
+
+class DeepSeekV31Parser(_MarkedJsonParser):
+    """DeepSeek V3.1: `<|tool▁calls▁begin|><|tool▁call▁begin|>NAME<|tool▁sep|>{...}`
+    `<|tool▁call▁end|>`, ..., `<|tool▁calls▁end|>`."""
+
+    name = "deepseek_v31"
+    SECTION = DeepSeekV3Parser.SECTION
+    CALL = DeepSeekV3Parser.CALL
+    CALL_END = DeepSeekV3Parser.CALL_END
+
+    def _header(self, text: str, j: int) -> tuple[str, int] | None:
+        named = _name_until(text, j, DeepSeekV3Parser.SEP)
+        return None if named is None else (named[0], named[1] + len(DeepSeekV3Parser.SEP))
+
+
+class KimiK2Parser(_MarkedJsonParser):
+    """Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX`
+    `<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`."""
+
+    name = "kimi_k2"
+    SECTION = "<|tool_calls_section_begin|>"
+    CALL = "<|tool_call_begin|>"
+    ARGS = "<|tool_call_argument_begin|>"
+    CALL_END = "<|tool_call_end|>"
+
+    def _header(self, text: str, j: int) -> tuple[str, int] | None:
+        named = _name_until(text, j, self.ARGS)  # functions.get_weather:0
+        if named is None:
+            return None
+        ident, k = named
+        name = ident.removeprefix("functions.").rsplit(":", 1)[0]
+        if not name:
+            raise _Bad
+        return name, k + len(self.ARGS)
+
+
+def _xml_value(raw: str) -> object:
+    """A parameter's value from an XML format: JSON when it is a JSON number, boolean, null,
+    object or list, else the text itself (without the newline that wraps it)."""
+    text = raw.removeprefix("\n").removesuffix("\n")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if not isinstance(value, str) else text
+
+
+def _expect(text: str, j: int, markers: Sequence[str]) -> int | None:
+    """Index after `markers` (each after optional whitespace) at text[j]; None while the text
+    ends inside them. Raises _Bad if something else is there."""
+    for marker in markers:
+        j = _skip_ws(text, j)
+        started = _starts(text[j:], marker)
+        if started is False:
+            raise _Bad
+        if started is None:
+            return None
+        j += len(marker)
+    return j
+
+
+class _XmlParser(ToolParser):
+    """Calls with one element per argument (Qwen3-Coder, GLM-4.5). Arguments are emitted as a
+    JSON object that grows one complete `"key": value` at a time and closes with the call."""
+
+    START = "<tool_call>"
+    END = "</tool_call>"
+    CLOSE: tuple[str, ...] = (END,)
+    """What ends a call's parameters."""
+
+    @abc.abstractmethod
+    def _name(self, text: str, j: int) -> tuple[str, int] | None:
+        """(name, index after it) for the call body at text[j]; None while incomplete. Raises
+        _Bad if malformed."""
+
+    @abc.abstractmethod
+    def _param(self, text: str, j: int) -> tuple[str, str, int] | bool | None:
+        """(key, raw value, index after it) for the parameter at text[j]; None while it is
+        incomplete; False if text[j:] is not (the start of) a parameter."""
+
+    def scan(self, text: str, final: bool) -> ScanResult:
+        pos, content = _content_until(text, (self.START,), final)
+        out = ScanResult(content)
+        if pos == -1:
+            return out
+        i = pos
+        try:
+            while True:
+                named = self._name(text, i + len(self.START))
+                if named is None:
+                    if final:
+                        raise _Bad
+                    break
+                name, j = named
+                call = PartialCall(name, "{")
+                out.calls.append(call)
+                params: list[str] = []
+                end: int | None = None
+                while True:
+                    j = _skip_ws(text, j)
+                    p = self._param(text, j)
+                    if p is None:
+                        break
+                    if p is False:
+                        end = _expect(text, j, self.CLOSE)
+                        break
+                    assert not isinstance(p, bool)
+                    key, raw, j = p
+                    value = json.dumps(_xml_value(raw), ensure_ascii=False)
+                    params.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+                    call.arguments = "{" + ", ".join(params)
+                if end is None:
+                    if final:
+                        call.arguments += "}"
+                    break
+                call.arguments += "}"
+                k = text.find(self.START, end)
+                if k == -1:
+                    break
+                i = k
+        except _Bad:
+            if not out.calls:
+                out.content = text
+            elif final and not out.calls[-1].arguments.endswith("}"):
+                out.calls[-1].arguments += "}"
+        return out
+
+
+class Qwen3CoderParser(_XmlParser):
+    """Qwen3-Coder: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>`
+    ... `</function>\\n</tool_call>`."""
+
+    name = "qwen3_coder"
+    CLOSE = ("</function>", _XmlParser.END)
+    _FUNC = re.compile(r"\s*<function=([^>\n]+)>")
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def _name(self, text: str, j: int) -> tuple[str, int] | None:
+        m = self._FUNC.match(text, j)
+        if m is None:
+            rest = text[j:].lstrip(_WS)
+            if "<function=".startswith(rest) or (rest.startswith("<function=") and ">" not in rest):
+                return None
+            raise _Bad
+        return m.group(1).strip(), m.end()
+
+    def _param(self, text: str, j: int) -> tuple[str, str, int] | bool | None:
+        m = self._PARAM.match(text, j)
+        if m is not None:
+            return m.group(1).strip(), m.group(2), m.end()
+        rest = text[j:]
+        if rest.startswith("<parameter=") or (rest and "<parameter=".startswith(rest)):
+            return None
+        if not rest:
+            return None
+        return False
+
+
+class Glm45Parser(_XmlParser):
+    """GLM-4.5 / 4.6: `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>`
+    ... `</tool_call>`."""
+
+    name = "glm45"
+    _PARAM = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def _name(self, text: str, j: int) -> tuple[str, int] | None:
+        k = j
+        n = len(text)
+        while k < n and text[k] not in "\n<":
+            k += 1
+        if k >= n:
+            return None
+        name = text[j:k].strip()
+        if not name:
+            raise _Bad
+        return name, k
+
+    def _param(self, text: str, j: int) -> tuple[str, str, int] | bool | None:
+        m = self._PARAM.match(text, j)
+        if m is not None:
+            return m.group(1).strip(), m.group(2), m.end()
+        rest = text[j:]
+        if not rest or rest.startswith("<arg_key>") or "<arg_key>".startswith(rest):
+            return None
+        return False
+
+
+class HarmonyParser(ToolParser):
+    """gpt-oss (harmony): a message addressed `to=functions.NAME` is a call whose body is the
+    JSON arguments (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`
+    `<|call|>`); `final` and unaddressed messages are content; `analysis` (the reasoning, which
+    the `gpt_oss` reasoning parser takes first) is dropped here."""
+
+    name = "gpt_oss"
+    needs_special_tokens = True
+    PREFIX = "functions."
+
+    def scan(self, text: str, final: bool) -> ScanResult:
+        out = ScanResult()
+        for msg in harmony_messages(text, final):
+            if msg.recipient is None:
+                if msg.channel != "analysis" and not out.calls:
+                    out.content += msg.body
+                continue
+            name = msg.recipient.removeprefix(self.PREFIX)
+            arguments = msg.body.strip(_WS)
+            if not arguments and (msg.end is not None or final):
+                arguments = "{}"
+            out.calls.append(PartialCall(name, arguments))
+        if out.calls or not final:
+            out.content = out.content.rstrip(_WS)
+        return out
+
+
 class JsonListParser(ToolParser):
     """The output is a JSON list of `{"name", "parameters"}` objects: what guided decoding
     produces for tool_choice "required" (not a model format, so not selectable by name)."""
@@ -672,10 +994,31 @@ class JsonListParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    p.name: p
+    for p in (
+        HermesParser,
+        Llama3JsonParser,
+        MistralParser,
+        PythonicParser,
+        Qwen3CoderParser,
+        Glm45Parser,
+        DeepSeekV3Parser,
+        DeepSeekV31Parser,
+        KimiK2Parser,
+        HarmonyParser,
+    )
 }
 """Parser classes by name (the values of --tool-call-parser)."""
-_ALIASES = {"qwen": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "llama3": "llama3_json"}
+_ALIASES = {
+    "qwen": "hermes",
+    "qwen2_5": "hermes",
+    "qwen3": "hermes",
+    "llama3": "llama3_json",
+    "glm4_moe": "glm45",
+    "deepseek_r1": "deepseek_v3",
+    "openai": "gpt_oss",
+    "harmony": "gpt_oss",
+}
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
@@ -691,6 +1034,16 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's tool format implies, or None."""
     if not chat_template:
         return None
+    if "<|channel|>" in chat_template:
+        return "gpt_oss"
+    if "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
+    if "<arg_key>" in chat_template:
+        return "glm45"
+    if DeepSeekV3Parser.SECTION in chat_template:
+        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+    if "<|tool_calls_section_begin|>" in chat_template:
+        return "kimi_k2"
     if "<tool_call>" in chat_template:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template:

@@ -115,7 +115,13 @@ class KvRouter:
         by_id = {h.worker_id: h for h in handles}
         sched = self.scheduler
         now = self.clock.now()
-        selection = sched.select(token_ids, now, candidates=by_id, lora_name=lora_name)
+        selection = sched.select(
+            token_ids,
+            now,
+            candidates=by_id,
+            lora_name=lora_name,
+            expected_output_tokens=expected_output_tokens,
+        )
         sched.book(request_id, selection, now, expected_output_tokens=expected_output_tokens)
         chosen = by_id[selection.worker_id]
         previous = self._booked.pop(request_id, None)

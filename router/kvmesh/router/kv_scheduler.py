@@ -66,8 +66,17 @@ from dataclasses import dataclass, field
 
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.indexer import ApproxIndex
+from kvmesh.router.kv_policy import (
+    DEFAULT_ITL_PENALTY_CAP_MS,
+    DEFAULT_ITL_WEIGHT,
+    KvPolicyKind,
+    TtftPredictor,
+    cost_score,
+    itl_penalized,
+)
 from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT, KvIndexer
 from kvmesh.runtime.errors import Unavailable
+from kvmesh.runtime.timing import load_timing
 
 __all__ = [
     "KvRouterConfig",
@@ -80,6 +89,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+COMPLETION_WINDOW_S = 1.0
+"""Shortest window over which a worker's completion rate is measured (at its load samples)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +116,18 @@ class KvRouterConfig:
     instead of being corrected away."""
     seed: int = 0
     """Seed of tie-breaking and sampling."""
+    policy: KvPolicyKind = KvPolicyKind.COST
+    """How workers are scored (kvmesh.router.kv_policy): predicted TTFT, or the linear cost."""
+    itl_weight: float = DEFAULT_ITL_WEIGHT
+    """ttft: weight of the ITL penalty: the request's expected output tokens times the ms of
+    predicted ITL above the best candidate's count this many times in its score (>= 0)."""
+    itl_penalty_cap_ms: float = DEFAULT_ITL_PENALTY_CAP_MS
+    """ttft: the ITL penalty never exceeds this many ms (>= 0)."""
+    chunk_tokens: int = 8192
+    """ttft: the engines' prefill token budget per step (vLLM's max_num_batched_tokens)."""
+    timing_profile: str = ""
+    """ttft: the engines' step timing table (kvmesh.runtime.timing JSON); empty: the mocker's
+    polynomial model."""
     host_hit_weight: float = HOST_HIT_WEIGHT
     """What a prompt block a worker holds on its host tier counts for in the cost, a device
     block counting 1 (1 - onboarding cost / recompute cost)."""
@@ -123,6 +147,11 @@ class KvRouterConfig:
             raise ValueError("approx_ttl_s and load_max_age_s must be > 0")
         if not self.load_settle_s >= 0:
             raise ValueError("load_settle_s must be >= 0")
+        self.policy = KvPolicyKind(self.policy)
+        if not self.itl_weight >= 0 or not self.itl_penalty_cap_ms >= 0:
+            raise ValueError("itl_weight and itl_penalty_cap_ms must be >= 0")
+        if self.chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
         if not (0 <= self.host_hit_weight <= 1 and 0 <= self.disk_hit_weight <= 1):
             raise ValueError("host_hit_weight and disk_hit_weight must be in [0, 1]")
 
@@ -182,6 +211,18 @@ class WorkerLoad:
     """Measured minus booked decode blocks when the last sample arrived."""
     recent: deque[tuple[float, _Booking]] = field(default_factory=deque)
     """Bookings of the last `load_settle_s`, oldest first (may hold freed ones)."""
+    max_num_seqs: int = 0
+    """Requests the engine runs at once (model card; 0: unknown, no limit assumed)."""
+    booked_requests: int = 0
+    """Requests booked here (own and peers'), until they are freed."""
+    requests_offset: float = 0.0
+    """Measured (running + waiting) minus booked requests when the last sample arrived."""
+    completed: int = 0
+    """Bookings here freed so far (requests that ended)."""
+    completion_rate: float = 0.0
+    """Requests ending per second, measured between load samples (0: not measured yet)."""
+    _rate_mark: tuple[float, int] = (-math.inf, 0)
+    """(time, completed) where the current completion-rate window began."""
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         """Whether the last load sample is recent enough to trust."""
@@ -198,6 +239,25 @@ class WorkerLoad:
         if self.fresh(now, max_age_s):
             return max(0.0, self.booked_decode + self.decode_offset)
         return float(self.booked_decode)
+
+    def requests(self, now: float, max_age_s: float) -> float:
+        """Predicted requests on the worker, running or waiting (corrected by fresh metrics)."""
+        if self.fresh(now, max_age_s):
+            return max(0.0, self.booked_requests + self.requests_offset)
+        return float(self.booked_requests)
+
+    def _measure_completions(self, now: float, window_s: float) -> None:
+        """Fold the completions since the window began into `completion_rate` once the window
+        is `window_s` long (an exponential average over windows)."""
+        start, count = self._rate_mark
+        if now - start < window_s:
+            return
+        if math.isfinite(start):
+            rate = (self.completed - count) / (now - start)
+            self.completion_rate = (
+                rate if self.completion_rate == 0 else 0.5 * (self.completion_rate + rate)
+            )
+        self._rate_mark = (now, self.completed)
 
 
 @dataclass(slots=True)
@@ -270,15 +330,27 @@ class KvScheduler:
         """(source, request id) -> booking; source "" is this scheduler, else a peer."""
         self._listeners: list[Callable[[LoadEvent], None]] = []
         self._rng = random.Random(self.config.seed)
+        self._output_mean = 0.0
+        """Running mean of the expected output tokens of own bookings (0: none yet)."""
+        self.predictor = TtftPredictor(
+            load_timing(self.config.timing_profile), chunk_tokens=self.config.chunk_tokens
+        )
 
     # -- workers ----------------------------------------------------------------------------
 
     def add_worker(
-        self, worker_id: str, *, block_size: int, kv_total_blocks: int = 0, kv_events: bool = True
+        self,
+        worker_id: str,
+        *,
+        block_size: int,
+        kv_total_blocks: int = 0,
+        kv_events: bool = True,
+        max_num_seqs: int = 0,
     ) -> WorkerLoad:
         """Register a worker (replacing any previous registration of the same id)."""
         self.remove_worker(worker_id)
         load = WorkerLoad(worker_id, block_size, kv_total_blocks, kv_events)
+        load.max_num_seqs = max(0, max_num_seqs)
         self._workers[worker_id] = load
         if kv_events:
             self.indexer.add_worker(worker_id, block_size)
@@ -327,15 +399,19 @@ class KvScheduler:
         settled = now - self.config.load_settle_s
         while recent and recent[0][0] <= settled:
             recent.popleft()
-        young_prefill = young_decode = 0
+        young_prefill = young_decode = young_requests = 0
         for _, b in recent:
             if b.live:
                 young_prefill += b.prefill
                 young_decode += b.decode
+                young_requests += 1
         # predicted = measured + what the measurement cannot show yet
         measured_prefill = -(-sample.pending_prefill_tokens // load.block_size)
         load.prefill_offset = measured_prefill - (load.booked_prefill - young_prefill)
         load.decode_offset = sample.kv_active_blocks - (load.booked_decode - young_decode)
+        measured_requests = sample.num_running + sample.num_waiting
+        load.requests_offset = measured_requests - (load.booked_requests - young_requests)
+        load._measure_completions(now, COMPLETION_WINDOW_S)
 
     def busy(self, load: WorkerLoad, now: float) -> bool:
         """Whether the worker is over a busy threshold (fresh metrics only)."""
@@ -364,8 +440,10 @@ class KvScheduler:
         *,
         candidates: Collection[str] | None = None,
         lora_name: str = "",
+        expected_output_tokens: int = 0,
     ) -> Selection:
-        """Choose a worker for a prompt (books nothing; see the class doc)."""
+        """Choose a worker for a prompt (books nothing; see the class doc).
+        `expected_output_tokens` (0: unknown) weighs the ITL penalty of the ttft policy."""
         cfg = self.config
         if candidates is None:
             loads = list(self._workers.values())
@@ -373,17 +451,15 @@ class KvScheduler:
             loads = [w for c in candidates if (w := self._workers.get(c)) is not None]
         if not loads:
             raise Unavailable("no workers are available")
-        ready = [w for w in loads if not self.busy(w, now)]
+        max_age = cfg.load_max_age_s
+        ready = [w for w in loads if w.sample_at < now - max_age or not self.busy(w, now)]
         if not ready:
             raise Unavailable(f"all {len(loads)} workers are busy")
         n_tokens = len(token_ids)
         need_exact = any(w.kv_events for w in ready)
         need_approx = not all(w.kv_events for w in ready)
         by_size: dict[int, tuple[list[int], Mapping[str, float], dict[str, int]]] = {}
-        costs: dict[str, float] = {}
         overlaps: dict[str, float] = {}
-        weight = cfg.overlap_weight
-        max_age = cfg.load_max_age_s
         for w in ready:
             bs = w.block_size
             found = by_size.get(bs)
@@ -393,14 +469,11 @@ class KvScheduler:
                 approx = self.approx.find_matches(hashes, now) if hashes and need_approx else {}
                 found = by_size[bs] = (hashes, exact, approx)
             wid = w.worker_id
-            overlap = (found[1] if w.kv_events else found[2]).get(wid, 0)
-            overlaps[wid] = overlap
-            new = n_tokens / bs - overlap
-            costs[wid] = (
-                weight * (w.prefill_blocks(now, max_age) + new)
-                + w.decode_blocks(now, max_age)
-                + new
-            )
+            overlaps[wid] = (found[1] if w.kv_events else found[2]).get(wid, 0)
+        if cfg.policy is KvPolicyKind.TTFT:
+            costs = self._ttft_scores(ready, overlaps, n_tokens, now, expected_output_tokens)
+        else:
+            costs = self._cost_scores(ready, overlaps, n_tokens, now)
         chosen = self._choose(costs)
         load = self._workers[chosen]
         hashes = by_size[load.block_size][0]
@@ -415,21 +488,89 @@ class KvScheduler:
             costs=costs,
         )
 
+    def _cost_scores(
+        self, ready: list[WorkerLoad], overlaps: Mapping[str, float], n_tokens: int, now: float
+    ) -> dict[str, float]:
+        """KvPolicyKind.COST: the linear cost of every ready worker (kvmesh.router.kv_policy)."""
+        weight = self.config.overlap_weight
+        max_age = self.config.load_max_age_s
+        return {
+            w.worker_id: cost_score(
+                overlap_weight=weight,
+                new_blocks=n_tokens / w.block_size - overlaps[w.worker_id],
+                queued_prefill_blocks=w.prefill_blocks(now, max_age),
+                decode_blocks=w.decode_blocks(now, max_age),
+            )
+            for w in ready
+        }
+
+    def _ttft_scores(
+        self,
+        ready: list[WorkerLoad],
+        overlaps: Mapping[str, float],
+        n_tokens: int,
+        now: float,
+        output_tokens: int,
+    ) -> dict[str, float]:
+        """KvPolicyKind.TTFT: predicted TTFT of every ready worker plus its bounded ITL penalty
+        (kvmesh.router.kv_policy)."""
+        cfg = self.config
+        max_age = cfg.load_max_age_s
+        predict = self.predictor.predict
+        # Completion rates measured per worker are noisy (a second holds a few completions);
+        # a request slot frees at about the same rate everywhere, so use the fleet's rate per
+        # busy slot, times the worker's busy slots.
+        rates = busy = 0.0
+        for w in ready:
+            if w.completion_rate > 0:
+                rates += w.completion_rate
+                busy += max(1.0, min(w.requests(now, max_age), w.max_num_seqs or math.inf))
+        per_slot = rates / busy if busy else 0.0
+        preds = {}
+        for w in ready:
+            bs = w.block_size
+            n = w.requests(now, max_age)
+            preds[w.worker_id] = predict(
+                new_tokens=n_tokens - overlaps[w.worker_id] * bs,
+                queued_prefill_tokens=w.prefill_blocks(now, max_age) * bs,
+                decode_tokens=w.decode_blocks(now, max_age) * bs,
+                prompt_tokens=n_tokens,
+                kv_capacity_tokens=w.kv_total_blocks * bs,
+                requests=n,
+                max_num_seqs=w.max_num_seqs,
+                completion_rate=per_slot * max(1.0, min(n, w.max_num_seqs or math.inf)),
+                output_tokens=self._output_mean,
+            )
+        weight = cfg.itl_weight * (output_tokens if output_tokens > 0 else self._output_mean)
+        cap = cfg.itl_penalty_cap_ms
+        if not weight or not cap:
+            return {wid: p.ttft_ms for wid, p in preds.items()}
+        best_itl = min(p.itl_ms for p in preds.values())
+        return {
+            w.worker_id: itl_penalized(
+                preds[w.worker_id],
+                best_itl_ms=best_itl,
+                weight=weight,
+                cap_ms=cap,
+                slots_used=w.requests(now, max_age) / w.max_num_seqs if w.max_num_seqs else 1.0,
+            )
+            for w in ready
+        }
+
     def _choose(self, costs: dict[str, float]) -> str:
-        ids = list(costs)
-        if len(ids) == 1:
-            return ids[0]
-        values = list(costs.values())
-        lo, hi = min(values), max(values)
+        if len(costs) == 1:
+            return next(iter(costs))
+        lo = min(costs.values())
         temperature = self.config.temperature
-        if temperature > 0 and hi > lo:
-            span = hi - lo
-            weights = [math.exp(-(v - lo) / span / temperature) for v in values]
-            return self._rng.choices(ids, weights)[0]
         if temperature > 0:
-            return self._rng.choice(ids)
+            ids = list(costs)
+            span = max(costs.values()) - lo
+            if not span > 0:
+                return self._rng.choice(ids)
+            weights = [math.exp(-(v - lo) / span / temperature) for v in costs.values()]
+            return self._rng.choices(ids, weights)[0]
         tol = 1e-9 * max(1.0, abs(lo))
-        best = [i for i, v in zip(ids, values, strict=True) if v - lo <= tol]
+        best = [i for i, v in costs.items() if v - lo <= tol]
         if len(best) > 1:
             # Equal cost (typically a cache miss on idle workers): prefer the emptiest cache, so
             # new prefixes spread over the fleet instead of evicting one worker's others; then
@@ -458,6 +599,13 @@ class KvScheduler:
         if load is None:
             raise Unavailable(f"worker {selection.worker_id} left")
         bs = selection.block_size
+        if expected_output_tokens > 0:
+            mean = self._output_mean
+            self._output_mean = (
+                expected_output_tokens
+                if not mean
+                else mean + 0.01 * (expected_output_tokens - mean)
+            )
         overlap = selection.overlap_blocks
         prefill = max(0, -(-selection.prompt_tokens // bs) - overlap)
         total = -(-(selection.prompt_tokens + max(0, expected_output_tokens)) // bs)
@@ -465,11 +613,17 @@ class KvScheduler:
         self._book("", request_id, load, prefill, decode, now)
         if not load.kv_events and selection.block_hashes:
             self.approx.insert(load.worker_id, selection.block_hashes, now)
-        self._emit(
-            LoadEvent(
-                self.router_id, request_id, load.worker_id, LoadEventKind.BOOKED, prefill, decode
+        if self._listeners:
+            self._emit(
+                LoadEvent(
+                    self.router_id,
+                    request_id,
+                    load.worker_id,
+                    LoadEventKind.BOOKED,
+                    prefill,
+                    decode,
+                )
             )
-        )
 
     def _book(
         self,
@@ -483,6 +637,7 @@ class KvScheduler:
         self._drop_booking((source, request_id))
         load.booked_prefill += prefill
         load.booked_decode += decode
+        load.booked_requests += 1
         booking = _Booking(load, prefill, decode)
         self._bookings[(source, request_id)] = booking
         settle = self.config.load_settle_s
@@ -497,6 +652,7 @@ class KvScheduler:
         if b is not None:
             b.load.booked_prefill -= b.prefill
             b.load.booked_decode -= b.decode
+            b.load.booked_requests -= 1
             b.live = False
         return b
 
@@ -508,7 +664,7 @@ class KvScheduler:
         if b.prefill:
             b.load.booked_prefill -= b.prefill
             b.prefill = 0
-            if not source:
+            if not source and self._listeners:
                 self._emit(
                     LoadEvent(
                         self.router_id,
@@ -526,7 +682,8 @@ class KvScheduler:
         b = self._drop_booking((source, request_id))
         if b is None:
             return False
-        if not source:
+        b.load.completed += 1
+        if not source and self._listeners:
             self._emit(LoadEvent(self.router_id, request_id, b.load.worker_id, LoadEventKind.FREED))
         return True
 

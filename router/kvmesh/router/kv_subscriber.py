@@ -190,6 +190,7 @@ class KvSubscriber:
             block_size=max(1, info.kv_block_size),
             kv_total_blocks=info.kv_total_blocks,
             kv_events=exact,
+            max_num_seqs=info.max_num_seqs,
         )
         tasks = [self._tasks.spawn(self._follow_load(handle), f"load-metrics-{wid}")]
         if exact:

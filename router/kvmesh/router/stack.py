@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.backend import DisaggConfig
+from kvmesh.router.kv_policy import KvPolicyFlags
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
@@ -22,9 +23,9 @@ from kvmesh.runtime.grpcutil import MeshSecurity
 
 
 @dataclass
-class MeshConfig(DisaggConfig):
+class MeshConfig(DisaggConfig, KvPolicyFlags):
     """How a frontend or router finds workers and routes to them (with the conditional
-    disaggregation thresholds of DisaggConfig)."""
+    disaggregation thresholds of DisaggConfig and the scoring flags of KvPolicyFlags)."""
 
     discovery: str = opt("", "discovery URL: file:///dir, static://h:p,h:p or etcd://h:p")
     router_mode: RouterMode = opt(
@@ -49,6 +50,14 @@ class MeshConfig(DisaggConfig):
         120.0, "kv, engines without KV events: seconds a routed prompt counts as cached"
     )
     router_seed: int = opt(0, "seed of the router's tie-breaking and sampling")
+    router_chunk_tokens: int = opt(
+        8192, "kv ttft: the engines' prefill token budget per step (max_num_batched_tokens)"
+    )
+    router_timing_profile: str = opt(
+        "",
+        "kv ttft: the engines' step timing (JSON table, see kvmesh.runtime.timing); empty: the "
+        "mocker's model",
+    )
     router_host_hit_weight: float = opt(
         HOST_HIT_WEIGHT,
         "kv: what a prompt block on a worker's host KV tier counts for in the cost, a device "
@@ -81,6 +90,11 @@ def build_router(
             busy_waiting_requests=mesh.router_busy_waiting,
             approx_ttl_s=mesh.router_approx_ttl_s,
             seed=mesh.router_seed,
+            policy=mesh.router_policy,
+            itl_weight=mesh.router_itl_weight,
+            itl_penalty_cap_ms=mesh.router_itl_penalty_cap_ms,
+            chunk_tokens=mesh.router_chunk_tokens,
+            timing_profile=mesh.router_timing_profile,
             host_hit_weight=mesh.router_host_hit_weight,
             disk_hit_weight=mesh.router_disk_hit_weight,
         )

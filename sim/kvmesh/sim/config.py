@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.router.backend import DisaggConfig
+from kvmesh.router.kv_policy import KvPolicyFlags
 from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.kv_state import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT
 from kvmesh.router.routing import RouterMode
@@ -24,7 +25,7 @@ class ReplayError(KvmeshError):
 
 
 @dataclass
-class ReplayConfig:
+class ReplayConfig(KvPolicyFlags):
     """Settings of `kvmesh replay` (the mocker's own knobs are a MockerConfig, `mocker`; its KV
     tiers a KvTierConfig, `tiers`, the worker's flags; the conditional disaggregation thresholds
     the gateway's, a DisaggConfig, `disagg`; the SLO targets and the planner's settings the
@@ -148,6 +149,11 @@ class ReplayConfig:
             overlap_weight=self.router_overlap_weight,
             temperature=self.router_temperature,
             seed=self.seed,
+            policy=self.router_policy,
+            itl_weight=self.router_itl_weight,
+            itl_penalty_cap_ms=self.router_itl_penalty_cap_ms,
+            chunk_tokens=self.mocker.max_num_batched_tokens,
+            timing_profile=self.mocker.timing_profile,
             host_hit_weight=self.router_host_hit_weight,
             disk_hit_weight=self.router_disk_hit_weight,
         )

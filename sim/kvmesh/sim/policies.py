@@ -148,6 +148,7 @@ class KvPolicy:
             block_size=mocker.block_size,
             kv_total_blocks=mocker.num_gpu_blocks,
             kv_events=mocker.enable_prefix_caching,
+            max_num_seqs=mocker.max_num_seqs,
         )
 
     def remove_worker(self, worker: int) -> None:
@@ -164,7 +165,9 @@ class KvPolicy:
         expected_output_tokens: int = 0,
     ) -> Route:
         ids = None if candidates is None else [self.worker_ids[c] for c in candidates]
-        sel = self.sched.select(prompt, now, candidates=ids)
+        sel = self.sched.select(
+            prompt, now, candidates=ids, expected_output_tokens=expected_output_tokens
+        )
         self.sched.book(request_id, sel, now, expected_output_tokens=expected_output_tokens)
         worker = self.index_of[sel.worker_id]
         self.bookings.book(request_id, worker)

@@ -328,7 +328,9 @@ class SglangEngine(StreamingAdapter[dict[str, Any]]):
         info.max_num_seqs = int(
             sched.get("max_running_requests") or getattr(args, "max_running_requests", 0) or 0
         )
-        caps = ["LOGPROBS", "GUIDED_DECODING"]
+        caps = ["LOGPROBS"]
+        if getattr(args, "grammar_backend", None) != "none":  # SGLang's default: xgrammar
+            caps.append("GUIDED_DECODING")
         if getattr(args, "lora_paths", None):
             caps.append("LORA")
         if self._events is not None:

@@ -5,12 +5,12 @@ chunked prefill; deterministic fake tokens; step durations from a timing model. 
 core (MockerScheduler) can be driven directly in virtual time.
 """
 
+from kvmesh.runtime.timing import PolynomialTiming, TableTiming, TimingModel, load_timing
 from kvmesh.workers.batching.block_pool import BlockPool, block_hash
 from kvmesh.workers.mocker.config import MockerConfig
 from kvmesh.workers.mocker.engine import MockerEngine
 from kvmesh.workers.mocker.sampling import TokenSampler
 from kvmesh.workers.mocker.scheduler import MockerScheduler, SeqOutput, SeqStatus, StepResult
-from kvmesh.workers.mocker.timing import PolynomialTiming, TableTiming, TimingModel, load_timing
 
 __all__ = [
     "BlockPool",

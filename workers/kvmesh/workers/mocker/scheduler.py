@@ -19,8 +19,11 @@ with a timing model and a fake sampler in between:
      prefill a prompt is admitted only when it fits the remaining budget whole. Admission stops
      at the first request that does not fit (no overtaking).
   3. The step's duration comes from the timing model (see timing.py): prefill time over the new
-     tokens of prefilling requests, plus decode time at the current KV usage if any request
-     decodes.
+     tokens of prefilling requests, plus decode time at the step's decode KV usage if any request
+     decodes. That usage counts token slots, as Dynamo's mocker does: the decoding requests'
+     context lengths (prompt + tokens generated so far, each request counting its whole context
+     even where requests share cached blocks) over the pool's capacity (blocks x block size).
+     Requests prefilling in the same step add prefill time only.
   4. Every request whose tokens are now all computed samples one token (a pure function of the
      request and the position, see sampling.py) and is checked for stop conditions: length
      (max_tokens, the model length) first, then stop token ids once min_tokens are reached.
@@ -43,12 +46,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvmesh.runtime.kv_events import KvEventLog, KvTier
+from kvmesh.runtime.timing import TimingModel, load_timing
 from kvmesh.runtime.types import EngineRequest, TokenLogprob
 from kvmesh.workers.batching.scheduler import BatchScheduler, Seq, SeqOutput, SeqStatus
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.mocker.config import MockerConfig
 from kvmesh.workers.mocker.sampling import TokenSampler
-from kvmesh.workers.mocker.timing import TimingModel, load_timing
 
 __all__ = ["MockerScheduler", "SeqOutput", "SeqStatus", "StepResult"]
 
@@ -65,7 +68,8 @@ class StepResult:
     decode_tokens: int = 0
     num_preempted: int = 0
     kv_usage: float = 0.0
-    """Fraction of blocks referenced during the step."""
+    """The decode timing input: the decoding requests' context tokens / the pool's token slots
+    (0 when nothing decodes; see the module docstring)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,10 +168,12 @@ class MockerScheduler(BatchScheduler[_Seq, MockerConfig]):
         seqs = step.seqs
         if not seqs:
             return StepResult(0.0, [], num_preempted=step.num_preempted)
-        usage = self.pool.num_used / self.num_blocks
         timing = self.timing
         ms = timing.prefill_ms(step.prefill_tokens) if step.prefill_tokens else 0.0
+        usage = 0.0
         if step.decode_tokens:
+            context = sum(len(seq.tokens) for seq in seqs if seq.decoding)
+            usage = context / (self.num_blocks * self.block_size)
             ms += timing.decode_ms(usage)
         sampler = self.sampler
         sampled: list[_Sampled] = []

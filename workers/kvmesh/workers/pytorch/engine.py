@@ -61,6 +61,7 @@ from kvmesh.workers.batching.tiers import KvTierConfig, Lane, TierJob
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
+from kvmesh.workers.pytorch.guided import GrammarCompiler
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
 from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
@@ -146,6 +147,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._agent: NixlKvAgent | None = None
         self._pump: asyncio.Task[None] | None = None
+        self._grammars: GrammarCompiler | None = None
         self._tiers = tiers if tiers is not None and tiers.enabled else None
         self._tier_store: TorchTierStore | None = None
         self._lane_executors: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
@@ -204,6 +206,8 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         with torch.inference_mode():
             cache = PagedKvCache(spec, num_blocks, loaded.device)
         self._runner = ModelRunner(loaded, cache)
+        if self._grammars is None:
+            self._grammars = self._grammar_compiler(loaded.vocab_size)
         tiers = self._tiers
         files, on_disk = None, []
         if tiers is not None and tiers.kv_disk_blocks:
@@ -229,6 +233,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             max_model_len=max_len,
             device=loaded.device,
             events=self._events,
+            grammars=self._grammars,
             tiers=tiers,
             kv_block_bytes=spec.block_bytes,
         )
@@ -267,6 +272,19 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             num_blocks * spec.block_bytes / (1 << 20),
             sched.max_seq_len,
         )
+
+    def _grammar_compiler(self, vocab_size: int) -> GrammarCompiler | None:
+        """Structured output needs llguidance and the model directory's tokenizer; without them
+        the engine runs without the GUIDED_DECODING capability (guided requests are refused)."""
+        try:
+            return GrammarCompiler.from_model_dir(self.model_dir, vocab_size)
+        except Exception as exc:  # no llguidance, no (fast) tokenizer in the directory
+            log.warning("torch engine: no guided decoding for %s: %s", self.model_dir, exc)
+            return None
+
+    def _capabilities(self) -> tuple[str, ...]:
+        caps = super()._capabilities()
+        return caps + (("GUIDED_DECODING",) if self._grammars is not None else ())
 
     async def _close(self) -> None:
         pump, self._pump = self._pump, None

@@ -3,9 +3,12 @@
 Per row, in this order (vLLM's semantics):
   1. logprobs, if asked for, are the model's raw ones: log_softmax of the unprocessed logits
      (vLLM's default `raw_logprobs`); the chosen token and its `top_logprobs` best alternatives;
-  2. `logit_bias` is added;
+  2. guided rows (structured output, kvmesh.workers.pytorch.guided): tokens the row's grammar
+     does not allow next are masked out, for all guided rows of the batch at once; other rows
+     are not touched. Then `logit_bias` is added;
   3. while fewer than `min_tokens` tokens were generated, the stop token ids (EOS unless
-     ignore_eos, plus stop_token_ids) are masked out;
+     ignore_eos, plus stop_token_ids) are masked out (on a guided row, unless its grammar is
+     complete and allows nothing else: the grammar wins);
   4. `repetition_penalty` over every token of the sequence (prompt and output): positive logits
      are divided by it, negative ones multiplied (as in transformers and vLLM);
      `frequency_penalty` * count and `presence_penalty` * (count > 0) over the output tokens are
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.runtime.types import SamplingParams, TokenLogprob
+from kvmesh.workers.pytorch.guided import GrammarState, apply_grammars
 
 __all__ = ["SampleSpec", "Sampled", "sample"]
 
@@ -43,6 +47,8 @@ class SampleSpec:
     """Token ids masked out in this step (stop ids before min_tokens is reached)."""
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    grammar: GrammarState | None = None
+    """The request's structured-output state, advanced to `tokens` (None: unconstrained)."""
 
 
 @dataclass(slots=True)
@@ -54,6 +60,7 @@ class Sampled:
 
 
 def _needs_processing(p: SamplingParams, spec: SampleSpec) -> bool:
+    """Whether steps 2-4 change anything but the grammar mask (applied to the batch at once)."""
     return bool(
         spec.logit_bias_ids
         or spec.suppress
@@ -64,7 +71,8 @@ def _needs_processing(p: SamplingParams, spec: SampleSpec) -> bool:
 
 
 def _process_row(row: torch.Tensor, spec: SampleSpec) -> None:
-    """Steps 2-4 of the module docstring, in place on one row of float32 logits."""
+    """Steps 2 (after the grammar mask) to 4 of the module docstring, in place on one row of
+    float32 logits."""
     p = spec.params
     device = row.device
     vocab = row.shape[0]
@@ -72,7 +80,11 @@ def _process_row(row: torch.Tensor, spec: SampleSpec) -> None:
         ids = torch.tensor(spec.logit_bias_ids, device=device)
         row.index_add_(0, ids, torch.tensor(spec.logit_bias_values, device=device))
     if spec.suppress:
-        row[torch.tensor(spec.suppress, device=device)] = float("-inf")
+        ids = torch.tensor(spec.suppress, device=device)
+        kept = row[ids] if spec.grammar is not None else None
+        row[ids] = float("-inf")
+        if kept is not None and not bool(torch.isfinite(row).any()):
+            row[ids] = kept  # the grammar is complete and allows only a stop token
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(spec.tokens)), device=device)
         scores = row[seen]
@@ -111,6 +123,9 @@ def sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[Sampled]:
         raw = torch.log_softmax(logits, dim=-1)
     greedy_rows: list[int] = []
     chosen: list[int] = [0] * len(specs)
+    guided = [(i, s.grammar) for i, s in enumerate(specs) if s.grammar is not None]
+    if guided:
+        apply_grammars(logits, guided)
     for i, spec in enumerate(specs):
         p = spec.params
         if _needs_processing(p, spec):

@@ -8,7 +8,9 @@ block table and, for chunks that reach the end of the known tokens, what the sam
 `complete(step, sampled)` (event-loop thread, after the forward) applies the sampled tokens.
 
 Stop token ids are EOS (unless ignore_eos) plus stop_token_ids; before min_tokens the sampler
-masks them, so they are not generated at all.
+masks them, so they are not generated at all. A guided request (structured output) gets its
+grammar state when it is added (an invalid schema is refused then) and the state is advanced to
+the request's output before each step that samples for it (kvmesh.workers.pytorch.guided).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvmesh.workers.batching.scheduler import (
 from kvmesh.workers.batching.scheduler import ScheduledStep as _Step
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.pytorch.config import TorchConfig
+from kvmesh.workers.pytorch.guided import GrammarCompiler, GrammarState
 from kvmesh.workers.pytorch.lora import LoraAdapter
 from kvmesh.workers.pytorch.model_runner import SeqChunk
 from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec
@@ -43,7 +46,15 @@ __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
 class _Seq(Seq):
     """Scheduler state of one request, with what the sampler needs."""
 
-    __slots__ = ("adapter", "bias_ids", "bias_values", "generator", "params", "suppress")
+    __slots__ = (
+        "adapter",
+        "bias_ids",
+        "bias_values",
+        "generator",
+        "grammar",
+        "params",
+        "suppress",
+    )
 
     def __init__(self, request: EngineRequest, arrival: int) -> None:
         super().__init__(request, arrival)
@@ -51,6 +62,7 @@ class _Seq(Seq):
         self.params = request.sampling
         self.generator: torch.Generator | None = None
         self.suppress: tuple[int, ...] = ()
+        self.grammar: GrammarState | None = None
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
         self.bias_values = [float(b) for _, b in bias]
@@ -72,7 +84,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
     `eos_token_ids` stop generation unless a request sets ignore_eos; `max_model_len` is the
     longest sequence (prompt + output) a request may reach (also capped by what the pool holds
     and, without chunked prefill, by one step's budget); `device` is where per-request
-    sampling generators live.
+    sampling generators live; `grammars` compiles structured-output constraints (None: guided
+    requests are refused).
     """
 
     config: TorchConfig
@@ -91,6 +104,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         events: KvEventLog | None = None,
         tiers: KvTierConfig | None = None,
         kv_block_bytes: int = 0,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -103,6 +117,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
+        self.grammars = grammars
         self.num_computed_tokens = 0
         """Tokens whose KV the forward passes computed so far (prefill, recompute and decode)."""
         self.spec = SpecStats()
@@ -111,9 +126,11 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
     # -- requests ------------------------------------------------------------------------------
 
     def _check_request(self, request: EngineRequest) -> None:
-        if getattr(request.sampling, "guided", None) is not None:
+        if request.sampling.guided is not None and self.grammars is None:
             raise InvalidRequest(
-                "the torch engine does not support guided decoding", param="response_format"
+                "this torch engine has no grammar compiler (llguidance and the model's tokenizer "
+                "are needed for guided decoding)",
+                param="response_format",
             )
         vocab = self.vocab_size
         if request.prompt and max(request.prompt) >= vocab:
@@ -135,6 +152,9 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             stop_ids |= self.eos_token_ids
         seq.stop_ids = frozenset(stop_ids)
         seq.suppress = tuple(sorted(t for t in stop_ids if t < vocab))
+        guided = request.sampling.guided
+        if guided is not None and self.grammars is not None:
+            seq.grammar = self.grammars.state(guided, seq.suppress)
         if request.sampling.temperature > 0:
             seed = request.sampling.seed
             if seed is None:
@@ -209,6 +229,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         ):
             spec = None
             if sample:
+                if seq.grammar is not None:
+                    seq.grammar.advance(seq.tokens[seq.prompt_len :])
                 spec = SampleSpec(
                     seq.params,
                     seq.tokens,
@@ -217,6 +239,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                     seq.suppress if len(seq.tokens) < seq.min_len else (),
                     seq.bias_ids,
                     seq.bias_values,
+                    seq.grammar,
                 )
             step.chunks.append(
                 SeqChunk(

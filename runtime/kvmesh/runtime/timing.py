@@ -1,7 +1,11 @@
-"""How long a simulated scheduler step takes.
+"""How long an engine's scheduler step takes: the timing model the mocker simulates with
+(kvmesh.workers.mocker) and a latency-predicting router predicts with (kvmesh.router), so it
+lives below both.
 
 A step that prefills T new tokens (summed over every request prefilling in the step) and has
-decode work at KV usage u (fraction of the pool's blocks referenced by running requests) lasts
+decode work at KV usage u (the decoding requests' context tokens over the pool's token slots,
+num_gpu_blocks x block_size, as Dynamo's mocker counts it; see kvmesh.workers.mocker.scheduler)
+lasts
 
     prefill_ms(T) + decode_ms(u)
 

@@ -1,0 +1,188 @@
+"""How the KV-aware scheduler scores a candidate worker: the policies KvScheduler chooses by.
+
+Both policies see, per candidate worker (kvmesh.router.kv_scheduler computes these, the same on
+every router replica: the exact KV index, and bookings shared with peer replicas, corrected by
+the worker's fresh load metrics):
+
+  * `new_tokens`: the prompt tokens the worker would prefill (prompt minus the prefix it holds);
+  * `queued_prefill_tokens`: prefill work already booked on the worker and not yet done (own and
+    peer replicas' bookings until their first token);
+  * `decode_tokens`: KV held by the requests the worker is running (bookings until they end);
+  * the worker's KV capacity in tokens.
+
+`KvPolicyKind.COST` (`cost_score`) is the original linear cost, in blocks:
+
+    cost = overlap_weight * (queued_prefill + new) + decode + new
+
+`KvPolicyKind.TTFT` (`TtftPredictor`) predicts the request's time to first token on the worker
+with the engine's step timing model (kvmesh.runtime.timing: the mocker's model, or a measured
+table), and adds a bounded penalty for the inter-token latency it would decode at there:
+
+    work   = queued_prefill + new                      tokens the worker prefills before our
+                                                       first token (FIFO admission)
+    steps  = ceil(work / chunk)                        chunked prefill, `chunk` tokens a step
+    ttft   = sum of prefill_ms over the steps' chunks  (full chunks, then the remainder)
+             + steps * decode_ms(u)                    each of those steps also decodes the
+                                                       running batch, u = decode / capacity
+    itl    = decode_ms((decode + prompt) / capacity)   the step time it would then decode at
+    score  = ttft + used * min(w * output * (itl - best itl), itl_penalty_cap_ms)
+
+`output` is the request's expected output tokens (its max_tokens; the mean of past requests when
+unknown), `w` the `itl_weight`, `best itl` the lowest over the candidates, and `used` the
+fraction of the worker's request slots taken (requests running or waiting / max_num_seqs,
+capped at 1; 1 when the engine does not say): decode speed matters to everyone's TTFT when
+request slots run short, because then a new request waits for running ones to finish, which
+they do at the pace of the decode steps. The lowest score wins (ties and temperature sampling:
+KvScheduler._choose). The penalty is relative to the best candidate, so it adds nothing when the
+fleet decodes evenly; it fades out on workers with free slots, and it is capped, so a worker's
+TTFT advantage is never traded away whole for ITL.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from kvmesh.runtime.config import opt
+from kvmesh.runtime.timing import PolynomialTiming, TimingModel
+
+__all__ = [
+    "DEFAULT_ITL_PENALTY_CAP_MS",
+    "DEFAULT_ITL_WEIGHT",
+    "KvPolicyFlags",
+    "KvPolicyKind",
+    "TtftPrediction",
+    "TtftPredictor",
+    "cost_score",
+    "itl_penalized",
+]
+
+DEFAULT_ITL_WEIGHT = 0.0
+"""The ttft policy's default ITL-penalty weight, chosen by cross-validation over the routing
+matrix (tests/benchmarks/routing_matrix.py --cv)."""
+DEFAULT_ITL_PENALTY_CAP_MS = 0.0
+"""The ttft policy's default cap of the ITL penalty (ms), chosen with DEFAULT_ITL_WEIGHT."""
+
+
+class KvPolicyKind(enum.Enum):
+    """How KvScheduler scores workers."""
+
+    TTFT = "ttft"
+    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in until
+    it is at or below Dynamo's KV router across the routing matrix (README)."""
+    COST = "cost"
+    """The linear cost over blocks to prefill and blocks decoding (cost_score): the default."""
+
+
+@dataclass
+class KvPolicyFlags:
+    """The scoring flags of the KV router, the same for a live router (MeshConfig) and
+    `kvmesh replay` (ReplayConfig)."""
+
+    router_policy: KvPolicyKind = opt(
+        KvPolicyKind.COST,
+        "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
+        "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
+    )
+    router_itl_weight: float = opt(
+        DEFAULT_ITL_WEIGHT,
+        "kv ttft: weight of the ITL penalty (x expected output tokens x ms of predicted ITL "
+        "above the best worker's)",
+    )
+    router_itl_penalty_cap_ms: float = opt(
+        DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
+    )
+
+
+def itl_penalized(
+    prediction: TtftPrediction,
+    *,
+    best_itl_ms: float,
+    weight: float,
+    cap_ms: float,
+    slots_used: float,
+) -> float:
+    """The ttft policy's score: predicted TTFT plus the bounded ITL penalty (module doc);
+    `weight` is itl_weight times the request's expected output tokens."""
+    penalty = min(weight * (prediction.itl_ms - best_itl_ms), cap_ms)
+    return prediction.ttft_ms + min(1.0, max(0.0, slots_used)) * penalty
+
+
+def cost_score(
+    *, overlap_weight: float, new_blocks: float, queued_prefill_blocks: float, decode_blocks: float
+) -> float:
+    """The linear cost of KvPolicyKind.COST (lower is better), in blocks."""
+    return overlap_weight * (queued_prefill_blocks + new_blocks) + decode_blocks + new_blocks
+
+
+@dataclass(slots=True, frozen=True)
+class TtftPrediction:
+    """What TtftPredictor expects on one worker, in milliseconds."""
+
+    ttft_ms: float
+    itl_ms: float
+
+
+class TtftPredictor:
+    """Predicts TTFT and ITL on a worker from the engine's step timing (see the module doc).
+
+    `timing`: the engine's step timing model (default: the Dynamo mocker polynomial);
+    `chunk_tokens`: the engine's token budget per step (vLLM's max_num_batched_tokens).
+    """
+
+    __slots__ = ("_chunk_ms", "chunk_tokens", "timing")
+
+    def __init__(self, timing: TimingModel | None = None, *, chunk_tokens: int = 8192) -> None:
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+        self.timing: TimingModel = timing if timing is not None else PolynomialTiming()
+        self.chunk_tokens = chunk_tokens
+        self._chunk_ms = self.timing.prefill_ms(chunk_tokens)
+
+    def prefill_ms(self, tokens: float, decode_ms: float) -> float:
+        """Time to prefill `tokens` tokens FIFO in chunks of `chunk_tokens`, each step also
+        decoding the running batch for `decode_ms` (0: nothing decodes)."""
+        full = int(tokens // self.chunk_tokens)
+        rest = tokens - full * self.chunk_tokens
+        ms = full * (self._chunk_ms + decode_ms)
+        if rest > 0:
+            ms += self.timing.prefill_ms(math.ceil(rest)) + decode_ms
+        return ms
+
+    def predict(
+        self,
+        *,
+        new_tokens: float,
+        queued_prefill_tokens: float,
+        decode_tokens: float,
+        prompt_tokens: int,
+        kv_capacity_tokens: float,
+        requests: float = 0.0,
+        max_num_seqs: int = 0,
+        completion_rate: float = 0.0,
+        output_tokens: float = 0.0,
+    ) -> TtftPrediction:
+        """TTFT and ITL of a request of `prompt_tokens` tokens, `new_tokens` of them not cached,
+        on a worker with `queued_prefill_tokens` of prefill ahead of it and `decode_tokens` of
+        KV decoding, out of `kv_capacity_tokens` (0: unknown, decode time at zero usage).
+
+        Slots: with `requests` already running or waiting there and room for `max_num_seqs`
+        (0: no limit), the request waits for the excess to end first, one every
+        1 / `completion_rate` s (requests ending per second, measured; 0: estimated as the
+        ITL times `output_tokens`, the mean output, over the running requests)."""
+        capacity = kv_capacity_tokens if kv_capacity_tokens > 0 else math.inf
+        decoding = max(0.0, decode_tokens)
+        step_decode_ms = self.timing.decode_ms(decoding / capacity) if decoding > 0 else 0.0
+        new = max(1.0, new_tokens)
+        ttft = self.prefill_ms(max(0.0, queued_prefill_tokens) + new, step_decode_ms)
+        excess = requests + 1 - max_num_seqs
+        if max_num_seqs and excess > 0:
+            if completion_rate > 0:
+                interval_ms = 1e3 / completion_rate
+            else:
+                itl = max(step_decode_ms, self.timing.decode_ms(0.0))
+                interval_ms = itl * max(1.0, output_tokens) / max(1.0, min(requests, max_num_seqs))
+            ttft = max(ttft, excess * interval_ms + self.prefill_ms(new, step_decode_ms))
+        itl = self.timing.decode_ms((decoding + prompt_tokens) / capacity)
+        return TtftPrediction(ttft, itl)

@@ -1,0 +1,184 @@
+"""The ttft routing policy: TtftPredictor's arithmetic, and KvScheduler choosing by it (cache
+against queue, request slots, the bounded ITL penalty, completion rates from load samples)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvmesh.router.kv_policy import KvPolicyKind, TtftPredictor, cost_score
+from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler, LoadSample
+from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
+from kvmesh.runtime.timing import PolynomialTiming, TableTiming
+from kvmesh.workers.mocker import block_hash as engine_hash
+
+pytestmark = pytest.mark.unit
+
+BS = 16
+POLY = PolynomialTiming()
+
+
+def test_idle_worker_ttft_is_one_prefill_step() -> None:
+    p = TtftPredictor(chunk_tokens=8192)
+    got = p.predict(
+        new_tokens=1000, queued_prefill_tokens=0, decode_tokens=0, prompt_tokens=1000,
+        kv_capacity_tokens=1 << 20,
+    )  # fmt: skip
+    assert got.ttft_ms == pytest.approx(POLY.prefill_ms(1000))
+    assert got.itl_ms == pytest.approx(POLY.decode_ms(1000 / (1 << 20)))
+
+
+def test_queue_chunks_and_decode_steps_add_up() -> None:
+    """20,000 tokens ahead + 1,000 new in 8,192-token chunks: two full steps and one of 4,616
+    tokens, each also decoding the running batch."""
+    p = TtftPredictor(chunk_tokens=8192)
+    got = p.predict(
+        new_tokens=1000, queued_prefill_tokens=20_000, decode_tokens=100_000, prompt_tokens=1200,
+        kv_capacity_tokens=1_000_000,
+    )  # fmt: skip
+    decode = POLY.decode_ms(0.1)
+    expected = 2 * POLY.prefill_ms(8192) + POLY.prefill_ms(21_000 - 2 * 8192) + 3 * decode
+    assert got.ttft_ms == pytest.approx(expected)
+    assert got.itl_ms == pytest.approx(POLY.decode_ms(101_200 / 1_000_000))
+
+
+def test_a_full_worker_adds_the_wait_for_free_slots() -> None:
+    p = TtftPredictor(chunk_tokens=8192)
+    kw = {"new_tokens": 100, "queued_prefill_tokens": 0, "decode_tokens": 0,
+          "prompt_tokens": 100, "kv_capacity_tokens": 1 << 20, "max_num_seqs": 8}  # fmt: skip
+    free = p.predict(requests=7, completion_rate=10.0, **kw)  # type: ignore[arg-type]
+    full = p.predict(requests=10, completion_rate=10.0, **kw)  # type: ignore[arg-type]
+    assert free.ttft_ms == pytest.approx(POLY.prefill_ms(100))
+    # three requests must end first, one every 100 ms, then the prompt prefills
+    assert full.ttft_ms == pytest.approx(300 + POLY.prefill_ms(100))
+    unlimited = p.predict(requests=10, completion_rate=10.0, **{**kw, "max_num_seqs": 0})  # type: ignore[arg-type]
+    assert unlimited.ttft_ms == free.ttft_ms
+
+
+def test_a_measured_table_replaces_the_polynomial() -> None:
+    table = TableTiming([0, 1000], [0, 100], [0, 1], [10, 10])
+    p = TtftPredictor(table, chunk_tokens=500)
+    got = p.predict(
+        new_tokens=1000, queued_prefill_tokens=0, decode_tokens=1, prompt_tokens=1000,
+        kv_capacity_tokens=1000,
+    )  # fmt: skip
+    assert got.ttft_ms == pytest.approx(2 * (50 + 10)) and got.itl_ms == 10
+    with pytest.raises(ValueError):
+        TtftPredictor(chunk_tokens=0)
+
+
+def test_cost_score_is_the_linear_cost() -> None:
+    got = cost_score(overlap_weight=2.0, new_blocks=3, queued_prefill_blocks=5, decode_blocks=7)
+    assert got == 2.0 * (5 + 3) + 7 + 3
+
+
+def cache(sched: KvScheduler, worker: str, tokens: list[int]) -> None:
+    blocks, parent = [], None
+    for i in range(len(tokens) // BS):
+        b = tuple(tokens[i * BS : (i + 1) * BS])
+        parent = engine_hash(parent, b)
+        blocks.append(StoredBlock(parent, b))
+    sched.indexer.apply_event(worker, BlocksStored(None, blocks))
+
+
+def make(n: int = 2, **cfg: float) -> KvScheduler:
+    """A ttft-policy scheduler (the default policy is still the linear cost)."""
+    config = KvRouterConfig(policy=KvPolicyKind.TTFT, **cfg)  # type: ignore[arg-type]
+    sched = KvScheduler(config, router_id="r")
+    for i in range(n):
+        sched.add_worker(f"w{i}", block_size=BS, kv_total_blocks=65536, max_num_seqs=4)
+    return sched
+
+
+def test_ttft_scores_are_predicted_ms() -> None:
+    assert KvRouterConfig().policy is KvPolicyKind.COST  # ttft is opt-in (README)
+    sched = make()
+    assert sched.config.policy is KvPolicyKind.TTFT
+    prompt = list(range(1600))
+    cache(sched, "w1", prompt[:1280])
+    sel = sched.select(prompt, 0.0)
+    assert sel.worker_id == "w1" and sel.overlap_blocks == 80
+    assert sel.costs == pytest.approx({"w0": POLY.prefill_ms(1600), "w1": POLY.prefill_ms(320)})
+
+
+def test_a_queue_ahead_outweighs_the_cached_prefix() -> None:
+    sched = make()
+    prompt = list(range(1600))
+    cache(sched, "w1", prompt[:1280])
+    for i in range(3):  # 3 x 8,000 uncached tokens waiting to prefill on w1
+        sel = sched.select(
+            list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8000)), 0.0, candidates=["w1"]
+        )
+        sched.book(f"big{i}", sel, 0.0)
+    assert sched.select(prompt, 0.0).worker_id == "w0"
+    for i in range(3):
+        sched.first_token(f"big{i}")  # prefilled: now they only decode there
+    assert sched.select(prompt, 0.0).worker_id == "w1"
+
+
+def test_full_request_slots_send_requests_elsewhere() -> None:
+    sched = make()
+    prompt = list(range(1600))
+    cache(sched, "w1", prompt)
+    for i in range(4):  # w1 runs max_num_seqs requests already
+        sel = sched.select(list(range(5000 + 16 * i, 5016 + 16 * i)), 0.0, candidates=["w1"])
+        sched.book(f"r{i}", sel, 0.0, expected_output_tokens=100)
+        sched.first_token(f"r{i}")
+    assert sched.select(prompt, 0.0).worker_id == "w0"
+    sched.free("r0")  # a slot is free again: the cache wins
+    assert sched.select(prompt, 0.0).worker_id == "w1"
+
+
+def test_completion_rate_is_measured_between_load_samples() -> None:
+    sched = make(1)
+    w0 = sched.worker("w0")
+    assert w0 is not None
+    for i in range(20):
+        sel = sched.select([i] * 32, 0.0)
+        sched.book(f"r{i}", sel, 0.0)
+    sched.update_load("w0", LoadSample(num_running=4, num_waiting=16), 0.0)
+    for i in range(10):
+        sched.free(f"r{i}")
+    sched.update_load("w0", LoadSample(num_running=4, num_waiting=6), 2.0)
+    assert w0.completion_rate == pytest.approx(5.0)
+    assert w0.requests(2.0, 1.0) == pytest.approx(10.0)
+    sched.update_load("w0", LoadSample(num_running=3, num_waiting=0), 2.5)  # window too short
+    assert w0.completion_rate == pytest.approx(5.0)
+
+
+def test_the_itl_penalty_is_bounded() -> None:
+    """w1 holds the prompt but decodes a lot: with no penalty the cache wins; a penalty that
+    outweighs the prefill it saves sends the request to w0, scaled by the share of w1's request
+    slots in use; a cap below that saving keeps it on w1."""
+    prompt = list(range(1600))
+    decoding = 100_000  # tokens decoding on w1: u = 0.095 of 65,536 blocks x 16
+    capacity = 65536 * BS
+    saving = POLY.prefill_ms(1600) - POLY.prefill_ms(320) - POLY.decode_ms(decoding / capacity)
+    itl_gap = POLY.decode_ms((decoding + 1600) / capacity) - POLY.decode_ms(1600 / capacity)
+    assert saving > 0 and itl_gap > 0
+
+    def pick(**cfg: float) -> str:
+        sched = make(**cfg)
+        cache(sched, "w1", prompt[:1280])
+        sel = sched.select(list(range(50_000, 50_000 + decoding)), 0.0, candidates=["w1"])
+        sched.book("long", sel, 0.0)
+        sched.first_token("long")
+        return sched.select(prompt, 0.0, expected_output_tokens=500).worker_id
+
+    assert pick() == "w1"
+    # w1 has 1 of its 4 request slots taken: the penalty counts a quarter
+    weight = 2 * saving / (500 * itl_gap)  # twice what the cache saves, a half at 1/4 slots
+    assert pick(itl_weight=weight, itl_penalty_cap_ms=1e6) == "w1"
+    assert pick(itl_weight=4 * weight, itl_penalty_cap_ms=1e6) == "w0"
+    assert pick(itl_weight=4 * weight, itl_penalty_cap_ms=2 * saving) == "w1"  # capped
+
+
+def test_bad_settings_are_refused() -> None:
+    for bad in ({"itl_weight": -1.0}, {"itl_penalty_cap_ms": math.nan}, {"chunk_tokens": 0}):
+        with pytest.raises(ValueError):
+            KvRouterConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        KvRouterConfig(policy="fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timing profile"):
+        KvScheduler(KvRouterConfig(timing_profile="/nonexistent.json"))
