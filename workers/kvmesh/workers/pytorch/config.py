@@ -82,7 +82,9 @@ class TorchConfig:
         flag="--torch-num-speculative-tokens",
     )
     prompt_lookup_max: int = opt(
-        4, "longest n-gram the prompt-lookup drafter matches", flag="--torch-prompt-lookup-max"
+        4,
+        "longest n-gram the prompt-lookup drafter matches (at least the shortest)",
+        flag="--torch-prompt-lookup-max",
     )
     prompt_lookup_min: int = opt(
         1, "shortest n-gram the prompt-lookup drafter matches", flag="--torch-prompt-lookup-min"
@@ -108,5 +110,5 @@ class TorchConfig:
         parse_lora_modules(self.lora_modules, "--torch-lora-modules")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.prompt_lookup_min < 1 or self.prompt_lookup_max < 1:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must be >= 1")

@@ -195,7 +195,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         ):
             return []
         k = min(cfg.num_speculative_tokens, seq.max_len - len(seq.tokens) - 1)
-        return propose_ngram(seq.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        lo = cfg.prompt_lookup_min
+        return propose_ngram(seq.tokens, k, lo, max(lo, cfg.prompt_lookup_max))
 
     def schedule(self) -> ScheduledStep:
         """Pick this step's work (see the module docstring). An empty `chunks` list with no
