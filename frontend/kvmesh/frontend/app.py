@@ -65,9 +65,11 @@ from kvmesh.frontend.protocol import (
     CreateEmbeddingResponse,
     ErrorResponse,
     ListModelsResponse,
+    LoadLoraAdapterRequest,
     Model,
     ParsedChatChunkEncoder,
     TextChunkEncoder,
+    UnloadLoraAdapterRequest,
     encode_embeddings,
     encode_error_event,
     encode_model,
@@ -76,6 +78,7 @@ from kvmesh.frontend.protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
+    parse_lora_request,
 )
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import KvmeshError
@@ -94,6 +97,8 @@ COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 _SSE_HEADERS = {"Content-Type": SSE, "Cache-Control": "no-cache"}
 _CLIENT_CLOSED = 499
 
@@ -413,6 +418,41 @@ class _Routes:
         body = encode_embeddings(result, parsed.encoding_format)
         return _json_response(200, body, _request_id(obs))
 
+    # -- LoRA adapters (vLLM's runtime loading API) ----------------------------------------
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        async def load(body: bytes) -> str:
+            parsed = parse_lora_request(LoadLoraAdapterRequest, body)
+            await self.service.load_lora_adapter(parsed.lora_name, parsed.lora_path, parsed.model)
+            return f"Success: LoRA adapter '{parsed.lora_name}' added successfully."
+
+        return await self._lora(request, LOAD_LORA_PATH, load)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        async def unload(body: bytes) -> str:
+            parsed = parse_lora_request(UnloadLoraAdapterRequest, body)
+            await self.service.unload_lora_adapter(parsed.lora_name)
+            return f"Success: LoRA adapter '{parsed.lora_name}' removed successfully."
+
+        return await self._lora(request, UNLOAD_LORA_PATH, unload)
+
+    async def _lora(
+        self, request: web.Request, path: str, act: Callable[[bytes], Awaitable[str]]
+    ) -> web.Response:
+        """Run a load/unload on the request body; vLLM's plain-text answer on success."""
+        obs = self._observed(request, path)
+        try:
+            text = await act(await request.read())
+        except web.HTTPException as exc:
+            return self._http_error(obs, exc)
+        except Exception as exc:
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        return web.Response(text=text, content_type="text/plain")
+
     # -- errors ----------------------------------------------------------------------------
 
     def _error(self, obs: Observed, exc: Exception) -> web.Response:
@@ -444,9 +484,9 @@ class _Routes:
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        for info in self.service.models():
-            if info.served_model_name == name:
-                return _json_response(200, encode_model(info, int(time.time())))
+        body = encode_model(self.service.models(), name, int(time.time()))
+        if body is not None:
+            return _json_response(200, body)
         return _json_response(
             404,
             error_body(404, f"The model `{name}` does not exist.", param="model",
@@ -490,6 +530,8 @@ _ENDPOINTS = {
     EMBEDDINGS_PATH: "embeddings",
     MESSAGES_PATH: "messages",
     COUNT_TOKENS_PATH: "count_tokens",
+    LOAD_LORA_PATH: "load_lora_adapter",
+    UNLOAD_LORA_PATH: "unload_lora_adapter",
 }
 """The metrics' endpoint label of each OpenAI route (Dynamo's values)."""
 
@@ -562,6 +604,14 @@ OPENAI_ROUTES: tuple[Route, ...] = (
           _replies(Reply(ListModelsResponse, "Model list"))),
     Route("/v1/models/{model}", "GET", _Routes.model, "One model",
           _replies(Reply(Model, "The model"), 404)),
+    Route(LOAD_LORA_PATH, "POST", _Routes.load_lora_adapter,
+          "Load a LoRA adapter on the workers of its base model (vLLM's API)",
+          _replies(Reply(str, "Loaded", ("text/plain",)), 400, 404, 413, 501, 503),
+          LoadLoraAdapterRequest),
+    Route(UNLOAD_LORA_PATH, "POST", _Routes.unload_lora_adapter,
+          "Unload a LoRA adapter from every worker (vLLM's API)",
+          _replies(Reply(str, "Unloaded", ("text/plain",)), 400, 404, 413, 501, 503),
+          UnloadLoraAdapterRequest),
     Route("/health", "GET", _Routes.health, "Readiness", _HEALTH),
     Route("/live", "GET", _Routes.live, "Liveness", {200: Reply(Health, "Alive")}),
     Route("/metrics", "GET", _Routes.metrics_text, "Prometheus metrics",

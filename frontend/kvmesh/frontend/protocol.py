@@ -28,7 +28,7 @@ import base64
 import struct
 import typing
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 import orjson
@@ -65,10 +65,12 @@ __all__ = [
     "CreateEmbeddingResponse",
     "ErrorResponse",
     "ListModelsResponse",
+    "LoadLoraAdapterRequest",
     "Model",
     "ParsedChatChunkEncoder",
     "SamplingParameters",
     "TextChunkEncoder",
+    "UnloadLoraAdapterRequest",
     "encode_embeddings",
     "encode_error_event",
     "encode_model",
@@ -78,6 +80,7 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
     "parse_embedding_request",
+    "parse_lora_request",
     "token_ids",
 ]
 
@@ -310,6 +313,35 @@ class CreateEmbeddingRequest(Struct, kw_only=True):
     """"" (like null): float."""
     dimensions: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
     user: str | None = None
+
+
+class LoadLoraAdapterRequest(Struct, kw_only=True):
+    """POST /v1/load_lora_adapter (vLLM's runtime LoRA loading)."""
+
+    lora_name: _NonEmpty
+    lora_path: _NonEmpty
+    """The adapter's directory (a peft checkpoint) on the workers' disk."""
+    model: str = ""
+    """kvmesh: the adapter's base model, needed when several models are served."""
+
+
+class UnloadLoraAdapterRequest(Struct, kw_only=True):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: _NonEmpty
+    lora_int_id: int | None = None
+    """vLLM's; ignored (adapters are named)."""
+
+
+L = TypeVar("L", LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+
+
+def parse_lora_request(cls: type[L], body: bytes) -> L:
+    """Parse a load/unload LoRA adapter body. Raises InvalidRequest."""
+    try:
+        return msgspec.convert(load_object(body), cls)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -1007,13 +1039,17 @@ class CreateEmbeddingResponse(Struct):
 
 
 class Model(Struct):
-    """A model served now."""
+    """A model served now: a base model, or a LoRA adapter with its base model as `parent`."""
 
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    root: str = ""
+    """The base model's name (vLLM: the model path or, for an adapter, its path)."""
+    parent: str | None = None
+    """For a LoRA adapter, the base model it runs on; null for a base model."""
 
 
 class ListModelsResponse(Struct):
@@ -1339,15 +1375,27 @@ def encode_embeddings(result: EmbeddingResult, encoding_format: str) -> bytes:
     )
 
 
-def _model_card(info: ModelInfo, created: int) -> Model:
-    return Model(info.served_model_name, "model", created, "kvmesh", info.context_length)
+def _model_cards(info: ModelInfo, created: int) -> list[Model]:
+    """The card of a served model, then one per LoRA adapter loaded on it (parent: the model)."""
+    name = info.served_model_name
+    base = Model(name, "model", created, "kvmesh", info.context_length, name)
+    return [base] + [
+        Model(a, "model", created, "kvmesh", info.context_length, name, name)
+        for a in info.lora_adapters
+    ]
 
 
 def encode_models(models: Sequence[ModelInfo], created: int) -> bytes:
-    """JSON body of GET /v1/models."""
-    return _encode(ListModelsResponse("list", [_model_card(m, created) for m in models]))
+    """JSON body of GET /v1/models: the served models and their LoRA adapters."""
+    return _encode(
+        ListModelsResponse("list", [c for m in models for c in _model_cards(m, created)])
+    )
 
 
-def encode_model(info: ModelInfo, created: int) -> bytes:
-    """JSON body of GET /v1/models/{model}."""
-    return _encode(_model_card(info, created))
+def encode_model(models: Sequence[ModelInfo], name: str, created: int) -> bytes | None:
+    """JSON body of GET /v1/models/{model} for model or adapter `name`; None if unknown."""
+    for info in models:
+        for card in _model_cards(info, created):
+            if card.id == name:
+                return _encode(card)
+    return None

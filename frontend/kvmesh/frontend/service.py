@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvmesh.frontend.backend import EmbeddingBackend, GenerateBackend
+from kvmesh.frontend.backend import EmbeddingBackend, GenerateBackend, LoraBackend
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import (
     ChatCompletionRequest,
@@ -392,6 +392,24 @@ class OpenAIService:
     def model_info(self, model: str) -> ModelInfo | None:
         """The card of `model` (a served model or LoRA adapter name); None if unknown."""
         return self.backend.model_info(model)
+
+    async def load_lora_adapter(self, name: str, path: str, model: str = "") -> list[str]:
+        """Load LoRA adapter `name` from `path` on the workers (see LoraBackend); returns their
+        worker ids. InvalidRequest when `name` is already a served model's name; Unimplemented
+        when the backend cannot load adapters."""
+        backend = self.backend
+        if not isinstance(backend, LoraBackend):
+            raise Unimplemented("this gateway's backend cannot load LoRA adapters")
+        if any(info.served_model_name == name for info in backend.models()):
+            raise InvalidRequest(f"{name!r} is the name of a served model", param="lora_name")
+        return await backend.load_lora(name, path, model)
+
+    async def unload_lora_adapter(self, name: str) -> list[str]:
+        """Unload LoRA adapter `name` from every worker that has it (see LoraBackend)."""
+        backend = self.backend
+        if not isinstance(backend, LoraBackend):
+            raise Unimplemented("this gateway's backend cannot unload LoRA adapters")
+        return await backend.unload_lora(name)
 
     def model_ready(self, model: str) -> bool:
         """Whether `model` is known and the service can take requests for it now."""

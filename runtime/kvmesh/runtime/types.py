@@ -295,6 +295,14 @@ class LoadInfo:
     kv_tiers: tuple[KvTierStats, ...] = ()
     """Per-tier cache counters: the device tier, then the host and disk tiers the engine has
     (empty: the engine reports none)."""
+    spec_steps_total: int = 0
+    """Speculative decoding: verification chunks run (one per drafting request per step)."""
+    spec_draft_tokens_total: int = 0
+    """Draft tokens proposed and verified."""
+    spec_accepted_tokens_total: int = 0
+    """Draft tokens the model accepted (acceptance rate: accepted / draft)."""
+    spec_emitted_tokens_total: int = 0
+    """Tokens the verification chunks produced (tokens per step: emitted / steps)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -507,6 +507,10 @@ def load_to_pb(load: LoadInfo, *, timestamp_ms: int, draining: bool) -> cpb.Load
             )
             for t in load.kv_tiers
         ],
+        spec_steps_total=load.spec_steps_total,
+        spec_draft_tokens_total=load.spec_draft_tokens_total,
+        spec_accepted_tokens_total=load.spec_accepted_tokens_total,
+        spec_emitted_tokens_total=load.spec_emitted_tokens_total,
     )
 
 
@@ -544,6 +548,10 @@ def load_from_pb(m: cpb.LoadMetrics) -> LoadInfo:
             for t in m.kv_tiers
             if t.tier in _TIER_FROM_PB
         ),
+        spec_steps_total=m.spec_steps_total,
+        spec_draft_tokens_total=m.spec_draft_tokens_total,
+        spec_accepted_tokens_total=m.spec_accepted_tokens_total,
+        spec_emitted_tokens_total=m.spec_emitted_tokens_total,
     )
 
 

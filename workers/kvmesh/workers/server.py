@@ -237,6 +237,18 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     ) -> wpb.ClearKvCacheResponse:
         return wpb.ClearKvCacheResponse(blocks_cleared=await self.engine.clear_kv_cache())
 
+    async def LoadLoraAdapter(
+        self, request: wpb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.LoadLoraAdapterResponse:
+        info = await self.engine.load_lora(request.lora_name, request.lora_path)
+        return wpb.LoadLoraAdapterResponse(card=wire.card_to_pb(info))
+
+    async def UnloadLoraAdapter(
+        self, request: wpb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.UnloadLoraAdapterResponse:
+        info = await self.engine.unload_lora(request.lora_name)
+        return wpb.UnloadLoraAdapterResponse(card=wire.card_to_pb(info))
+
     async def Drain(
         self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> wpb.DrainResponse:

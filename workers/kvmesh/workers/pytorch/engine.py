@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -54,6 +55,7 @@ from kvmesh.runtime.types import (
     PrefillResult,
     Role,
 )
+from kvmesh.workers.adapters.config import parse_lora_modules
 from kvmesh.workers.batching.block_files import BlockFiles
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.batching.tiers import KvTierConfig, Lane, TierJob
@@ -64,6 +66,7 @@ from kvmesh.workers.pytorch.embedding import EmbeddingHead, embed_prompts
 from kvmesh.workers.pytorch.guided import GrammarCompiler
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
+from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
 from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
 
@@ -173,6 +176,25 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             await loop.run_in_executor(self._executor, self._setup)
         if self._disagg.role is not Role.AGGREGATED:
             self._ensure_agent()  # fail at startup, not on the first request
+        await self._load_lora_modules(
+            parse_lora_modules(self.config.lora_modules, "--torch-lora-modules")
+        )
+
+    async def _open_lora(self, name: str, path: str) -> LoraAdapter:
+        loaded = self._loaded
+        assert loaded is not None
+        adapter: LoraAdapter = await self._on_executor(
+            functools.partial(
+                load_adapter,
+                name,
+                path,
+                num_layers=loaded.num_layers,
+                shapes=loaded.linear_shapes(),
+                device=loaded.device,
+                dtype=loaded.dtype,
+            )
+        )
+        return adapter
 
     def _setup(self) -> None:
         """Load the model, allocate the KV cache, build the scheduler (executor thread)."""

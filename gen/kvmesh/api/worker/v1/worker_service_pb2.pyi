@@ -876,3 +876,99 @@ class EmbeddingVector(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EmbeddingVector: _TypeAlias = EmbeddingVector  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterRequest(_message.Message):
+    """LoadLoraAdapter request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The name requests use for the adapter (as their model)."""
+    lora_path: _builtins.str
+    """The adapter's directory (a peft checkpoint) on the worker's disk."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "lora_path", b"lora_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterRequest: _TypeAlias = LoadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterResponse(_message.Message):
+    """LoadLoraAdapter response."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CARD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def card(self) -> _common_pb2.ModelCard:
+        """The worker's model card after the load (lora_adapters lists what is loaded)."""
+
+    def __init__(
+        self,
+        *,
+        card: _common_pb2.ModelCard | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["card", b"card"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["card", b"card"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterResponse: _TypeAlias = LoadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterRequest(_message.Message):
+    """UnloadLoraAdapter request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The adapter to unload."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterRequest: _TypeAlias = UnloadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterResponse(_message.Message):
+    """UnloadLoraAdapter response."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CARD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def card(self) -> _common_pb2.ModelCard:
+        """The worker's model card after the unload."""
+
+    def __init__(
+        self,
+        *,
+        card: _common_pb2.ModelCard | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["card", b"card"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["card", b"card"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015
