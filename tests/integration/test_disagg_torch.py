@@ -172,7 +172,15 @@ def test_greedy_through_prefill_nixl_decode_equals_transformers(
     after = mesh.metrics()
     moved = after["kvmesh_kv_transfer_bytes_total"] - before["kvmesh_kv_transfer_bytes_total"]
     blocks = sum(-(-len(ids) // BLOCK) for ids in singles + concurrent)
-    assert moved == blocks * BLOCK_BYTES
+    assert moved % BLOCK_BYTES == 0 and moved <= blocks * BLOCK_BYTES
+    # Every block, exactly, unless a request fell back to prefilling on the decode worker (a pull
+    # that timed out on a loaded machine: its output was still checked above). Seen once in a
+    # loaded CI run: 41 of 42 blocks; the fallback counter tells which case it was.
+    fell_back = sum(
+        v - before.get(k, 0.0) for k, v in after.items() if k.startswith("kvmesh_local_prefill")
+    )
+    if not fell_back:
+        assert moved == blocks * BLOCK_BYTES
     assert after["kvmesh_remote_prefill_total"] - before["kvmesh_remote_prefill_total"] == 8
 
     # Partly cached on the decode side: the decode worker holds the 300-token prompt's 18 full
