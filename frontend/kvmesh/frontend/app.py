@@ -263,16 +263,7 @@ class _Routes:
         encoder: ChatChunkEncoder | TextChunkEncoder,
         include_usage: bool,
     ) -> web.StreamResponse:
-        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
-        if obs.request_id:
-            resp.headers[X_REQUEST_ID] = obs.request_id
-        status = 200
-        error: str | None = None
-        finish_reasons: list[str] = []
-        events: _EventWriter | None = None
-        try:
-            writer = await resp.prepare(request)
-            events = _EventWriter(resp, writer)
+        async def body(events: _EventWriter, finish_reasons: list[str]) -> bytes:
             write = events.write
             encode = encoder.delta
             remaining = stream.num_choices
@@ -288,7 +279,36 @@ class _Routes:
                 await write(data)
             if include_usage:
                 tail += encoder.usage(stream.usage)
-            await resp.write_eof(events.take() + tail + DONE_EVENT)
+            return tail + DONE_EVENT
+
+        return await self._event_stream(
+            request, obs, stream, body, lambda _status, payload: encode_error_event(payload)
+        )
+
+    async def _event_stream(
+        self,
+        request: web.Request,
+        obs: Observed,
+        stream: CompletionStream,
+        body: Callable[[_EventWriter, list[str]], Awaitable[bytes]],
+        error_frame: Callable[[int, dict[str, Any]], bytes],
+    ) -> web.StreamResponse:
+        """Serve `stream` as server-sent events (either door's format): `body` writes the events,
+        appends the choices' finish reasons to its list and returns the last bytes, written with
+        the end of the response; a failure ends the stream with `error_frame(status, payload)`;
+        `obs` counts the request and ends its span."""
+        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        if obs.request_id:
+            resp.headers[X_REQUEST_ID] = obs.request_id
+        status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
+        events: _EventWriter | None = None
+        try:
+            writer = await resp.prepare(request)
+            events = _EventWriter(resp, writer)
+            tail = await body(events, finish_reasons)
+            await resp.write_eof(events.take() + tail)
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
@@ -296,7 +316,7 @@ class _Routes:
             error = error_type(failed)
             pending = events.take() if events is not None else b""
             try:
-                await resp.write_eof(pending + encode_error_event(payload))
+                await resp.write_eof(pending + error_frame(failed, payload))
             except ConnectionResetError:
                 status = _CLIENT_CLOSED
         except asyncio.CancelledError:
@@ -330,50 +350,28 @@ class _Routes:
     async def _message_stream(
         self, request: web.Request, obs: Observed, stream: CompletionStream
     ) -> web.StreamResponse:
-        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
-        if obs.request_id:
-            resp.headers[X_REQUEST_ID] = obs.request_id
-        status = 200
-        error: str | None = None
-        finish_reasons: list[str] = []
-        events: _EventWriter | None = None
         encoder = MessageStreamEncoder()
-        try:
-            writer = await resp.prepare(request)
-            events = _EventWriter(resp, writer)
+
+        async def body(events: _EventWriter, finish_reasons: list[str]) -> bytes:
             await events.write(encoder.start(stream.id, stream.model, stream.prompt_tokens(0)))
-            tail = b""
             async for delta in stream:
                 data = encoder.delta(delta)
                 if delta.finish_reason is not None:
                     finish_reasons.append(delta.finish_reason)
-                    tail = data + encoder.finish(
+                    return data + encoder.finish(
                         delta.finish_reason, delta.stop_sequence, stream.completion_tokens(0)
                     )
-                    break
                 if data:
                     await events.write(data)
-            await resp.write_eof(events.take() + tail)
-        except ConnectionResetError:
-            status = _CLIENT_CLOSED
-        except Exception as exc:
-            failed, payload = error_from_exception(exc)
-            error = error_type(failed)
-            pending = events.take() if events is not None else b""
-            try:
-                await resp.write_eof(
-                    pending + error_event(failed, str(payload["error"]["message"]))
-                )
-            except ConnectionResetError:
-                status = _CLIENT_CLOSED
-        except asyncio.CancelledError:
-            obs.done(_CLIENT_CLOSED)
-            raise
-        finally:
-            await stream.aclose()
-        obs.streamed(stream, finish_reasons)
-        obs.done(status, error=error if status == 200 else None)
-        return resp
+            return b""
+
+        return await self._event_stream(
+            request,
+            obs,
+            stream,
+            body,
+            lambda status, payload: error_event(status, str(payload["error"]["message"])),
+        )
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         obs = self._observed(request, COUNT_TOKENS_PATH)
