@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,21 +92,7 @@ class DisaggMesh:
         return asyncio.run(asyncio.wait_for(find(), 10))
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.mesh.base + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith(
-                (
-                    "kvmesh_remote_prefill",
-                    "kvmesh_local_prefill",
-                    "kvmesh_kv_",
-                    "kvmesh_router_workers",
-                )
-            ):
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
+        return self.mesh.metrics("kvmesh_remote_prefill", "kvmesh_local_prefill", "kvmesh_kv_")
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +121,7 @@ def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "256",
     )
     dm = DisaggMesh(m, registry)
-    # The gateway is healthy with one worker: wait until its pool has joined both (a request
-    # sent before the prefill worker joined prefills locally: seen in a loaded CI run).
-    deadline = time.monotonic() + 60
-    while not all(
-        dm.metrics().get(f'kvmesh_router_workers{{model="tiny-llama",role="{role}"}}', 0) >= 1
-        for role in ("prefill", "decode")
-    ):
-        assert time.monotonic() < deadline, m.log.read_text()
-        time.sleep(0.1)
+    m.wait_workers(prefill=1, decode=1)
     yield dm
     assert stop_mesh(m) == 0, m.log.read_text()
 
