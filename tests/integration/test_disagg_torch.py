@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,14 +92,7 @@ class DisaggMesh:
         return asyncio.run(asyncio.wait_for(find(), 10))
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.mesh.base + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith(("kvmesh_remote_prefill", "kvmesh_local_prefill", "kvmesh_kv_")):
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
+        return self.mesh.metrics("kvmesh_remote_prefill", "kvmesh_local_prefill", "kvmesh_kv_")
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +121,7 @@ def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "256",
     )
     dm = DisaggMesh(m, registry)
-    deadline = time.monotonic() + 30  # the gateway is healthy with one worker: wait for both
-    while True:
-        try:
-            dm.worker_address("prefill")
-            dm.worker_address("decode")
-            break
-        except TimeoutError:
-            assert time.monotonic() < deadline, m.log.read_text()
+    m.wait_workers(prefill=1, decode=1)
     yield dm
     assert stop_mesh(m) == 0, m.log.read_text()
 
@@ -172,8 +157,18 @@ def test_greedy_through_prefill_nixl_decode_equals_transformers(
     after = mesh.metrics()
     moved = after["kvmesh_kv_transfer_bytes_total"] - before["kvmesh_kv_transfer_bytes_total"]
     blocks = sum(-(-len(ids) // BLOCK) for ids in singles + concurrent)
-    assert moved == blocks * BLOCK_BYTES
-    assert after["kvmesh_remote_prefill_total"] - before["kvmesh_remote_prefill_total"] == 8
+    assert moved % BLOCK_BYTES == 0 and moved <= blocks * BLOCK_BYTES
+    # Every block, exactly, unless a request fell back to prefilling on the decode worker (a pull
+    # that timed out on a loaded machine: its output was still checked above). Seen once in a
+    # loaded CI run: 41 of 42 blocks; the fallback counter tells which case it was.
+    fell_back = sum(
+        v - before.get(k, 0.0) for k, v in after.items() if k.startswith("kvmesh_local_prefill")
+    )
+    if not fell_back:
+        assert moved == blocks * BLOCK_BYTES
+    assert (
+        after["kvmesh_remote_prefill_total"] - before.get("kvmesh_remote_prefill_total", 0) == 8
+    ), {k: v - before.get(k, 0.0) for k, v in after.items()}
 
     # Partly cached on the decode side: the decode worker holds the 300-token prompt's 18 full
     # blocks (pulled above), so a follow-up turn pulls only the blocks after them.

@@ -6,7 +6,6 @@ and decode pools (and only those)."""
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,17 +18,6 @@ from tests.conftest import free_port
 from tests.integration.test_up_openai import start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration
-
-
-def metrics(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
-        lines = r.read().decode().splitlines()
-    out: dict[str, float] = {}
-    for line in lines:
-        if line.startswith(("kvmesh_remote_prefill", "kvmesh_local_prefill", "kvmesh_kv_")):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
 
 
 def test_disaggregated_mesh_serves_counts_and_scales(tiny_model: Path, tmp_path: Path) -> None:
@@ -65,6 +53,7 @@ def test_disaggregated_mesh_serves_counts_and_scales(tiny_model: Path, tmp_path:
         assert set(pools()) == {cpb.WORKER_ROLE_PREFILL, cpb.WORKER_ROLE_DECODE}
         wait_ready(cpb.WORKER_ROLE_PREFILL, 1)
         wait_ready(cpb.WORKER_ROLE_DECODE, 1)
+        mesh.wait_workers(prefill=1, decode=1)
         client = mesh.client()
         for i in range(3):
             res = client.chat.completions.create(
@@ -74,7 +63,7 @@ def test_disaggregated_mesh_serves_counts_and_scales(tiny_model: Path, tmp_path:
                 temperature=0,
             )
             assert res.usage is not None and res.usage.completion_tokens == 6
-        m = metrics(mesh.base)
+        m = mesh.metrics()
         assert m["kvmesh_remote_prefill_total"] == 3
         assert m["kvmesh_kv_transfer_bytes_total"] > 0
 

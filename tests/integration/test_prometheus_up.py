@@ -125,6 +125,13 @@ def test_prometheus_scrapes_every_component_and_answers_promql(
         assert hit is not None and 0.3 < hit < 1, hit  # most of each prompt is the prefix
         decisions = scalar(base, "sum(kvmesh_router_decisions_total)")
         assert decisions == 24
+        # The frontend's pool and the router's each see both workers, none marked down.
+        pools = query(base, 'kvmesh_router_workers{role="aggregated"}')
+        assert sorted((r["metric"]["component"], r["value"][1]) for r in pools) == [
+            ("frontend", "2"),
+            ("router", "2"),
+        ], pools
+        assert scalar(base, "sum(kvmesh_router_workers_down)") == 0
         # Every endpoint's exposition passes `promtool check metrics`.
         for group in json.loads((targets / "kvmesh.json").read_text()):
             for target in group["targets"]:

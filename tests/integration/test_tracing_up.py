@@ -79,6 +79,7 @@ def test_disaggregated_request_is_one_trace_across_frontend_prefill_and_decode(
         "1000",
     )
     try:
+        mesh.wait_workers(prefill=1, decode=1)
         client = TraceContext.new()
         resp = mesh.client().chat.completions.with_raw_response.create(
             model=MODEL,

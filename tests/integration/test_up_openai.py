@@ -48,6 +48,31 @@ class Mesh:
             )
         return self._client
 
+    def metrics(self, *prefixes: str) -> dict[str, float]:
+        """The gateway's /metrics samples (name{labels} -> value) whose names start with one of
+        `prefixes` (all of them when none is given)."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and line.startswith(prefixes or ("",)):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def wait_workers(self, timeout_s: float = 60.0, **roles: int) -> None:
+        """Wait until the gateway's pool has joined at least this many workers of each role
+        (`kvmesh_router_workers`): /health is 200 with one worker of any role, and a request
+        sent before a prefill worker joined prefills locally."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics("kvmesh_router_workers{")
+            have = {role: sum(v for k, v in m.items() if f'role="{role}"' in k) for role in roles}
+            if all(have[r] >= n for r, n in roles.items()):
+                return
+            assert time.monotonic() < deadline, (have, self.log.read_text())
+            time.sleep(0.1)
+
 
 def start_mesh(
     tmp: Path, *args: str, ready_timeout_s: float = 60.0, env: dict[str, str] | None = None

@@ -189,10 +189,11 @@ async def test_too_long_prompt_on_a_generate_stream_is_request_too_large(
 async def test_fields_the_engine_cannot_honour_are_refused(
     stub: wpb_grpc.WorkerServiceStub, worker: Worker
 ) -> None:
-    """media (no MULTIMODAL), engine_params_json (no engine reads it), lora_name (no LORA) and
-    guided decoding (no GUIDED_DECODING) are refused, on Generate and on GenerateStream alike,
-    instead of being served as if they were not there."""
-    assert {"MULTIMODAL", "LORA", "GUIDED_DECODING"}.isdisjoint(worker.engine.info.capabilities)
+    """media (no MULTIMODAL), engine_params_json (no engine reads it), a LoRA adapter that is
+    not loaded (NOT_FOUND, as a real engine) and guided decoding (no GUIDED_DECODING) are
+    refused, on Generate and on GenerateStream alike, instead of being served as if they were
+    not there."""
+    assert {"MULTIMODAL", "GUIDED_DECODING"}.isdisjoint(worker.engine.info.capabilities)
     media = gen_request([1, 2, 3])
     media.media.add(mime_type="image/png", data=b"\x89PNG")
     params = gen_request([1, 2, 3])
@@ -204,7 +205,7 @@ async def test_fields_the_engine_cannot_honour_are_refused(
     cases = [
         (media, grpc.StatusCode.INVALID_ARGUMENT, "media", "MULTIMODAL"),
         (params, grpc.StatusCode.UNIMPLEMENTED, "engine_params_json", "engine_params_json"),
-        (lora, grpc.StatusCode.INVALID_ARGUMENT, "lora_name", "LORA"),
+        (lora, grpc.StatusCode.NOT_FOUND, "model", "'sql' is not loaded"),
         (guided, grpc.StatusCode.INVALID_ARGUMENT, "response_format", "GUIDED_DECODING"),
     ]
     session = WorkerSession(stub, worker.address)
@@ -223,6 +224,35 @@ async def test_fields_the_engine_cannot_honour_are_refused(
     finally:
         await session.close()
     assert worker.engine.load().num_running == 0
+
+
+async def test_lora_adapters_load_and_unload(
+    stub: wpb_grpc.WorkerServiceStub, worker: Worker
+) -> None:
+    """The mocker keeps adapters by name (no weights): loaded ones serve, the card lists them,
+    unloaded or unknown ones are NOT_FOUND; a duplicate load is INVALID_ARGUMENT."""
+    loaded = await stub.LoadLoraAdapter(
+        wpb.LoadLoraAdapterRequest(lora_name="sql", lora_path="/adapters/sql")
+    )
+    assert list(loaded.card.lora_adapters) == ["sql"]
+    assert cpb.ENGINE_CAPABILITY_LORA in loaded.card.capabilities
+    req = gen_request([1, 2, 3], max_tokens=2)
+    req.lora_name = "sql"
+    await collect(stub, req)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.LoadLoraAdapter(wpb.LoadLoraAdapterRequest(lora_name="sql", lora_path="/x"))
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    card = await stub.GetModelCard(wpb.GetModelCardRequest())
+    assert list(card.card.lora_adapters) == ["sql"]
+    unloaded = await stub.UnloadLoraAdapter(wpb.UnloadLoraAdapterRequest(lora_name="sql"))
+    assert list(unloaded.card.lora_adapters) == []
+    for call in (
+        stub.UnloadLoraAdapter(wpb.UnloadLoraAdapterRequest(lora_name="sql")),
+        collect(stub, req),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND
 
 
 async def test_zero_max_tokens_rejected(stub: wpb_grpc.WorkerServiceStub) -> None:

@@ -368,13 +368,15 @@ async def test_over_the_context_length_is_400_context_length_exceeded(
 async def test_image_and_audio_parts_are_refused_not_dropped(
     gw: Gateway, part: dict[str, Any]
 ) -> None:
-    """No engine has the MULTIMODAL capability: a chat with an image or audio part gets a 400
-    that names the part, instead of being served as its text alone."""
+    """A chat with an audio part, or an image the engine cannot take (this one does not even
+    decode), gets a 400 that names the part or the image, instead of being served as its text
+    alone."""
     content = [{"type": "text", "text": "What is in this picture?"}, part]
     got, payload = await gw.post(CHAT, _chat(messages=[{"role": "user", "content": content}]))
     assert got == 400, payload
     assert payload["error"]["param"] == "messages"
-    assert part["type"] in payload["error"]["message"]
+    named = "image 0" if part["type"] == "image_url" else part["type"]
+    assert named in payload["error"]["message"]
     assert not gw.backend.calls
 
 

@@ -58,7 +58,7 @@ async def test_info_and_capabilities() -> None:
     info = eng.info
     assert (info.engine, info.kv_block_size, info.kv_total_blocks) == ("mocker", 16, 256)
     assert info.context_length == 2048 and info.eos_token_ids == (1,)
-    assert set(info.capabilities) == {"KV_EVENTS", "LOGPROBS", "RESUME"}
+    assert set(info.capabilities) == {"KV_EVENTS", "LOGPROBS", "LORA", "RESUME"}
     assert eng.kv_events is not None
     plain = engine(
         enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=512

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,18 +28,28 @@ from kvmesh.sim.profiler import profile_mocker
 from kvmesh.sim.replay import simulate
 from kvmesh.sim.reshape import day_rate, reshape_day
 from kvmesh.sim.results import ModeResult
-from kvmesh.sim.trace import Trace, TraceRequest, load_trace, write_trace
+from kvmesh.sim.trace import Trace, TraceRequest, write_trace
 from kvmesh.workers.mocker import PolynomialTiming
 from kvmesh.workers.mocker.config import MockerConfig
 
 pytestmark = pytest.mark.unit
 
-AZURE = Path(__file__).resolve().parents[3] / "shared" / "ref" / "traces"
-AZURE_CONV = AZURE / "AzureLLMInferenceTrace_conv.csv"
-
 
 def _trace(rows: list[tuple[float, int, int]]) -> Trace:
     return Trace("test", [TraceRequest(t * 1e3, isl, osl, []) for t, isl, osl in rows])
+
+
+def _azure_like(n: int, seed: int = 0) -> Trace:
+    """`n` requests shaped like Azure's conversation trace (no prefix ids; lognormal lengths,
+    about 1 request/s), built here so the tests need no file outside the repository."""
+    rng = random.Random(seed)
+    rows, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(1.0)
+        isl = max(1, int(rng.lognormvariate(math.log(1000), 0.9)))
+        osl = max(1, int(rng.lognormvariate(math.log(200), 0.8)))
+        rows.append((t, isl, osl))
+    return _trace(rows)
 
 
 def test_mocker_profile_measures_the_timing_model() -> None:
@@ -59,7 +70,7 @@ def test_mocker_profile_measures_the_timing_model() -> None:
 
 
 def test_reshape_makes_a_day() -> None:
-    source = load_trace(str(AZURE_CONV), limit=500)
+    source = _azure_like(500, seed=3)
     day = reshape_day(source, duration_s=200.0, low_rps=2.0, peak_rps=20.0, seed=1)
     times = [r.timestamp_ms / 1e3 for r in day.requests]
     assert times == sorted(times) and 0 <= times[0] and times[-1] < 200.0
@@ -184,7 +195,7 @@ def replay_serving_at_end(result: ModeResult) -> int:
 
 def test_replay_cli_contract(tmp_path: Path) -> None:
     """The command line the issue's scripts call, and its JSON fields."""
-    source = load_trace(str(AZURE_CONV), limit=400)
+    source = _azure_like(400, seed=4)
     path = tmp_path / "day.jsonl"
     write_trace(reshape_day(source, duration_s=40.0, low_rps=2.0, peak_rps=10.0), str(path))
     common = ["replay", "--trace", str(path), "--router", "kv", "--block-size", "64",

@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 
 import torch
 
-from kvmesh.runtime.errors import InvalidRequest
+from kvmesh.runtime.errors import InvalidRequest, NotFound
 from kvmesh.runtime.kv_events import BlocksRemoved, KvStateMirror
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.types import (
@@ -281,12 +281,13 @@ async def test_requests_the_model_cannot_serve(engine: TorchEngine, env: Env) ->
     bad = [
         ("prompt", req([1, vocab], 2)),
         ("logit_bias", req([1, 2], 2, logit_bias={vocab: 1.0})),
-        ("lora_name", EngineRequest("lora", [1, 2], lora_name="adapter")),
     ]
     for param, request in bad:
         with pytest.raises(InvalidRequest) as e:
             await anext(engine.generate(request))
         assert e.value.param == param
+    with pytest.raises(NotFound, match="'adapter' is not loaded"):  # as vLLM: 404
+        await anext(engine.generate(EngineRequest("lora", [1, 2], lora_name="adapter")))
     assert_idle(engine)
 
 

@@ -39,6 +39,20 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 
+from kvmesh.frontend.anthropic_api import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    CreateMessageRequest,
+    MessageResponse,
+    MessageStreamEncoder,
+    anthropic_error_body,
+    encode_count,
+    encode_message,
+    error_event,
+    parse_count_tokens_request,
+    parse_message_request,
+)
 from kvmesh.frontend.auth import GatewayAuth, estimate_tokens
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import ChatCompletionRequest, CompletionRequest, CompletionResult
@@ -59,9 +73,11 @@ from kvmesh.frontend.protocol import (
     CreateEmbeddingResponse,
     ErrorResponse,
     ListModelsResponse,
+    LoadLoraAdapterRequest,
     Model,
     ParsedChatChunkEncoder,
     TextChunkEncoder,
+    UnloadLoraAdapterRequest,
     encode_embeddings,
     encode_error_event,
     encode_model,
@@ -70,6 +86,7 @@ from kvmesh.frontend.protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
+    parse_lora_request,
 )
 from kvmesh.frontend.service import CompletionStream, OpenAIService
 from kvmesh.runtime.errors import KvmeshError, retry_after_header
@@ -94,6 +111,10 @@ CONFIG_KEY = web.AppKey("kvmesh_frontend_config", FrontendConfig)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 _SSE_HEADERS = {"Content-Type": SSE, "Cache-Control": "no-cache"}
 _CLIENT_CLOSED = 499
 
@@ -278,19 +299,7 @@ class _Routes:
         encoder: ChatChunkEncoder | TextChunkEncoder,
         include_usage: bool,
     ) -> web.StreamResponse:
-        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
-        if obs.request_id:
-            resp.headers[X_REQUEST_ID] = obs.request_id
-        status = 200
-        error: str | None = None
-        finish_reasons: list[str] = []
-        events: _EventWriter | None = None
-        task = asyncio.current_task()
-        if task is not None:
-            self.streams.add(task)
-        try:
-            writer = await resp.prepare(request)
-            events = _EventWriter(resp, writer, self.service.config.stream_write_timeout_s)
+        async def body(events: _EventWriter, finish_reasons: list[str]) -> bytes:
             write = events.write
             encode = encoder.delta
             remaining = stream.num_choices
@@ -306,7 +315,39 @@ class _Routes:
                 await write(data)
             if include_usage:
                 tail += encoder.usage(stream.usage)
-            await resp.write_eof(events.take() + tail + DONE_EVENT)
+            return tail + DONE_EVENT
+
+        return await self._event_stream(
+            request, obs, stream, body, lambda _status, payload: encode_error_event(payload)
+        )
+
+    async def _event_stream(
+        self,
+        request: web.Request,
+        obs: Observed,
+        stream: CompletionStream,
+        body: Callable[[_EventWriter, list[str]], Awaitable[bytes]],
+        error_frame: Callable[[int, dict[str, Any]], bytes],
+    ) -> web.StreamResponse:
+        """Serve `stream` as server-sent events (either door's format): `body` writes the events,
+        appends the choices' finish reasons to its list and returns the last bytes, written with
+        the end of the response; a failure ends the stream with `error_frame(status, payload)`;
+        `obs` counts the request and ends its span."""
+        resp = _EventStreamResponse(status=200, headers=_SSE_HEADERS)
+        if obs.request_id:
+            resp.headers[X_REQUEST_ID] = obs.request_id
+        status = 200
+        error: str | None = None
+        finish_reasons: list[str] = []
+        events: _EventWriter | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self.streams.add(task)  # abort_streams ends it on a forced stop
+        try:
+            writer = await resp.prepare(request)
+            events = _EventWriter(resp, writer, self.service.config.stream_write_timeout_s)
+            tail = await body(events, finish_reasons)
+            await resp.write_eof(events.take() + tail)
         except ConnectionResetError:
             status = _CLIENT_CLOSED
         except Exception as exc:
@@ -314,13 +355,13 @@ class _Routes:
             error = error_type(failed)
             pending = events.take() if events is not None else b""
             try:
-                await resp.write_eof(pending + encode_error_event(payload))
+                await resp.write_eof(pending + error_frame(failed, payload))
             except ConnectionResetError:
                 status = _CLIENT_CLOSED
         except asyncio.CancelledError:
             aborting = self.aborting
             if aborting is not None and events is not None:  # cut by abort_streams
-                events.write_final(encode_error_event(aborting))
+                events.write_final(error_frame(503, aborting))
             obs.done(503 if aborting is not None else _CLIENT_CLOSED)
             raise
         finally:
@@ -330,6 +371,77 @@ class _Routes:
         obs.streamed(stream, finish_reasons)
         obs.done(status, error=error if status == 200 else None)
         return resp
+
+    # -- the Anthropic Messages API -----------------------------------------------------------
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        obs = self._observed(request, MESSAGES_PATH)
+        try:
+            parsed = parse_message_request(await request.read())
+            obs.request(parsed.model, parsed.options, "chat", stream=parsed.stream)
+            result = await self.service.chat_completion(parsed, obs.context)
+        except Exception as exc:
+            return self._anthropic_failure(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        if isinstance(result, CompletionResult):
+            obs.result(result)
+            obs.done(200)
+            return _json_response(200, encode_message(result), _request_id(obs))
+        return await self._message_stream(request, obs, result)
+
+    async def _message_stream(
+        self, request: web.Request, obs: Observed, stream: CompletionStream
+    ) -> web.StreamResponse:
+        encoder = MessageStreamEncoder()
+
+        async def body(events: _EventWriter, finish_reasons: list[str]) -> bytes:
+            await events.write(encoder.start(stream.id, stream.model, stream.prompt_tokens(0)))
+            async for delta in stream:
+                data = encoder.delta(delta)
+                if delta.finish_reason is not None:
+                    finish_reasons.append(delta.finish_reason)
+                    return data + encoder.finish(
+                        delta.finish_reason, delta.stop_sequence, stream.completion_tokens(0)
+                    )
+                if data:
+                    await events.write(data)
+            return b""
+
+        return await self._event_stream(
+            request,
+            obs,
+            stream,
+            body,
+            lambda status, payload: error_event(status, str(payload["error"]["message"])),
+        )
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        obs = self._observed(request, COUNT_TOKENS_PATH)
+        try:
+            parsed = parse_count_tokens_request(await request.read())
+            obs.request(parsed.model, None, "chat", stream=False)
+            tokens = await self.service.count_chat_tokens(parsed)
+        except Exception as exc:
+            return self._anthropic_failure(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        return _json_response(200, encode_count(tokens), _request_id(obs))
+
+    def _anthropic_failure(self, obs: Observed, exc: Exception) -> web.Response:
+        if isinstance(exc, web.HTTPException):
+            status, message = exc.status, self._reason(exc)
+        else:
+            status, payload = error_from_exception(exc)
+            message = str(payload["error"]["message"])
+        obs.done(status)
+        headers = _request_id(obs) or {}
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
+        return _json_response(status, anthropic_error_body(status, message), headers or None)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         obs = self._observed(request, EMBEDDINGS_PATH)
@@ -348,6 +460,41 @@ class _Routes:
         body = encode_embeddings(result, parsed.encoding_format)
         return _json_response(200, body, _request_id(obs))
 
+    # -- LoRA adapters (vLLM's runtime loading API) ----------------------------------------
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        async def load(body: bytes) -> str:
+            parsed = parse_lora_request(LoadLoraAdapterRequest, body)
+            await self.service.load_lora_adapter(parsed.lora_name, parsed.lora_path, parsed.model)
+            return f"Success: LoRA adapter '{parsed.lora_name}' added successfully."
+
+        return await self._lora(request, LOAD_LORA_PATH, load)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        async def unload(body: bytes) -> str:
+            parsed = parse_lora_request(UnloadLoraAdapterRequest, body)
+            await self.service.unload_lora_adapter(parsed.lora_name)
+            return f"Success: LoRA adapter '{parsed.lora_name}' removed successfully."
+
+        return await self._lora(request, UNLOAD_LORA_PATH, unload)
+
+    async def _lora(
+        self, request: web.Request, path: str, act: Callable[[bytes], Awaitable[str]]
+    ) -> web.Response:
+        """Run a load/unload on the request body; vLLM's plain-text answer on success."""
+        obs = self._observed(request, path)
+        try:
+            text = await act(await request.read())
+        except web.HTTPException as exc:
+            return self._http_error(obs, exc)
+        except Exception as exc:
+            return self._error(obs, exc)
+        except asyncio.CancelledError:
+            obs.done(_CLIENT_CLOSED)
+            raise
+        obs.done(200)
+        return web.Response(text=text, content_type="text/plain")
+
     # -- errors ----------------------------------------------------------------------------
 
     def _error(self, obs: Observed, exc: Exception) -> web.Response:
@@ -359,12 +506,13 @@ class _Routes:
 
     def _http_error(self, obs: Observed, exc: web.HTTPException) -> web.Response:
         status = exc.status
-        if status == 413:
-            message = f"request body too large (limit {self._max_bytes()} bytes)"
-        else:
-            message = exc.reason
         obs.done(status)
-        return _json_response(status, error_body(status, message), _request_id(obs))
+        return _json_response(status, error_body(status, self._reason(exc)), _request_id(obs))
+
+    def _reason(self, exc: web.HTTPException) -> str:
+        if exc.status == 413:
+            return f"request body too large (limit {self._max_bytes()} bytes)"
+        return exc.reason
 
     def _max_bytes(self) -> int:
         return self.service.config.max_request_bytes
@@ -377,9 +525,9 @@ class _Routes:
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        for info in self.service.models():
-            if info.served_model_name == name:
-                return _json_response(200, encode_model(info, int(time.time())))
+        body = encode_model(self.service.models(), name, int(time.time()))
+        if body is not None:
+            return _json_response(200, body)
         return _json_response(
             404,
             error_body(404, f"The model `{name}` does not exist.", param="model",
@@ -421,6 +569,10 @@ _ENDPOINTS = {
     CHAT_PATH: "chat_completions",
     COMPLETIONS_PATH: "completions",
     EMBEDDINGS_PATH: "embeddings",
+    MESSAGES_PATH: "messages",
+    COUNT_TOKENS_PATH: "count_tokens",
+    LOAD_LORA_PATH: "load_lora_adapter",
+    UNLOAD_LORA_PATH: "unload_lora_adapter",
 }
 """The metrics' endpoint label of each OpenAI route (Dynamo's values)."""
 
@@ -459,6 +611,10 @@ def _replies(ok: Reply, *errors: int) -> dict[int, Reply]:
     return {200: ok, **{s: Reply(ErrorResponse, _ERRORS[s]) for s in errors}}
 
 
+def _anthropic_replies(ok: Reply, *errors: int) -> dict[int, Reply]:
+    return {200: ok, **{s: Reply(AnthropicErrorResponse, _ERRORS[s]) for s in errors}}
+
+
 _GENERATION_ERRORS = (400, 404, 413, 429, 503)
 _CHAT = Reply(
     CreateChatCompletionResponse, "A chat.completion, or chat.completion.chunk events", (JSON, SSE)
@@ -476,10 +632,27 @@ OPENAI_ROUTES: tuple[Route, ...] = (
           _replies(Reply(CreateEmbeddingResponse, "One vector per input"), *_GENERATION_ERRORS,
                    501),
           CreateEmbeddingRequest),
+    Route(MESSAGES_PATH, "POST", _Routes.messages,
+          "Anthropic Messages API (stream: Server-Sent Events); Anthropic-shaped errors",
+          _anthropic_replies(Reply(MessageResponse, "A message, or its events", (JSON, SSE)),
+                             *_GENERATION_ERRORS),
+          CreateMessageRequest),
+    Route(COUNT_TOKENS_PATH, "POST", _Routes.count_tokens,
+          "Anthropic Messages API: prompt tokens of a request",
+          _anthropic_replies(Reply(CountTokensResponse, "The count"), 400, 404, 413),
+          CountTokensRequest),
     Route("/v1/models", "GET", _Routes.models, "Models served now",
           _replies(Reply(ListModelsResponse, "Model list"))),
     Route("/v1/models/{model}", "GET", _Routes.model, "One model",
           _replies(Reply(Model, "The model"), 404)),
+    Route(LOAD_LORA_PATH, "POST", _Routes.load_lora_adapter,
+          "Load a LoRA adapter on the workers of its base model (vLLM's API)",
+          _replies(Reply(str, "Loaded", ("text/plain",)), 400, 404, 413, 501, 503),
+          LoadLoraAdapterRequest),
+    Route(UNLOAD_LORA_PATH, "POST", _Routes.unload_lora_adapter,
+          "Unload a LoRA adapter from every worker (vLLM's API)",
+          _replies(Reply(str, "Unloaded", ("text/plain",)), 400, 404, 413, 501, 503),
+          UnloadLoraAdapterRequest),
     Route("/health", "GET", _Routes.health, "Readiness", _HEALTH),
     Route("/live", "GET", _Routes.live, "Liveness", {200: Reply(Health, "Alive")}),
     Route("/metrics", "GET", _Routes.metrics_text, "Prometheus metrics",
@@ -499,9 +672,9 @@ ROUTES_KEY = web.AppKey("kvmesh_openai_routes", _Routes)
 
 
 def abort_streams(app: web.Application, message: str) -> int:
-    """End every OpenAI stream `app` is sending now with an error event (503, `message`) and
-    `[DONE]`; returns how many. For a drain that timed out or a forced stop, before the runner's
-    cleanup closes the connections."""
+    """End every event stream `app` is sending now (OpenAI or Anthropic) with an error event
+    in its door's format (503, `message`); returns how many. For a drain that timed out or a
+    forced stop, before the runner's cleanup closes the connections."""
     routes = app[ROUTES_KEY]
     routes.aborting = error_payload(message, "service_unavailable")
     streams = list(routes.streams)
@@ -553,11 +726,18 @@ def _protected(path: str, auth: GatewayAuth) -> bool:
 def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIService) -> Handler:
     """`handler` behind the gateway's API keys: a missing or unknown `Authorization: Bearer`
     key gets an OpenAI-shaped 401, a key over its rate limit a 429 (with x-ratelimit-*
-    headers, which every answer to a limited key carries)."""
+    headers, which every answer to a limited key carries). The Anthropic routes (/v1/messages)
+    also take the key from `x-api-key` and answer Anthropic-shaped errors."""
+
+    anthropic = endpoint.startswith(MESSAGES_PATH)
 
     async def guard(request: web.Request) -> web.StreamResponse:
         try:
-            key = auth.check(request.headers.get("Authorization"))
+            headers = request.headers
+            authorization = headers.get("Authorization")
+            if anthropic and not authorization and headers.get("x-api-key"):
+                authorization = "Bearer " + headers["x-api-key"]  # Anthropic clients' header
+            key = auth.check(authorization)
             if auth.limited:
                 tokens = 0
                 if auth.tpm and request.method == "POST":
@@ -569,10 +749,11 @@ def guarded(handler: Handler, auth: GatewayAuth, endpoint: str, service: OpenAIS
         except KvmeshError as exc:
             status, payload = error_from_exception(exc)
             observe_http(service, request, endpoint).done(status)  # counted and traced
-            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            reply_headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             if status == 429:
-                headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
-            return _json_response(status, orjson.dumps(payload), headers)
+                reply_headers = {**getattr(exc, "headers", {}), "Retry-After": "1"}
+            body = anthropic_error_body(status, exc.message) if anthropic else orjson.dumps(payload)
+            return _json_response(status, body, reply_headers)
         return await handler(request)
 
     return guard

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, ModelInfo
 
-__all__ = ["EmbeddingBackend", "GenerateBackend"]
+__all__ = ["EmbeddingBackend", "GenerateBackend", "LoraBackend"]
 
 
 class GenerateBackend(Protocol):
@@ -69,3 +69,19 @@ class EmbeddingBackend(Protocol):
     ) -> list[list[float]]:
         """Embedding vectors of `prompts` (token ids) under `model`."""
         ...
+
+
+@runtime_checkable
+class LoraBackend(Protocol):
+    """A backend that can load and unload LoRA adapters on its workers (optional).
+
+    Contract: `load_lora` loads adapter `name` from `path` (on the workers' disk) on the workers
+    of base model `model` (empty: the one served model) and returns their worker ids; afterwards
+    `model_info(name)` is the base model's card and `models()` lists the adapter in its card's
+    `lora_adapters`. `unload_lora` unloads it everywhere (NotFound when nowhere loaded). Errors
+    are kvmesh.runtime.errors exceptions. Backends without it make the endpoints answer 501.
+    """
+
+    async def load_lora(self, name: str, path: str, model: str = "") -> list[str]: ...
+
+    async def unload_lora(self, name: str) -> list[str]: ...

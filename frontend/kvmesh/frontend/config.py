@@ -91,7 +91,22 @@ class FrontendConfig:
         "--tool-call-parser",
     )
 
+    allowed_local_media_path: str = opt(
+        "",
+        "directory whose image files chat requests may name (file:// URLs or absolute paths); "
+        "empty: local files are refused",
+    )
+    allow_remote_media: bool = opt(
+        False, "let chat requests name http(s) image URLs, which the gateway fetches"
+    )
+    max_image_bytes: int = opt(20 << 20, "largest accepted image file, in bytes")
+    max_image_side: int = opt(4096, "largest accepted image width or height, in pixels")
+    max_images_per_request: int = opt(8, "most images one chat request may carry")
+    media_fetch_timeout_s: float = opt(10.0, "time limit of fetching one remote image")
+
     def __post_init__(self) -> None:
+        if min(self.max_image_bytes, self.max_image_side, self.max_images_per_request) < 1:
+            raise ValueError("image limits must be >= 1")
         if self.http_port < 0:
             raise ValueError("http_port must be >= 0 (0: pick a free one)")
         if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:

@@ -90,7 +90,7 @@ class ToolChoice(Struct):
 
 
 class ChatMessage(Struct):
-    """One chat message, content flattened to text."""
+    """One chat message, content flattened to text (and its images' URLs)."""
 
     role: str
     content: str | None
@@ -98,10 +98,17 @@ class ChatMessage(Struct):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    images: tuple[str, ...] = ()
+    """The URLs of the message's image parts, in order (kvmesh.frontend.media loads them)."""
 
     def to_template(self) -> dict[str, Any]:
-        """The dict chat templates expect."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The dict chat templates expect; a message with images has content parts, one
+        `{"type": "image"}` per image and then the text (as multimodal templates take them)."""
+        content: str | list[dict[str, str]] | None = self.content
+        if self.images:
+            content = [{"type": "image"} for _ in self.images]
+            content.append({"type": "text", "text": self.content or ""})
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls is not None:
@@ -206,6 +213,8 @@ class ChoiceDelta(Struct, gc=False):
     token_ids: list[int] | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    stop_sequence: str | None = None
+    """The stop string that ended the choice (finish_reason "stop"), if one did."""
 
 
 class UsageInfo(Struct):
@@ -232,6 +241,8 @@ class ChoiceResult(Struct):
     reasoning: str | None = None
     """Reasoning text separated by the reasoning parser (None: no parser, or none found)."""
     tool_calls: list[ToolCall] | None = None
+    stop_sequence: str | None = None
+    """The stop string that ended the choice, if one did."""
 
 
 class CompletionResult(Struct):

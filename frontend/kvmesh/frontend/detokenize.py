@@ -137,13 +137,15 @@ class StopStringMatcher:
     it at the end of the sequence.
     """
 
-    __slots__ = ("_held", "_max_hold", "_stops")
+    __slots__ = ("_held", "_max_hold", "_stops", "matched")
 
     def __init__(self, stops: Sequence[str]) -> None:
         """`stops`: non-empty stop strings (empty strings are ignored)."""
         self._stops = tuple(s for s in stops if s)
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
+        self.matched: str | None = None
+        """The stop string found (None until one is)."""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add detokenized text; see the class docstring."""
@@ -155,6 +157,7 @@ class StopStringMatcher:
             pos = buf.find(stop)
             if pos != -1 and (first == -1 or pos < first):
                 first = pos
+                self.matched = stop
         if first != -1:
             self._held = ""
             return buf[:first], True

@@ -45,7 +45,13 @@ from typing import Any, Literal
 import orjson
 from msgspec import Struct, field
 
-from kvmesh.frontend.dataplane import ChoiceDelta, CompletionRequest, CompletionResult
+from kvmesh.frontend.dataplane import (
+    ChoiceDelta,
+    CompletionRequest,
+    CompletionResult,
+    EmbeddingRequest,
+    EmbeddingResult,
+)
 from kvmesh.frontend.protocol import generation_options, token_ids
 from kvmesh.runtime import __version__
 from kvmesh.runtime.errors import InvalidRequest, NotFound
@@ -509,6 +515,67 @@ def to_generation(req: InferRequest, *, allow_stream: bool) -> GenerationCall:
     return GenerationCall(
         request, stream, outputs, ids_datatype, len(prompt.shape) > 1, empty_final
     )
+
+
+EMBEDDING_OUTPUT = "embedding"
+"""The output an embedding inference requests (FP32, [batch, dimensions])."""
+
+
+def wants_embedding(req: InferRequest) -> bool:
+    """Whether `req` asks for embeddings (it requests the `embedding` output)."""
+    return EMBEDDING_OUTPUT in req.outputs
+
+
+def to_embedding(req: InferRequest) -> EmbeddingRequest:
+    """Map an embedding inference to the data plane's EmbeddingRequest: `text_input` (BYTES,
+    one text per element) or `input_ids` ([n] or [batch, n] integers); optional `dimensions`
+    (a request parameter or an INT scalar input). Raises InvalidRequest / NotFound."""
+    if not req.model:
+        raise InvalidRequest("model_name is required", param="model")
+    check_version(req.model, req.version)
+    if req.outputs != [EMBEDDING_OUTPUT]:
+        raise InvalidRequest(f"an embedding inference has one output, '{EMBEDDING_OUTPUT}'")
+    dimensions: Any = req.parameters.get("dimensions")
+    inputs: list[str | list[int]] | None = None
+    for tensor in req.inputs:
+        if tensor.name == "dimensions":
+            dimensions = _one(tensor)
+        elif tensor.name in _PROMPTS and inputs is not None:
+            raise InvalidRequest("give either text_input or input_ids, not both")
+        elif tensor.name == "text_input":
+            if tensor.datatype != "BYTES" or not tensor.data:
+                raise InvalidRequest("input 'text_input' must be a non-empty BYTES tensor")
+            inputs = [_text(v, "text_input") for v in tensor.data]
+        elif tensor.name == "input_ids":
+            if tensor.datatype not in _ID_TYPES or not tensor.data:
+                raise InvalidRequest("input 'input_ids' must be a non-empty integer tensor")
+            ids = token_ids(tensor.data, "input_ids")
+            rows = tensor.shape[0] if len(tensor.shape) == 2 else 1
+            width = len(ids) // rows
+            inputs = [ids[r * width : (r + 1) * width] for r in range(rows)]
+        else:
+            raise InvalidRequest(
+                f"unexpected input '{tensor.name}' (an embedding inference takes text_input or "
+                "input_ids, and optionally dimensions)"
+            )
+    if inputs is None:
+        raise InvalidRequest("missing input 'text_input' (or 'input_ids')")
+    if any(not i for i in inputs):
+        raise InvalidRequest("inputs must not be empty", param="input")
+    if dimensions is not None and (
+        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
+    ):
+        raise InvalidRequest("'dimensions' must be an integer >= 1", param="dimensions")
+    return EmbeddingRequest(req.model, inputs, dimensions=dimensions)
+
+
+def embedding_response(result: EmbeddingResult, model: str, request_id: str) -> InferResponse:
+    """The response of an embedding inference: `embedding`, FP32 [batch, dimensions]."""
+    vectors = result.vectors
+    width = len(vectors[0]) if vectors else 0
+    data = [x for v in vectors for x in v]
+    tensor = Tensor(EMBEDDING_OUTPUT, "FP32", [len(vectors), width], data)
+    return InferResponse(model, MODEL_VERSION, request_id, [tensor])
 
 
 def _outputs(requested: list[str], flags: Mapping[str, bool], token_prompt: bool) -> list[str]:

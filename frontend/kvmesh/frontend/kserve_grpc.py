@@ -282,14 +282,24 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             "kserve_grpc_infer",
         )
         try:
-            call = kserve.to_generation(decode_request(request), allow_stream=False)
-            generation = call.request
-            obs.request(generation.model, generation.options, "text_completion", stream=False)
-            result = await self.service.completion(generation, obs.context)
-            assert isinstance(result, CompletionResult)
-            response = encode_response(
-                kserve.InferEncoder(call, request.model_name, request.id).result(result)
-            )
+            decoded = decode_request(request)
+            if kserve.wants_embedding(decoded):
+                embedding = kserve.to_embedding(decoded)
+                obs.request(embedding.model, None, "embeddings", stream=False)
+                embedded = await self.service.embeddings(embedding, obs.context)
+                response = encode_response(
+                    kserve.embedding_response(embedded, request.model_name, request.id)
+                )
+            else:
+                call = kserve.to_generation(decoded, allow_stream=False)
+                generation = call.request
+                obs.request(generation.model, generation.options, "text_completion", stream=False)
+                result = await self.service.completion(generation, obs.context)
+                assert isinstance(result, CompletionResult)
+                obs.result(result)
+                response = encode_response(
+                    kserve.InferEncoder(call, request.model_name, request.id).result(result)
+                )
         except asyncio.CancelledError:
             # The client cancelled the call (or its deadline passed).
             _done(obs, grpc.StatusCode.CANCELLED)
@@ -298,7 +308,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             code, message = _status(exc)
             _done(obs, code)
             await context.abort(code, message)
-        obs.result(result)
         _done(obs, grpc.StatusCode.OK)
         return response
 

@@ -482,9 +482,16 @@ class KServeRoutes:
             infer, binary_all, binary_outputs = decode_infer(
                 await request.read(), request.headers.get(HEADER_LENGTH), model, version
             )
-            call, result = await self._complete(obs, infer, stream=False)
-            assert isinstance(result, CompletionResult)
-            resp = kserve.InferEncoder(call, model, infer.id).result(result)
+            if kserve.wants_embedding(infer):
+                embedding = kserve.to_embedding(infer)
+                obs.request(embedding.model, None, "embeddings", stream=False)
+                embedded = await self.service.embeddings(embedding, obs.context)
+                resp = kserve.embedding_response(embedded, model, infer.id)
+            else:
+                call, result = await self._complete(obs, infer, stream=False)
+                assert isinstance(result, CompletionResult)
+                obs.result(result)
+                resp = kserve.InferEncoder(call, model, infer.id).result(result)
             body, header_length = encode_infer(resp, binary_all, binary_outputs)
         except web.HTTPException as exc:
             return self._http_fail(obs, exc)
@@ -493,7 +500,6 @@ class KServeRoutes:
         except asyncio.CancelledError:
             obs.done(499)
             raise
-        obs.result(result)
         obs.done(200)
         headers = _request_id(obs)
         if header_length is None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.kv_router import KvRouter
-from kvmesh.router.metrics import DisaggCollector, RoutingCollector
+from kvmesh.router.metrics import DisaggCollector, PoolCollector, RoutingCollector
 from kvmesh.router.routing import RoutingStats
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args
@@ -109,6 +109,7 @@ async def _serve(
         loads = router.subscriber.loads
         service.metrics.registry.register(KvTierCollector(lambda: list(loads.items())))
     service.metrics.registry.register(DisaggCollector(backend.stats))
+    service.metrics.registry.register(PoolCollector(pool))
     app = build_app(service, config, auth)
     runner, port = await serve_http(
         app,

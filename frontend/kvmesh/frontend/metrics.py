@@ -8,7 +8,8 @@ exposed through one custom collector at scrape time.
 
 Metric names (all prefixed `kvmesh_frontend_`; OpenTelemetry GenAI semantics in brackets):
 - requests_total{model,endpoint,request_type,status,error_type}: finished LLM requests.
-  endpoint: chat_completions, completions, embeddings, kserve_infer, kserve_generate,
+  endpoint: chat_completions, completions, embeddings, messages, count_tokens (Anthropic),
+  kserve_infer, kserve_generate,
   kserve_generate_stream, kserve_grpc_infer, kserve_grpc_stream_infer; request_type: stream |
   unary; status: success | error; error_type ("" on success): validation, not_found, overload,
   unavailable, cancelled (the client went away), not_implemented, internal. `model` is

@@ -28,7 +28,7 @@ import base64
 import struct
 import typing
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 import orjson
@@ -65,10 +65,12 @@ __all__ = [
     "CreateEmbeddingResponse",
     "ErrorResponse",
     "ListModelsResponse",
+    "LoadLoraAdapterRequest",
     "Model",
     "ParsedChatChunkEncoder",
     "SamplingParameters",
     "TextChunkEncoder",
+    "UnloadLoraAdapterRequest",
     "encode_embeddings",
     "encode_error_event",
     "encode_model",
@@ -78,6 +80,7 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
     "parse_embedding_request",
+    "parse_lora_request",
     "token_ids",
 ]
 
@@ -183,12 +186,22 @@ class _Generation(SamplingParameters, kw_only=True):
     user: str | None = None
 
 
-class ContentPart(Struct):
-    """A text part of a message's content (`refusal` parts carry their text in `refusal`)."""
+class ImageUrl(Struct):
+    """Where an image part's image is: a data: URI, a local file or an http(s) URL
+    (kvmesh.frontend.media)."""
 
-    type: Literal["text", "input_text", "refusal"]
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(Struct):
+    """A part of a message's content: text (`refusal` parts carry their text in `refusal`) or
+    an image (`image_url`)."""
+
+    type: Literal["text", "input_text", "refusal", "image_url"]
     text: str | UnsetType = UNSET
     refusal: Any = UNSET
+    image_url: ImageUrl | UnsetType = UNSET
 
 
 class ChatCompletionRequestMessage(Struct):
@@ -302,6 +315,35 @@ class CreateEmbeddingRequest(Struct, kw_only=True):
     user: str | None = None
 
 
+class LoadLoraAdapterRequest(Struct, kw_only=True):
+    """POST /v1/load_lora_adapter (vLLM's runtime LoRA loading)."""
+
+    lora_name: _NonEmpty
+    lora_path: _NonEmpty
+    """The adapter's directory (a peft checkpoint) on the workers' disk."""
+    model: str = ""
+    """kvmesh: the adapter's base model, needed when several models are served."""
+
+
+class UnloadLoraAdapterRequest(Struct, kw_only=True):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: _NonEmpty
+    lora_int_id: int | None = None
+    """vLLM's; ignored (adapters are named)."""
+
+
+L = TypeVar("L", LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+
+
+def parse_lora_request(cls: type[L], body: bytes) -> L:
+    """Parse a load/unload LoRA adapter body. Raises InvalidRequest."""
+    try:
+        return msgspec.convert(load_object(body), cls)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
 # --------------------------------------------------------------------------------------------
 # Refused fields (kvmesh.frontend.decoding): the messages of fields with structure
 
@@ -333,7 +375,11 @@ def _messages_error(value: Any) -> None:
         for part in content if isinstance(content, list) else ():
             if not isinstance(part, (str, dict)):
                 raise bad(f"{at}.content parts must be objects")
-            if isinstance(part, dict):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                image = part.get("image_url")
+                if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+                    raise bad(f"{at} image_url part needs an 'image_url' object with a 'url'")
+            elif isinstance(part, dict):
                 _part_text(part.get("type"), part.get("text", part.get("refusal")), i)
         _check_content(content, role, i)
         if not isinstance(raw.get("name"), (str, type(None))):
@@ -663,7 +709,7 @@ _TEXT_PARTS = ("text", "input_text", "refusal")
 def _part_text(kind: Any, text: Any, index: int) -> str:
     if kind not in _TEXT_PARTS:
         raise InvalidRequest(
-            f"content part type {kind!r} is not supported (text only)", param="messages"
+            f"content part type {kind!r} is not supported (text or image_url)", param="messages"
         )
     if not isinstance(text, str):
         raise InvalidRequest(
@@ -681,13 +727,30 @@ def _messages(messages: list[ChatCompletionRequestMessage]) -> list[ChatMessage]
     out: list[ChatMessage] = []
     for i, m in enumerate(messages):
         content = m.content
+        images: list[str] = []
         if isinstance(content, list):
-            content = "\n".join(
-                p
-                if isinstance(p, str)
-                else _part_text(p.type, p.text if p.text is not UNSET else p.refusal, i)
-                for p in content
-            )
+            texts: list[str] = []
+            for p in content:
+                if isinstance(p, str):
+                    texts.append(p)
+                elif p.type == "image_url":
+                    if not isinstance(p.image_url, ImageUrl):
+                        raise InvalidRequest(
+                            f"messages[{i}] image_url part needs an 'image_url' object with a "
+                            "'url'",
+                            param="messages",
+                        )
+                    if m.role != "user":
+                        raise InvalidRequest(
+                            f"messages[{i}] image_url parts are only allowed in user messages",
+                            param="messages",
+                        )
+                    images.append(p.image_url.url)
+                else:
+                    texts.append(
+                        _part_text(p.type, p.text if p.text is not UNSET else p.refusal, i)
+                    )
+            content = "\n".join(texts)
         _check_content(content, m.role, i)
         reasoning = m.reasoning_content if m.reasoning_content is not UNSET else m.reasoning
         out.append(
@@ -698,6 +761,7 @@ def _messages(messages: list[ChatCompletionRequestMessage]) -> list[ChatMessage]
                 m.tool_calls or None,
                 m.tool_call_id,
                 reasoning if isinstance(reasoning, str) else None,
+                tuple(images),
             )
         )
     return out
@@ -975,13 +1039,17 @@ class CreateEmbeddingResponse(Struct):
 
 
 class Model(Struct):
-    """A model served now."""
+    """A model served now: a base model, or a LoRA adapter with its base model as `parent`."""
 
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    root: str = ""
+    """The base model's name (vLLM: the model path or, for an adapter, its path)."""
+    parent: str | None = None
+    """For a LoRA adapter, the base model it runs on; null for a base model."""
 
 
 class ListModelsResponse(Struct):
@@ -1307,15 +1375,27 @@ def encode_embeddings(result: EmbeddingResult, encoding_format: str) -> bytes:
     )
 
 
-def _model_card(info: ModelInfo, created: int) -> Model:
-    return Model(info.served_model_name, "model", created, "kvmesh", info.context_length)
+def _model_cards(info: ModelInfo, created: int) -> list[Model]:
+    """The card of a served model, then one per LoRA adapter loaded on it (parent: the model)."""
+    name = info.served_model_name
+    base = Model(name, "model", created, "kvmesh", info.context_length, name)
+    return [base] + [
+        Model(a, "model", created, "kvmesh", info.context_length, name, name)
+        for a in info.lora_adapters
+    ]
 
 
 def encode_models(models: Sequence[ModelInfo], created: int) -> bytes:
-    """JSON body of GET /v1/models."""
-    return _encode(ListModelsResponse("list", [_model_card(m, created) for m in models]))
+    """JSON body of GET /v1/models: the served models and their LoRA adapters."""
+    return _encode(
+        ListModelsResponse("list", [c for m in models for c in _model_cards(m, created)])
+    )
 
 
-def encode_model(info: ModelInfo, created: int) -> bytes:
-    """JSON body of GET /v1/models/{model}."""
-    return _encode(_model_card(info, created))
+def encode_model(models: Sequence[ModelInfo], name: str, created: int) -> bytes | None:
+    """JSON body of GET /v1/models/{model} for model or adapter `name`; None if unknown."""
+    for info in models:
+        for card in _model_cards(info, created):
+            if card.id == name:
+                return _encode(card)
+    return None

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvmesh.frontend.backend import EmbeddingBackend, GenerateBackend
+from kvmesh.frontend.backend import EmbeddingBackend, GenerateBackend, LoraBackend
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.dataplane import (
     ChatCompletionRequest,
@@ -64,6 +64,7 @@ from kvmesh.frontend.dataplane import (
     tool_name,
 )
 from kvmesh.frontend.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kvmesh.frontend.media import load_images
 from kvmesh.frontend.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.frontend.reasoning import (
     ReasoningParser,
@@ -99,6 +100,7 @@ from kvmesh.runtime.types import (
     FinishReason,
     GuidedDecoding,
     GuidedKind,
+    MediaInput,
     ModelInfo,
     SamplingParams,
     StopParams,
@@ -115,6 +117,7 @@ _SEED_MOD = 2**64
 """Seeds travel as uint64: a negative seed (or seed + i past the range) wraps around."""
 GUIDED_DECODING = "GUIDED_DECODING"
 EMBEDDINGS = "EMBEDDINGS"
+MULTIMODAL = "MULTIMODAL"
 
 
 class _Choice:
@@ -418,6 +421,24 @@ class OpenAIService:
         """The card of `model` (a served model or LoRA adapter name); None if unknown."""
         return self.backend.model_info(model)
 
+    async def load_lora_adapter(self, name: str, path: str, model: str = "") -> list[str]:
+        """Load LoRA adapter `name` from `path` on the workers (see LoraBackend); returns their
+        worker ids. InvalidRequest when `name` is already a served model's name; Unimplemented
+        when the backend cannot load adapters."""
+        backend = self.backend
+        if not isinstance(backend, LoraBackend):
+            raise Unimplemented("this gateway's backend cannot load LoRA adapters")
+        if any(info.served_model_name == name for info in backend.models()):
+            raise InvalidRequest(f"{name!r} is the name of a served model", param="lora_name")
+        return await backend.load_lora(name, path, model)
+
+    async def unload_lora_adapter(self, name: str) -> list[str]:
+        """Unload LoRA adapter `name` from every worker that has it (see LoraBackend)."""
+        backend = self.backend
+        if not isinstance(backend, LoraBackend):
+            raise Unimplemented("this gateway's backend cannot unload LoRA adapters")
+        return await backend.unload_lora(name)
+
     def model_ready(self, model: str) -> bool:
         """Whether `model` is known and the service can take requests for it now."""
         return self.ready() and self.backend.model_info(model) is not None
@@ -446,16 +467,18 @@ class OpenAIService:
         """
         start = _perf()
         info, tok = await self._resolve(request.model)
+        urls = [url for m in request.messages for url in m.images]
+        media = await load_images(urls, self.config) if urls else ()
+        if media and MULTIMODAL not in info.capabilities:
+            raise InvalidRequest(
+                f"model `{request.model}` does not take images (its engine "
+                f"{info.engine or 'unknown'!r} does not advertise the MULTIMODAL capability)",
+                param="messages",
+            )
         recording = trace is not None and trace.sampled and tracer().enabled
         began = time.time_ns() if recording else 0
         resolved = _perf()
-        messages = [m.to_template() for m in request.messages]
-        prompt = tok.apply_chat_template(
-            messages,
-            tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt,
-            template_kwargs=request.chat_template_kwargs,
-        )
+        prompt = self._chat_text(request, tok)
         templated = _perf()
         ids = await _encode(tok, info, prompt, add_special_tokens=False, param="messages")
         if recording:
@@ -477,6 +500,22 @@ class OpenAIService:
             trace=trace,
             start=start,
             parsers=parsers,
+            media=media,
+        )
+
+    async def count_chat_tokens(self, request: ChatCompletionRequest) -> int:
+        """The number of prompt tokens `request` would send (its rendered chat template)."""
+        _info, tok = await self._resolve(request.model)
+        return len(tok.encode(self._chat_text(request, tok), add_special_tokens=False))
+
+    @staticmethod
+    def _chat_text(request: ChatCompletionRequest, tok: Tokenizer) -> str:
+        """The chat's prompt text: its rendered chat template."""
+        return tok.apply_chat_template(
+            [m.to_template() for m in request.messages],
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            template_kwargs=request.chat_template_kwargs,
         )
 
     async def completion(
@@ -748,6 +787,7 @@ class OpenAIService:
         trace: TraceContext | None,
         start: float,
         parsers: Callable[[], _OutputParser] | None = None,
+        media: tuple[MediaInput, ...] = (),
     ) -> CompletionStream | CompletionResult:
         self._check(tok, info, prompts, options, max_tokens)
         mm = self.metrics.model(info.served_model_name)
@@ -787,6 +827,7 @@ class OpenAIService:
                         ),
                         lora_name=model if model != info.served_model_name else "",
                         priority=options.priority,
+                        media=media,
                     )
                     choices.append(
                         _Choice(
@@ -854,6 +895,7 @@ class OpenAIService:
         token_ids: list[list[int] | None] = [None] * n
         reasoning: list[list[str] | None] = [None] * n
         calls: list[list[ToolCallDelta]] = [[] for _ in range(n)]
+        stop_sequences: list[str | None] = [None] * n
         async for delta in stream:
             i = delta.index
             if delta.text:
@@ -880,6 +922,7 @@ class OpenAIService:
                 calls[i].extend(delta.tool_calls)
             if delta.finish_reason is not None:
                 finish[i] = delta.finish_reason
+                stop_sequences[i] = delta.stop_sequence
         choices = [
             ChoiceResult(
                 i,
@@ -889,6 +932,7 @@ class OpenAIService:
                 token_ids[i],
                 "".join(parts) if (parts := reasoning[i]) is not None else None,
                 collect_calls(calls[i]) if calls[i] else None,
+                stop_sequences[i],
             )
             for i in range(n)
         ]
@@ -960,7 +1004,16 @@ class OpenAIService:
                     texts.append(text)
                 if reason is not None:
                     ch.finish_reason = reason  # before the yield: a consumer may stop there
-                if want_ids:
+                if reason is not None and stops is not None and stops.matched is not None:
+                    yield ChoiceDelta(
+                        index,
+                        text,
+                        reason,
+                        logprobs,
+                        list(ids) if want_ids else None,
+                        stop_sequence=stops.matched,
+                    )
+                elif want_ids:
                     if text or reason is not None or logprobs or ids:
                         yield ChoiceDelta(index, text, reason, logprobs, list(ids))
                 elif text or reason is not None or logprobs:
@@ -1063,7 +1116,14 @@ async def _parse_choice(
             elif not (text or reasoning or calls or d.logprobs or d.token_ids):
                 continue
             yield ChoiceDelta(
-                d.index, text, reason, d.logprobs, d.token_ids, reasoning or None, calls or None
+                d.index,
+                text,
+                reason,
+                d.logprobs,
+                d.token_ids,
+                reasoning or None,
+                calls or None,
+                d.stop_sequence,
             )
             if reason is not None:
                 return

@@ -17,7 +17,13 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.runtime.errors import KvmeshError, Unavailable, Unimplemented
+from kvmesh.runtime.errors import (
+    InvalidRequest,
+    KvmeshError,
+    NotFound,
+    Unavailable,
+    Unimplemented,
+)
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -158,6 +164,26 @@ class FakeBackend:
                     yield EngineOutput(token_ids=ids, logprobs=logprobs)
         finally:
             (self.completed if done else self.cancelled).append(request.request_id)
+
+    async def load_lora(self, name: str, path: str, model: str = "") -> list[str]:
+        """Add adapter `name` to the card of `model` (empty: the one model) (LoraBackend)."""
+        if any(name in info.lora_adapters for info in self.models_):
+            raise InvalidRequest(f"LoRA adapter {name!r} is already loaded", param="lora_name")
+        cards = [i for i in self.models_ if not model or i.served_model_name == model]
+        if not cards:
+            raise NotFound(f"no worker serves model {model!r}", param="model")
+        if len(cards) > 1:
+            raise InvalidRequest("several models are served: name the base model", param="model")
+        cards[0].lora_adapters = (*cards[0].lora_adapters, name)
+        return ["fake"]
+
+    async def unload_lora(self, name: str) -> list[str]:
+        """Remove adapter `name` from the card that lists it (LoraBackend)."""
+        for info in self.models_:
+            if name in info.lora_adapters:
+                info.lora_adapters = tuple(a for a in info.lora_adapters if a != name)
+                return ["fake"]
+        raise NotFound(f"LoRA adapter {name!r} is not loaded", param="lora_name")
 
     async def embed(
         self, model: str, prompts: list[list[int]], trace: TraceContext | None

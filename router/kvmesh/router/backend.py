@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ from kvmesh.runtime.types import (
 )
 
 log = logging.getLogger(__name__)
+
+LORA_RPC_TIMEOUT_S = 120.0
+"""How long a worker may take to load or unload a LoRA adapter."""
 
 
 @dataclass
@@ -283,12 +287,104 @@ class MeshBackend:
         return any(w.info.role is not Role.PREFILL and w.available for w in self.pool.workers())
 
     def models(self) -> list[ModelInfo]:
+        """The served models' cards; each lists the LoRA adapters loaded on any of its workers."""
         merged = {**self.configured, **self.pool.models()}
-        return list(merged.values())
+        adapters: dict[str, set[str]] = {}
+        for w in self.pool.workers():
+            adapters.setdefault(w.info.served_model_name, set()).update(w.info.lora_adapters)
+        return [
+            dataclasses.replace(info, lora_adapters=tuple(sorted(adapters.get(name, ()))))
+            for name, info in merged.items()
+        ]
 
     def model_info(self, model: str) -> ModelInfo | None:
-        live = self.pool.models().get(model)
+        """The card of served model `model`, or of the base model of LoRA adapter `model`."""
+        live = self.pool.models().get(model) or self.pool.adapters().get(model)
         return live if live is not None else self.configured.get(model)
+
+    def _base_model(self, model: str, request: EngineRequest) -> str:
+        """The served model a request for `model` (a model or, with `lora_name`, an adapter)
+        runs on."""
+        if not request.lora_name or model != request.lora_name:
+            return model
+        card = self.pool.adapters().get(model)
+        if card is None:
+            raise NotFound(f"LoRA adapter {model!r} is not loaded on any worker", param="model")
+        return card.served_model_name
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str, model: str = "") -> list[str]:
+        """Load adapter `name` from `path` on every worker of base model `model` (empty: the one
+        served model) that supports LoRA; returns their worker ids. Raises the first worker's
+        error (the workers that succeeded keep the adapter)."""
+        workers = self._lora_workers(model)
+        results = await asyncio.gather(
+            *(
+                w.stub.LoadLoraAdapter(
+                    wpb.LoadLoraAdapterRequest(lora_name=name, lora_path=path),
+                    timeout=LORA_RPC_TIMEOUT_S,
+                )
+                for w in workers
+            ),
+            return_exceptions=True,
+        )
+        return self._apply_cards(workers, results)
+
+    async def unload_lora(self, name: str) -> list[str]:
+        """Unload adapter `name` from every worker that has it; returns their worker ids.
+        NotFound when no worker has it."""
+        workers = [w for w in self.pool.workers() if name in w.info.lora_adapters]
+        if not workers:
+            raise NotFound(f"LoRA adapter {name!r} is not loaded on any worker", param="lora_name")
+        results = await asyncio.gather(
+            *(
+                w.stub.UnloadLoraAdapter(
+                    wpb.UnloadLoraAdapterRequest(lora_name=name), timeout=LORA_RPC_TIMEOUT_S
+                )
+                for w in workers
+            ),
+            return_exceptions=True,
+        )
+        return self._apply_cards(workers, results)
+
+    def _lora_workers(self, model: str) -> list[WorkerHandle]:
+        if not model:
+            served = {w.info.served_model_name for w in self.pool.workers()}
+            if len(served) > 1:
+                raise InvalidRequest(
+                    "several models are served: name the adapter's base model in `model`",
+                    param="model",
+                )
+            if not served:
+                raise Unavailable("no workers are available")
+            model = served.pop()
+        workers = self.pool.workers(model)
+        if not workers:
+            raise NotFound(f"no worker serves model {model!r}", param="model")
+        workers = [w for w in workers if "LORA" in w.info.capabilities]
+        if not workers:
+            raise InvalidRequest(
+                f"the workers of model {model!r} do not support LoRA adapters", param="model"
+            )
+        return workers
+
+    def _apply_cards(self, workers: Sequence[WorkerHandle], results: Sequence[object]) -> list[str]:
+        error: BaseException | None = None
+        done: list[str] = []
+        for w, res in zip(workers, results, strict=True):
+            if isinstance(res, grpc.aio.AioRpcError):
+                error = error or error_from_rpc(res)
+            elif isinstance(res, BaseException):
+                error = error or res
+            else:
+                card = getattr(res, "card", None)
+                if card is not None:
+                    self.pool.update_card(w, wire.card_from_pb(card))
+                done.append(w.worker_id)
+        if error is not None:
+            raise error
+        return done
 
     def disaggregated(self, model: str) -> bool:
         """Whether `model` is served by decode workers (and no aggregated ones)."""
@@ -298,6 +394,7 @@ class MeshBackend:
     async def generate(
         self, model: str, request: EngineRequest, trace: TraceContext | None
     ) -> AsyncIterator[EngineOutput]:
+        model = self._base_model(model, request)
         progress = _Progress(request)
         disaggregated = self.disaggregated(model)
         exclude: list[str] = []
@@ -511,6 +608,28 @@ class MeshBackend:
                 yield out
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+
+    # -- embeddings ------------------------------------------------------------------------------
+
+    async def embed(
+        self, model: str, prompts: list[list[int]], trace: TraceContext | None
+    ) -> list[list[float]]:
+        """Embed `prompts` on one worker of `model` (the router's pick for the first prompt)."""
+        rid = f"embed-{uuid.uuid4().hex}"
+        decision = await self.router.route(model, prompts[0], rid)
+        child = trace.child() if trace is not None else None
+        request = wpb.EmbedRequest(
+            request_id=rid, inputs=[wpb.EmbedInput(token_ids=p) for p in prompts]
+        )
+        try:
+            resp = await decision.worker.stub.Embed(
+                request, metadata=child.grpc_metadata() if child is not None else None
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            self.router.finished(rid)
+        return [list(v.values) for v in resp.embeddings]
 
     # -- disaggregated ---------------------------------------------------------------------------
 

@@ -111,7 +111,7 @@ class KvRouter:
         expected_output_tokens: int = 0,
     ) -> RouteDecision:
         t0 = time.perf_counter()
-        handles = pick_candidates(self.pool, model, exclude, role)
+        handles = pick_candidates(self.pool, model, exclude, role, lora_name)
         by_id = {h.worker_id: h for h in handles}
         sched = self.scheduler
         now = self.clock.now()

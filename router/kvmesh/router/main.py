@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
-from kvmesh.router.metrics import register_router_metrics
+from kvmesh.router.metrics import PoolCollector, register_router_metrics
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args, opt
@@ -54,6 +54,7 @@ async def serve_router(
     if config.metrics_port >= 0:
         registry = CollectorRegistry(auto_describe=False)
         register_router_metrics(registry, router)
+        registry.register(PoolCollector(pool))
         metrics = MetricsServer(registry, config.host, config.metrics_port)
     try:
         await server.start()

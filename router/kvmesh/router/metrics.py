@@ -11,16 +11,26 @@ Disaggregation: `kvmesh_remote_prefill_total`, `kvmesh_local_prefill_total{reaso
 `kvmesh_kv_transfer_bytes_total`.
 Faults: `kvmesh_migrations_total{reason}` (requests resumed on another worker),
 `kvmesh_stream_pauses_total` (generation paused for a client that stopped reading).
+Pool: `kvmesh_router_workers{model,role}`: live workers this process routes to (joined: its
+model card read), and how many of them are marked down after failing to answer.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from kvmesh.router.backend import DisaggStats, LocalPrefill, MigrationReason
+from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router, RoutingStats
 
 PREFIX = "kvmesh_router_"
@@ -120,6 +130,38 @@ class DisaggCollector:
         )
         pauses.add_metric([], s.pauses)
         yield pauses
+
+
+class PoolCollector:
+    """Collector for a WorkerPool: the workers this process routes to, by model and role (what
+    an operator checks first when requests prefill locally or get 503s)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic()
+        live: Counter[tuple[str, str]] = Counter()
+        down: Counter[tuple[str, str]] = Counter()
+        for w in self._pool.workers():
+            key = (w.info.served_model_name, w.info.role.value)
+            live[key] += 1
+            if w.down_until > now:
+                down[key] += 1
+        labels = ["model", "role"]
+        workers = GaugeMetricFamily(
+            PREFIX + "workers", "Live workers this process routes to.", labels=labels
+        )
+        marked = GaugeMetricFamily(
+            PREFIX + "workers_down",
+            "Live workers avoided for now: they failed to answer.",
+            labels=labels,
+        )
+        for key in sorted(live):
+            workers.add_metric(list(key), live[key])
+            marked.add_metric(list(key), down[key])
+        yield workers
+        yield marked
 
 
 def _le(bound: float) -> str:

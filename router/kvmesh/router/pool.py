@@ -192,6 +192,15 @@ class WorkerPool:
         """Served model name -> the model card of one of its workers."""
         return {w.info.served_model_name: w.info for w in self._workers.values()}
 
+    def adapters(self) -> dict[str, ModelInfo]:
+        """LoRA adapter name -> the model card of one worker that has it loaded."""
+        return {a: w.info for w in self._workers.values() for a in w.info.lora_adapters}
+
+    def update_card(self, handle: WorkerHandle, info: ModelInfo) -> None:
+        """A live worker's card changed (a LoRA adapter was loaded or unloaded through it)."""
+        if self._workers.get(handle.instance_id) is handle:
+            handle.info = info
+
     async def wait_for(self, count: int, timeout_s: float = 30.0) -> None:
         """Wait until at least `count` workers are live."""
         async with asyncio.timeout(timeout_s):

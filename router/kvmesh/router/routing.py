@@ -124,9 +124,16 @@ class Saturated(ResourceExhausted):
 
 
 def pick_candidates(
-    pool: WorkerPool, model: str, exclude: Collection[str], role: Role | None
+    pool: WorkerPool,
+    model: str,
+    exclude: Collection[str],
+    role: Role | None,
+    lora_name: str = "",
 ) -> list[WorkerHandle]:
     """Workers serving `model` in the pool for `role`, minus `exclude`; raises when none.
+
+    Adapter affinity: with `lora_name`, only the workers whose card lists the adapter as
+    loaded, when any does (a worker without it would answer NOT_FOUND); otherwise all of them.
 
     `role` None: aggregated workers, or decode workers when the model has no aggregated ones.
     NotFound when nobody serves the model while other models are served; Unavailable when no
@@ -155,6 +162,8 @@ def pick_candidates(
     chosen = [w for w in chosen if w.available]
     if not chosen:
         raise Unavailable(f"no worker serving model {model!r} is answering health checks")
+    if lora_name:
+        chosen = [w for w in chosen if lora_name in w.info.lora_adapters] or chosen
     if role is not Role.PREFILL:
         chosen = [w for w in chosen if not w.max_inflight or w.inflight < w.max_inflight]
         if not chosen:
@@ -236,10 +245,11 @@ class SimpleRouter:
             raise ValueError("RouterMode.KV is served by kvmesh.router.kv_router.KvRouter")
 
     def candidates(
-        self, model: str, exclude: Collection[str], role: Role | None = None
+        self, model: str, exclude: Collection[str], role: Role | None = None, lora_name: str = ""
     ) -> list[WorkerHandle]:
-        """Workers serving `model` for `role`, minus `exclude`; raises when there are none."""
-        return pick_candidates(self.pool, model, exclude, role)
+        """Workers serving `model` for `role`, minus `exclude` (see pick_candidates); raises
+        when there are none."""
+        return pick_candidates(self.pool, model, exclude, role, lora_name)
 
     async def route(
         self,
@@ -253,7 +263,7 @@ class SimpleRouter:
         expected_output_tokens: int = 0,
     ) -> RouteDecision:
         t0 = time.perf_counter()
-        workers = self.candidates(model, exclude, role)
+        workers = self.candidates(model, exclude, role, lora_name)
         index, self._cursor[model] = pick_simple(
             self.mode, [w.inflight for w in workers], self._cursor.get(model, 0), self._rng
         )

@@ -213,6 +213,17 @@ class PrefillResult:
     stop_token_id: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class MediaInput:
+    """A non-text input (an image) of a request, referenced by placeholder tokens in its
+    prompt. The gateway decodes and checks images before sending them, so `data` is the
+    image file's bytes (never a URL to fetch)."""
+
+    mime_type: str
+    """e.g. "image/png"; "": the engine sniffs the data."""
+    data: bytes
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One generation request."""
@@ -230,6 +241,8 @@ class EngineRequest:
     before (on another worker, or before it was paused); the engine continues that output (they
     count as output for penalties and the sampling stream). `stop` counts only what is still to
     generate. Needs the RESUME capability. 0: a new request."""
+    media: tuple[MediaInput, ...] = ()
+    """Images the prompt's placeholder tokens stand for (engines with MULTIMODAL only)."""
     trace: TraceContext | None = None
     """The caller's span (W3C trace context from gRPC metadata): the engine's spans (queue,
     prefill, kv_transfer, decode) are its children. None: no trace."""
@@ -287,6 +300,14 @@ class LoadInfo:
     kv_tiers: tuple[KvTierStats, ...] = ()
     """Per-tier cache counters: the device tier, then the host and disk tiers the engine has
     (empty: the engine reports none)."""
+    spec_steps_total: int = 0
+    """Speculative decoding: verification chunks run (one per drafting request per step)."""
+    spec_draft_tokens_total: int = 0
+    """Draft tokens proposed and verified."""
+    spec_accepted_tokens_total: int = 0
+    """Draft tokens the model accepted (acceptance rate: accepted / draft)."""
+    spec_emitted_tokens_total: int = 0
+    """Tokens the verification chunks produced (tokens per step: emitted / steps)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -5,12 +5,13 @@ Both directions live here so the worker server and its clients (router, gateway)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.runtime import kv_events as kv
-from kvmesh.runtime.errors import Unimplemented
+from kvmesh.runtime.errors import InvalidRequest, Unimplemented
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -22,6 +23,7 @@ from kvmesh.runtime.types import (
     KvTierStats,
     KvTransferHandle,
     LoadInfo,
+    MediaInput,
     ModelInfo,
     PrefillResult,
     RemotePrefill,
@@ -104,7 +106,28 @@ def request_to_pb(req: EngineRequest) -> wpb.GenerateRequest:
     )
     if req.remote_prefill is not None:
         msg.remote_prefill.CopyFrom(remote_prefill_to_pb(req.remote_prefill))
+    if req.media:
+        msg.media.extend(media_to_pb(req.media))
     return msg
+
+
+def media_to_pb(media: Sequence[MediaInput]) -> list[cpb.MediaInput]:
+    """MediaInputs -> MediaInput messages (bytes, never URLs)."""
+    return [cpb.MediaInput(mime_type=m.mime_type, data=m.data) for m in media]
+
+
+def media_from_pb(media: Sequence[cpb.MediaInput]) -> tuple[MediaInput, ...]:
+    """MediaInput messages -> MediaInputs. InvalidRequest for a URL source (workers do not
+    fetch: the gateway sends the bytes) or an empty one."""
+    out: list[MediaInput] = []
+    for i, m in enumerate(media):
+        if m.WhichOneof("source") != "data" or not m.data:
+            raise InvalidRequest(
+                f"media[{i}] must carry its bytes in 'data' (workers do not fetch URLs)",
+                param="media",
+            )
+        out.append(MediaInput(m.mime_type, m.data))
+    return tuple(out)
 
 
 def sampling_from_pb(s: cpb.SamplingOptions) -> SamplingParams:
@@ -137,11 +160,6 @@ def stop_from_pb(st: cpb.StopConditions) -> StopParams:
 def _refuse_uncarried(msg: wpb.GenerateRequest | wpb.PrefillRemoteRequest) -> None:
     """Unimplemented for the fields an EngineRequest has no place for (no engine implements
     them yet): refused here, where they would otherwise be dropped."""
-    if msg.media:
-        raise Unimplemented(
-            "media inputs are not supported: no kvmesh engine takes images or audio yet",
-            param="media",
-        )
     if msg.engine_params_json:
         raise Unimplemented(
             "engine_params_json is not supported on requests: no kvmesh engine reads it yet",
@@ -151,7 +169,7 @@ def _refuse_uncarried(msg: wpb.GenerateRequest | wpb.PrefillRemoteRequest) -> No
 
 def request_from_pb(msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
     """GenerateRequest -> EngineRequest; unset optionals take their semantic defaults.
-    Unimplemented for fields no engine implements (media, engine_params_json)."""
+    Unimplemented for fields no engine implements (engine_params_json)."""
     _refuse_uncarried(msg)
     return EngineRequest(
         request_id=msg.request_id or default_id,
@@ -164,6 +182,7 @@ def request_from_pb(msg: wpb.GenerateRequest, default_id: str) -> EngineRequest:
             remote_prefill_from_pb(msg.remote_prefill) if msg.HasField("remote_prefill") else None
         ),
         resumed_output_tokens=msg.resumed_output_tokens,
+        media=media_from_pb(msg.media),
     )
 
 
@@ -181,12 +200,13 @@ def prefill_request_to_pb(
         lora_name=req.lora_name,
         decode_worker_id=decode_worker_id,
         stop=stop_to_pb(req.stop),
+        media=media_to_pb(req.media),
     )
 
 
 def prefill_request_from_pb(msg: wpb.PrefillRemoteRequest, default_id: str) -> EngineRequest:
     """PrefillRemoteRequest -> EngineRequest (unset stop: the first token never ends it).
-    Unimplemented for fields no engine implements (media, engine_params_json)."""
+    Unimplemented for fields no engine implements (engine_params_json)."""
     _refuse_uncarried(msg)
     return EngineRequest(
         request_id=msg.request_id or default_id,
@@ -194,6 +214,7 @@ def prefill_request_from_pb(msg: wpb.PrefillRemoteRequest, default_id: str) -> E
         sampling=sampling_from_pb(msg.sampling),
         stop=stop_from_pb(msg.stop) if msg.HasField("stop") else StopParams(ignore_eos=True),
         lora_name=msg.lora_name,
+        media=media_from_pb(msg.media),
     )
 
 
@@ -488,6 +509,10 @@ def load_to_pb(load: LoadInfo, *, timestamp_ms: int, draining: bool) -> cpb.Load
             )
             for t in load.kv_tiers
         ],
+        spec_steps_total=load.spec_steps_total,
+        spec_draft_tokens_total=load.spec_draft_tokens_total,
+        spec_accepted_tokens_total=load.spec_accepted_tokens_total,
+        spec_emitted_tokens_total=load.spec_emitted_tokens_total,
     )
 
 
@@ -525,6 +550,10 @@ def load_from_pb(m: cpb.LoadMetrics) -> LoadInfo:
             for t in m.kv_tiers
             if t.tier in _TIER_FROM_PB
         ),
+        spec_steps_total=m.spec_steps_total,
+        spec_draft_tokens_total=m.spec_draft_tokens_total,
+        spec_accepted_tokens_total=m.spec_accepted_tokens_total,
+        spec_emitted_tokens_total=m.spec_emitted_tokens_total,
     )
 
 

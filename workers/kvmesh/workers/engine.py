@@ -220,6 +220,18 @@ class Engine(abc.ABC):
         """Drop every unreferenced cached block; returns how many. Default: nothing cached."""
         return 0
 
+    async def load_lora(self, name: str, path: str) -> ModelInfo:
+        """Load the LoRA adapter at `path` (on the worker's disk) as `name`; requests may then
+        name it. Returns the updated card (its `lora_adapters`). Raises InvalidRequest (bad
+        name or adapter, already loaded), Unimplemented when the engine has no runtime LoRA
+        loading (the default)."""
+        raise Unimplemented(f"engine {self.info.engine!r} cannot load LoRA adapters at runtime")
+
+    async def unload_lora(self, name: str) -> ModelInfo:
+        """Unload adapter `name` (requests running on it finish); returns the updated card.
+        Raises NotFound when it is not loaded, Unimplemented as load_lora."""
+        raise Unimplemented(f"engine {self.info.engine!r} cannot unload LoRA adapters at runtime")
+
     def configure_disaggregation(self, settings: DisaggSettings) -> None:
         """Called once by the worker before start(): the worker's role and how to release
         remote blocks (see the module docstring). Default: only the aggregated role."""
@@ -234,6 +246,12 @@ class Engine(abc.ABC):
         if they were already released or expired (or never existed). Default: nothing is ever
         pinned."""
         return False
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """One embedding vector per prompt (non-empty token id lists), in order, pooled and
+        normalized as the engine is configured. Engines listing the EMBEDDINGS capability
+        implement it; InvalidRequest for a bad prompt. Default: Unimplemented."""
+        raise Unimplemented(f"engine {self.info.engine!r} does not compute embeddings")
 
     async def prefill_remote(self, request: EngineRequest) -> PrefillResult:
         """Prefill `request`'s prompt, sample its first token and pin its KV for a decode

@@ -6,7 +6,11 @@ Served by every worker on `--metrics-port` (kvmesh.runtime.metrics.MetricsServer
 - gauges from the engine's load (the numbers it also sends routers over gRPC as LoadMetrics):
   `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (0-1),
   `kv_cache_total_blocks`, `kv_pinned_blocks`, `prefix_cache_hit_rate` (0-1);
-- counters: `num_preemptions_total`, `prefix_cache_queries_total` / `prefix_cache_hits_total`
+- counters: `num_preemptions_total`, `spec_decode_num_drafts_total`,
+  `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total` (vLLM's
+  speculative decoding counters; acceptance rate = accepted / draft tokens) and
+  `spec_decode_num_emitted_tokens_total` (tokens per drafting step = emitted / drafts),
+  `prefix_cache_queries_total` / `prefix_cache_hits_total`
   (prompt tokens looked up / found in the prefix cache), `prompt_tokens_total`,
   `generation_tokens_total`, `request_success_total{finished_reason}`,
   `kv_transfer_bytes_total` (KV pulled by a decode worker);
@@ -136,6 +140,17 @@ class WorkerCollector:
         yield counter(
             "num_preemptions", "Requests preempted (recomputed later).", load.preemptions_total
         )
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Speculative verification chunks (one per drafting "
+             "request per step).", load.spec_steps_total),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+             load.spec_draft_tokens_total),
+            ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+             load.spec_accepted_tokens_total),
+            ("spec_decode_num_emitted_tokens", "Tokens the speculative verification chunks "
+             "produced (accepted drafts + one model token each).", load.spec_emitted_tokens_total),
+        ):  # fmt: skip
+            yield counter(name, doc, value)
         stats = self._stats
         if stats is None:
             return

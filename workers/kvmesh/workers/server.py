@@ -237,11 +237,40 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     ) -> wpb.ClearKvCacheResponse:
         return wpb.ClearKvCacheResponse(blocks_cleared=await self.engine.clear_kv_cache())
 
+    async def LoadLoraAdapter(
+        self, request: wpb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.LoadLoraAdapterResponse:
+        info = await self.engine.load_lora(request.lora_name, request.lora_path)
+        return wpb.LoadLoraAdapterResponse(card=wire.card_to_pb(info))
+
+    async def UnloadLoraAdapter(
+        self, request: wpb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.UnloadLoraAdapterResponse:
+        info = await self.engine.unload_lora(request.lora_name)
+        return wpb.UnloadLoraAdapterResponse(card=wire.card_to_pb(info))
+
     async def Drain(
         self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> wpb.DrainResponse:
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         return wpb.DrainResponse(cancelled_requests=await self.drain(timeout))
+
+    async def Embed(
+        self, request: wpb.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> wpb.EmbedResponse:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
+        prompts = [list(item.token_ids) for item in request.inputs]
+        if not prompts or not all(prompts):
+            raise InvalidRequest("Embed needs at least one input, and no empty input")
+        task = asyncio.current_task()
+        assert task is not None
+        self._begin(task, task.cancel)
+        try:
+            vectors = await self.engine.embed(prompts)
+        finally:
+            self._end(task)
+        return wpb.EmbedResponse(embeddings=[wpb.EmbeddingVector(values=v) for v in vectors])
 
     async def drain(self, timeout_s: float | None) -> int:
         """Refuse new requests, wait for in-flight ones (and, on a prefill worker, for decode

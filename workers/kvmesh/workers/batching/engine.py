@@ -182,6 +182,11 @@ class BatchingEngine(Engine, Generic[SchedT]):
         failed: the scheduler recomputes what did not arrive."""
         raise NotImplementedError(f"the {self.engine_name} engine has no KV tiers")
 
+    async def _open_lora(self, name: str, path: str) -> Any:
+        """Read the LoRA adapter at `path` for `name` into what the scheduler's seqs carry;
+        raise InvalidRequest when it cannot be used. The mocker keeps only the name."""
+        return name
+
     async def _open(self) -> None:
         """Acquire what the engine runs on and set `_scheduler` and `_info` if not yet set
         (start, before the loop runs)."""
@@ -290,6 +295,46 @@ class BatchingEngine(Engine, Generic[SchedT]):
         self._dispatch_tier_jobs()
         return n
 
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> ModelInfo:
+        sched = self._accept_control()
+        sched.loras.check_new(name)
+        if name == self.info.served_model_name:
+            raise InvalidRequest(
+                f"LoRA adapter name {name!r} is the served model's name", param="lora_name"
+            )
+        if not path:
+            raise InvalidRequest("lora_path must not be empty", param="lora_path")
+        adapter = await self._open_lora(name, path)
+        evicted = sched.loras.add(name, adapter)  # raises if loaded meanwhile
+        for old in evicted:
+            log.info("LoRA adapter %s unloaded (least recently used)", old)
+        log.info("LoRA adapter %s loaded from %s", name, path)
+        self.info.lora_adapters = sched.loras.names()
+        return self.info
+
+    async def unload_lora(self, name: str) -> ModelInfo:
+        sched = self._accept_control()
+        sched.loras.remove(name)
+        log.info("LoRA adapter %s unloaded", name)
+        self.info.lora_adapters = sched.loras.names()
+        return self.info
+
+    def _accept_control(self) -> SchedT:
+        sched = self._scheduler
+        if not self._accepting or sched is None:
+            raise Unavailable(f"the {self.engine_name} engine is not running")
+        return sched
+
+    async def _load_lora_modules(self, modules: dict[str, str]) -> None:
+        """Load the adapters of the engine's `--lora-modules` at start (a bad one fails it)."""
+        sched = self.scheduler
+        for name, path in modules.items():
+            if name not in sched.loras:
+                sched.loras.add(name, await self._open_lora(name, path))
+        self.info.lora_adapters = sched.loras.names()
+
     def cached_blocks(self, tier: KvTier = KvTier.DEVICE) -> dict[int, CachedBlock]:
         """The blocks cached on `tier` (the device pool, or the host or disk tier: those whose
         copy is done): hash -> (parent_hash, token_ids, lora_name)."""
@@ -312,12 +357,11 @@ class BatchingEngine(Engine, Generic[SchedT]):
             self._info.capabilities = self._capabilities()
 
     def _capabilities(self) -> tuple[str, ...]:
-        """The model card's capabilities: KV events if published, logprobs, resumed output, and
-        disaggregation in a prefill or decode role."""
+        """The model card's capabilities: KV events if published, logprobs, LoRA adapters,
+        resumed output, and disaggregation in a prefill or decode role."""
         # RESUME: a migrated request's output continues exactly (Seq.prompt_len).
-        caps: tuple[str, ...] = ("LOGPROBS", "RESUME")
-        if self._events is not None:
-            caps = ("KV_EVENTS", *caps)
+        caps: tuple[str, ...] = ("KV_EVENTS",) if self._events is not None else ()
+        caps += ("LOGPROBS", "LORA", "RESUME")
         return caps + (("DISAGGREGATION",) if self._disagg.role is not Role.AGGREGATED else ())
 
     async def prefill_remote(self, request: EngineRequest) -> PrefillResult:

@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from kvmesh.runtime.errors import InvalidRequest, RequestTooLarge, ResourceExhausted
+from kvmesh.runtime.errors import InvalidRequest, NotFound, RequestTooLarge, ResourceExhausted
 from kvmesh.runtime.kv_events import CachedBlock, KvEventLog, KvTier
 from kvmesh.runtime.types import (
     EngineRequest,
@@ -79,6 +79,7 @@ from kvmesh.runtime.types import (
     Usage,
 )
 from kvmesh.workers.batching.block_pool import BlockPool, block_hash
+from kvmesh.workers.batching.loras import LoraSlots
 from kvmesh.workers.batching.tiers import KvTierConfig, KvTiers, Onboarding, TierJob
 
 __all__ = [
@@ -130,6 +131,8 @@ class SchedulerConfig(Protocol):
     def enable_prefix_caching(self) -> bool: ...
     @property
     def seed(self) -> int: ...
+    @property
+    def max_loras(self) -> int: ...
 
 
 class SampledToken(Protocol):
@@ -280,6 +283,8 @@ class BatchScheduler(Generic[S, C]):
         admitted before the waiting heap."""
         self.tiers: KvTiers | None = None
         """The KV tiers below the pool (None: the pool only)."""
+        self.loras: LoraSlots[Any] = LoraSlots(config.max_loras)
+        """The LoRA adapters requests may name (the engine loads and unloads them)."""
         if tiers is not None and tiers.enabled:
             self.tiers = KvTiers(tiers, self.pool, block_bytes=kv_block_bytes)
         self._onboarding: dict[str, Onboarding] = {}
@@ -300,6 +305,8 @@ class BatchScheduler(Generic[S, C]):
         rid = request.request_id
         if rid in self._seqs:
             raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
+        if request.lora_name and request.lora_name not in self.loras:
+            raise NotFound(f"LoRA adapter {request.lora_name!r} is not loaded", param="model")
         self._check_request(request)
         n = len(request.prompt)
         if n == 0:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.kv_events import KvTier
+from kvmesh.workers.adapters.config import parse_lora_modules
 
 
 @dataclass(slots=True)
@@ -36,6 +37,13 @@ class MockerConfig:
     )
     max_model_len: int = opt(0, "maximum sequence length (0: the model's context length)")
     seed: int = opt(0, "seed of the per-request seeds drawn for unseeded sampled requests")
+    max_loras: int = opt(
+        4, "LoRA adapters kept loaded; loading one more unloads the least recently used"
+    )
+    lora_modules: tuple[str, ...] = opt(
+        (),
+        "LoRA adapter names to load at start, as NAME=PATH (simulated: the path is not read)",
+    )
     kv_bytes_per_token: int = opt(
         131072,
         "disaggregation: simulated KV cache bytes per token (default: Llama-3-8B in bf16, "
@@ -60,6 +68,9 @@ class MockerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        parse_lora_modules(self.lora_modules, "--lora-modules")
         if self.num_gpu_blocks < 1:
             raise ValueError("num_gpu_blocks must be >= 1")
         if self.block_size < 1:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from kvmesh.runtime.clock import Clock
 from kvmesh.runtime.kv_events import KvEventLog
 from kvmesh.runtime.types import KvBlockDescriptor, KvLayout, KvTransferHandle, ModelInfo
+from kvmesh.workers.adapters.config import parse_lora_modules
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.batching.scheduler import SeqOutput
 from kvmesh.workers.batching.tiers import KvTierConfig, TierJob
@@ -84,6 +85,11 @@ class MockerEngine(BatchingEngine[MockerScheduler]):
             max_num_seqs=config.max_num_seqs,
             eos_token_ids=eos,
             capabilities=self._capabilities(),
+        )
+
+    async def _open(self) -> None:
+        await self._load_lora_modules(
+            parse_lora_modules(self.config.lora_modules, "--lora-modules")
         )
 
     async def _run_step(self, sched: MockerScheduler) -> Sequence[SeqOutput] | None:

@@ -12,8 +12,9 @@ import enum
 from dataclasses import dataclass
 
 from kvmesh.runtime.config import opt
+from kvmesh.workers.adapters.config import parse_lora_modules
 
-__all__ = ["TorchConfig", "TorchDType"]
+__all__ = ["EmbeddingNormalize", "Pooling", "TorchConfig", "TorchDType"]
 
 
 class TorchDType(enum.Enum):
@@ -24,6 +25,27 @@ class TorchDType(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+
+
+class Pooling(enum.Enum):
+    """How /v1/embeddings pools a prompt's final hidden states into one vector."""
+
+    AUTO = "auto"
+    """The model's sentence-transformers pooling config (1_Pooling/config.json), else LAST."""
+    MEAN = "mean"
+    LAST = "last"
+    """The last token's hidden state (decoder embedding models: Qwen3-Embedding, e5-mistral)."""
+    CLS = "cls"
+    """The first token's hidden state."""
+
+
+class EmbeddingNormalize(enum.Enum):
+    """Whether embedding vectors are scaled to unit length."""
+
+    AUTO = "auto"
+    """As the model's sentence-transformers modules.json says (a Normalize module), else yes."""
+    YES = "yes"
+    NO = "no"
 
 
 @dataclass(slots=True)
@@ -66,6 +88,32 @@ class TorchConfig:
     seed: int = opt(
         0, "seed of the per-request seeds drawn for unseeded sampled requests", flag="--torch-seed"
     )
+    embedding_pooling: Pooling = opt(Pooling.AUTO, "pooling of embeddings (/v1/embeddings)")
+    embedding_normalize: EmbeddingNormalize = opt(
+        EmbeddingNormalize.AUTO, "scale embeddings to unit length"
+    )
+    max_loras: int = opt(
+        4,
+        "LoRA adapters kept loaded; loading one more unloads the least recently used",
+        flag="--torch-max-loras",
+    )
+    lora_modules: tuple[str, ...] = opt(
+        (), "peft LoRA adapters to load at start, as NAME=PATH", flag="--torch-lora-modules"
+    )
+    num_speculative_tokens: int = opt(
+        0,
+        "speculative decoding: draft tokens per step by prompt lookup (n-gram) for greedy "
+        "requests; 0: off",
+        flag="--torch-num-speculative-tokens",
+    )
+    prompt_lookup_max: int = opt(
+        4,
+        "longest n-gram the prompt-lookup drafter matches (at least the shortest)",
+        flag="--torch-prompt-lookup-max",
+    )
+    prompt_lookup_min: int = opt(
+        1, "shortest n-gram the prompt-lookup drafter matches", flag="--torch-prompt-lookup-min"
+    )
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -82,3 +130,10 @@ class TorchConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        parse_lora_modules(self.lora_modules, "--torch-lora-modules")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.prompt_lookup_min < 1 or self.prompt_lookup_max < 1:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must be >= 1")

@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ import torch
 from kvmesh.runtime.errors import (
     InvalidRequest,
     KvmeshError,
+    RequestTooLarge,
     ResourceExhausted,
     Unavailable,
     Unimplemented,
@@ -53,15 +55,18 @@ from kvmesh.runtime.types import (
     PrefillResult,
     Role,
 )
+from kvmesh.workers.adapters.config import parse_lora_modules
 from kvmesh.workers.batching.block_files import BlockFiles
 from kvmesh.workers.batching.engine import BatchingEngine, KvSource
 from kvmesh.workers.batching.tiers import KvTierConfig, Lane, TierJob
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
+from kvmesh.workers.pytorch.embedding import EmbeddingHead, embed_prompts
 from kvmesh.workers.pytorch.guided import GrammarCompiler
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
+from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
 from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
 
@@ -148,6 +153,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._tiers = tiers if tiers is not None and tiers.enabled else None
         self._tier_store: TorchTierStore | None = None
         self._lane_executors: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
+        self._embedding_head: EmbeddingHead | None = None
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -170,6 +176,25 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             await loop.run_in_executor(self._executor, self._setup)
         if self._disagg.role is not Role.AGGREGATED:
             self._ensure_agent()  # fail at startup, not on the first request
+        await self._load_lora_modules(
+            parse_lora_modules(self.config.lora_modules, "--torch-lora-modules")
+        )
+
+    async def _open_lora(self, name: str, path: str) -> LoraAdapter:
+        loaded = self._loaded
+        assert loaded is not None
+        adapter: LoraAdapter = await self._on_executor(
+            functools.partial(
+                load_adapter,
+                name,
+                path,
+                num_layers=loaded.num_layers,
+                shapes=loaded.linear_shapes(),
+                device=loaded.device,
+                dtype=loaded.dtype,
+            )
+        )
+        return adapter
 
     def _setup(self) -> None:
         """Load the model, allocate the KV cache, build the scheduler (executor thread)."""
@@ -261,7 +286,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             return None
 
     def _capabilities(self) -> tuple[str, ...]:
-        caps = super()._capabilities()
+        caps = (*super()._capabilities(), "EMBEDDINGS")
         return caps + (("GUIDED_DECODING",) if self._grammars is not None else ())
 
     async def _close(self) -> None:
@@ -316,6 +341,32 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             raise Unavailable("the torch engine is not running")
         done: int = await asyncio.get_running_loop().run_in_executor(executor, store.run, job)
         return done
+
+    # -- embeddings ----------------------------------------------------------------------------
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Pooled final hidden states (kvmesh.workers.pytorch.embedding), computed on the
+        engine's executor thread between steps."""
+        loaded, executor, sched = self._loaded, self._executor, self._scheduler
+        if loaded is None or executor is None or sched is None:
+            raise Unavailable("the torch engine has not been started")
+        limit = sched.max_seq_len
+        for i, ids in enumerate(prompts):
+            if len(ids) > limit:
+                raise RequestTooLarge(
+                    f"input {i} has {len(ids)} tokens; the model's maximum is {limit}"
+                )
+        head = self._embedding_head
+        if head is None:
+            cfg = self.config
+            head = EmbeddingHead.resolve(
+                self.model_dir, cfg.embedding_pooling, cfg.embedding_normalize
+            )
+            self._embedding_head = head
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            executor, embed_prompts, loaded.model, head, prompts, loaded.device, loaded.vocab_size
+        )
 
     # -- KV transfer over NIXL -----------------------------------------------------------------
 

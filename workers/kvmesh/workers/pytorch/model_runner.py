@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
+from kvmesh.workers.pytorch.lora import LORA_MODULES, LoraAdapter, LoraBatch
 from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec, sample
 
 __all__ = [
@@ -106,6 +107,16 @@ class LoadedModel:
         return KvCacheSpec(
             self.num_layers, self.num_kv_heads, self.head_dim, block_size, self.dtype
         )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each decoder layer's projections (what a LoRA adapter must fit)."""
+        layer = self.model.model.layers[0]
+        mods = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
+        return {
+            name: (int(m.weight.shape[0]), int(m.weight.shape[1]))
+            for name, m in mods.items()
+            if name in LORA_MODULES
+        }
 
     @property
     def weight_bytes(self) -> int:
@@ -176,6 +187,12 @@ class SeqChunk:
     start: int
     block_table: list[int]
     sample: SampleSpec | None = None
+    lora: LoraAdapter | None = None
+    """The request's LoRA adapter (None: the base model)."""
+    verify: bool = False
+    """Speculative decoding: the chunk ends with draft tokens; the runner sets `greedy`."""
+    greedy: list[int] | None = None
+    """With `verify`: the argmax token after each of the chunk's tokens (set by the runner)."""
 
 
 @dataclass(slots=True)
@@ -319,8 +336,16 @@ class ModelRunner:
         offsets = [0]
         sample_rows: list[int] = []
         specs: list[SampleSpec] = []
+        adapters: list[tuple[LoraAdapter, int, int]] = []
+        verify: list[SeqChunk] = []
+        verify_rows: list[int] = []
         for c in chunks:
             n = len(c.token_ids)
+            if c.lora is not None:
+                adapters.append((c.lora, offsets[-1], n))
+            if c.verify:
+                verify.append(c)
+                verify_rows.extend(range(offsets[-1], offsets[-1] + n))
             tokens.extend(c.token_ids)
             span = range(c.start, c.start + n)
             positions.extend(span)
@@ -340,22 +365,45 @@ class ModelRunner:
         cos, sin = cos[0], sin[0]  # [T, head_dim]
         head_dim = self.loaded.head_dim
         cache = self.cache
+        lb = LoraBatch(adapters, device) if adapters else None
         for li, layer in enumerate(self._layers):
             attn = layer.self_attn
             residual = hidden
             h = layer.input_layernorm(hidden)
-            q = attn.q_proj(h).view(len(tokens), -1, head_dim)
-            k = attn.k_proj(h).view(len(tokens), -1, head_dim)
-            v = attn.v_proj(h).view(len(tokens), -1, head_dim)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            if lb is not None:
+                q = lb.apply(li, "q_proj", h, q)
+                k = lb.apply(li, "k_proj", h, k)
+                v = lb.apply(li, "v_proj", h, v)
+            q = q.view(len(tokens), -1, head_dim)
+            k = k.view(len(tokens), -1, head_dim)
+            v = v.view(len(tokens), -1, head_dim)
             if hasattr(attn, "q_norm"):
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
             q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
             cache.write_tokens(li, slot_index, k, v)
             out = self._attention(li, attn.scaling, q, k, v, groups)
-            hidden = residual + attn.o_proj(out)
+            if lb is None:
+                hidden = residual + attn.o_proj(out)
+                residual = hidden
+                hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+                continue
+            hidden = residual + lb.apply(li, "o_proj", out, attn.o_proj(out))
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            x = layer.post_attention_layernorm(hidden)
+            mlp = layer.mlp
+            gate = lb.apply(li, "gate_proj", x, mlp.gate_proj(x))
+            up = lb.apply(li, "up_proj", x, mlp.up_proj(x))
+            act = mlp.act_fn(gate) * up
+            hidden = residual + lb.apply(li, "down_proj", act, mlp.down_proj(act))
+        if verify:
+            rows = torch.tensor(verify_rows, dtype=torch.long, device=device)
+            greedy = self._lm_head(self._decoder.norm(hidden[rows])).argmax(-1).tolist()
+            at = 0
+            for c in verify:
+                c.greedy = greedy[at : at + len(c.token_ids)]
+                at += len(c.token_ids)
         if not specs:
             return []
         last = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]

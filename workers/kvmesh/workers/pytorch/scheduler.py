@@ -15,6 +15,7 @@ the request's output before each step that samples for it (kvmesh.workers.pytorc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,14 +23,22 @@ import torch
 
 from kvmesh.runtime.errors import InvalidRequest
 from kvmesh.runtime.kv_events import KvEventLog
-from kvmesh.runtime.types import EngineRequest
-from kvmesh.workers.batching.scheduler import BatchScheduler, Seq, SeqOutput, SeqStatus
+from kvmesh.runtime.types import EngineRequest, LoadInfo
+from kvmesh.workers.batching.scheduler import (
+    BatchScheduler,
+    SampledToken,
+    Seq,
+    SeqOutput,
+    SeqStatus,
+)
 from kvmesh.workers.batching.scheduler import ScheduledStep as _Step
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.pytorch.config import TorchConfig
 from kvmesh.workers.pytorch.guided import GrammarCompiler, GrammarState
+from kvmesh.workers.pytorch.lora import LoraAdapter
 from kvmesh.workers.pytorch.model_runner import SeqChunk
-from kvmesh.workers.pytorch.sampler import SampleSpec
+from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec
+from kvmesh.workers.pytorch.speculative import SpecStats, accept, propose_ngram
 
 __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
 
@@ -48,10 +57,20 @@ def _position_seed(seed: int, position: int) -> int:
 class _Seq(Seq):
     """Scheduler state of one request, with what the sampler needs."""
 
-    __slots__ = ("bias_ids", "bias_values", "generator", "grammar", "params", "seed", "suppress")
+    __slots__ = (
+        "adapter",
+        "bias_ids",
+        "bias_values",
+        "generator",
+        "grammar",
+        "params",
+        "seed",
+        "suppress",
+    )
 
     def __init__(self, request: EngineRequest, arrival: int) -> None:
         super().__init__(request, arrival)
+        self.adapter: LoraAdapter | None = None
         self.params = request.sampling
         self.generator: torch.Generator | None = None
         self.seed = 0
@@ -68,6 +87,8 @@ class ScheduledStep(_Step[_Seq]):
     """What one `schedule()` decided, with one SeqChunk per scheduled request."""
 
     chunks: list[SeqChunk] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
+    """Per scheduled request, the speculative draft tokens ending its chunk (0: none)."""
 
 
 class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
@@ -113,16 +134,12 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         self.grammars = grammars
         self.num_computed_tokens = 0
         """Tokens whose KV the forward passes computed so far (prefill, recompute and decode)."""
+        self.spec = SpecStats()
+        """Speculative decoding counters (kvmesh.workers.pytorch.speculative)."""
 
     # -- requests ------------------------------------------------------------------------------
 
     def _check_request(self, request: EngineRequest) -> None:
-        if request.lora_name:
-            raise InvalidRequest(
-                f"LoRA adapter {request.lora_name!r} is not loaded (the torch engine serves no "
-                "adapters)",
-                param="lora_name",
-            )
         if request.sampling.guided is not None and self.grammars is None:
             raise InvalidRequest(
                 "this torch engine has no grammar compiler (llguidance and the model's tokenizer "
@@ -142,6 +159,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
     def _new_seq(self, request: EngineRequest, arrival: int, now: float) -> _Seq:
         vocab = self.vocab_size
         seq = _Seq(request, arrival)
+        if request.lora_name:
+            seq.adapter = self.loras.use(request.lora_name)
         stop_ids = set(request.stop.stop_token_ids)
         if not request.stop.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -160,12 +179,68 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
 
     # -- scheduling ----------------------------------------------------------------------------
 
+    def load(self) -> LoadInfo:
+        spec = self.spec
+        return dataclasses.replace(
+            super().load(),
+            spec_steps_total=spec.steps,
+            spec_draft_tokens_total=spec.draft_tokens,
+            spec_accepted_tokens_total=spec.accepted_tokens,
+            spec_emitted_tokens_total=spec.emitted_tokens,
+        )
+
+    def _drafts(self, seq: _Seq) -> list[int]:
+        """Speculative draft tokens for `seq` this step (see kvmesh.workers.pytorch.speculative:
+        only greedy requests whose next token needs no logits processing)."""
+        cfg = self.config
+        p = seq.params
+        if (
+            not seq.decoding
+            or seq.num_computed != len(seq.tokens) - 1
+            or seq.pin
+            or p.temperature > 0
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.top_logprobs is not None
+            or p.guided is not None
+            or seq.bias_ids
+            or len(seq.tokens) < seq.min_len
+        ):
+            return []
+        k = min(cfg.num_speculative_tokens, seq.max_len - len(seq.tokens) - 1)
+        lo = cfg.prompt_lookup_min
+        return propose_ngram(seq.tokens, k, lo, max(lo, cfg.prompt_lookup_max))
+
     def schedule(self) -> ScheduledStep:
         """Pick this step's work (see the module docstring). An empty `chunks` list with no
         preemption means nothing can run until a request arrives or leaves."""
+        drafted: dict[str, tuple[_Seq, int]] = {}
+        if self.config.num_speculative_tokens:
+            for seq in self._running:
+                drafts = self._drafts(seq)
+                if drafts:
+                    seq.tokens.extend(drafts)
+                    drafted[seq.request_id] = (seq, len(drafts))
         step = self._schedule_into(ScheduledStep())
-        for seq, start, n, sample in zip(
-            step.seqs, step.starts, step.counts, step.sample, strict=True
+        step.drafts = [0] * len(step.seqs)
+        for i, seq in enumerate(step.seqs):
+            entry = drafted.pop(seq.request_id, None)
+            if entry is None:
+                continue
+            k = entry[1]
+            if step.counts[i] == k + 1:
+                step.drafts[i] = k
+                continue
+            # the token budget cut the chunk short: decode the last known token only
+            del seq.tokens[-k:]
+            step.decode_tokens -= step.counts[i] - 1
+            step.counts[i] = 1
+            step.sample[i] = True
+        for seq, k in drafted.values():  # preempted, or left out of this step
+            del seq.tokens[-k:]
+        for seq, start, n, sample, k in zip(
+            step.seqs, step.starts, step.counts, step.sample, step.drafts, strict=True
         ):
             spec = None
             if sample:
@@ -186,7 +261,59 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                     seq.grammar,
                 )
             step.chunks.append(
-                SeqChunk(seq.tokens[start : start + n], start, list(seq.blocks), spec)
+                SeqChunk(
+                    seq.tokens[start : start + n],
+                    start,
+                    list(seq.blocks),
+                    spec,
+                    seq.adapter,
+                    verify=k > 0,
+                )
             )
         self.num_computed_tokens += step.prefill_tokens + step.decode_tokens
         return step
+
+    def complete(self, step: _Step[_Seq], sampled: Sequence[SampledToken]) -> list[SeqOutput]:
+        """Apply a computed step (see BatchScheduler.complete); a chunk with drafts keeps the
+        ones the model agreed with and emits them before its sampled token."""
+        assert isinstance(step, ScheduledStep)
+        if not any(step.drafts):
+            return super().complete(step, sampled)
+        chosen: list[SampledToken] = list(sampled)
+        early: dict[str, list[SeqOutput]] = {}
+        row = -1
+        for i, seq in enumerate(step.seqs):
+            if not step.sample[i]:
+                continue
+            row += 1
+            k = step.drafts[i]
+            if not k:
+                continue
+            start = step.starts[i]
+            base = start + 1  # where the drafts start in seq.tokens
+            greedy = step.chunks[i].greedy
+            if seq.status is not SeqStatus.RUNNING or seq.num_computed != start or not greedy:
+                del seq.tokens[base:]  # aborted while the forward ran
+                continue
+            emitted = accept(seq.tokens[base : base + k], greedy)
+            spec = self.spec
+            spec.steps += 1
+            spec.draft_tokens += k
+            spec.accepted_tokens += len(emitted) - 1
+            for j, t in enumerate(emitted):  # a token that ends the request ends the chunk
+                pos = base + j
+                if pos + 1 >= seq.max_len or (t in seq.stop_ids and pos + 1 >= seq.min_len):
+                    emitted = emitted[: j + 1]
+                    break
+            spec.emitted_tokens += len(emitted)
+            del seq.tokens[base:]
+            seq.tokens.extend(emitted[:-1])
+            step.counts[i] = len(emitted)  # KV computed: the last known token + kept drafts
+            chosen[row] = Sampled(emitted[-1])
+            early[seq.request_id] = [SeqOutput(seq.request_id, t) for t in emitted[:-1]]
+        outputs = super().complete(step, chosen)
+        merged: list[SeqOutput] = []
+        for out in outputs:
+            merged.extend(early.pop(out.request_id, ()))
+            merged.append(out)
+        return merged

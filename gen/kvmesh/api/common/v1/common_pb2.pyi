@@ -125,12 +125,13 @@ class _EngineCapabilityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Engi
     ENGINE_CAPABILITY_GUIDED_DECODING: _EngineCapability.ValueType  # 2
     """Structured output (JSON schema, regex, grammar, choice)."""
     ENGINE_CAPABILITY_EMBEDDINGS: _EngineCapability.ValueType  # 3
-    """Pooled embeddings for /v1/embeddings. No kvmesh engine has it yet: the gateway answers
-    /v1/embeddings with a 400 naming the missing capability.
+    """Pooled embeddings (WorkerService.Embed) for /v1/embeddings and KServe embedding inference.
+    The torch engine has it; for engines without it the gateway answers /v1/embeddings with a
+    400 naming the missing capability.
     """
     ENGINE_CAPABILITY_MULTIMODAL: _EngineCapability.ValueType  # 4
     """Image / audio inputs (GenerateRequest.media). No kvmesh engine has it yet: workers refuse
-    media with INVALID_ARGUMENT, and the gateway refuses image and audio content parts.
+    media with INVALID_ARGUMENT, and the gateway answers 400 to (checked) images for them.
     """
     ENGINE_CAPABILITY_LORA: _EngineCapability.ValueType  # 5
     """LoRA adapters selectable per request (GenerateRequest.lora_name). Workers without it refuse
@@ -160,12 +161,13 @@ ENGINE_CAPABILITY_LOGPROBS: EngineCapability.ValueType  # 1
 ENGINE_CAPABILITY_GUIDED_DECODING: EngineCapability.ValueType  # 2
 """Structured output (JSON schema, regex, grammar, choice)."""
 ENGINE_CAPABILITY_EMBEDDINGS: EngineCapability.ValueType  # 3
-"""Pooled embeddings for /v1/embeddings. No kvmesh engine has it yet: the gateway answers
-/v1/embeddings with a 400 naming the missing capability.
+"""Pooled embeddings (WorkerService.Embed) for /v1/embeddings and KServe embedding inference.
+The torch engine has it; for engines without it the gateway answers /v1/embeddings with a
+400 naming the missing capability.
 """
 ENGINE_CAPABILITY_MULTIMODAL: EngineCapability.ValueType  # 4
 """Image / audio inputs (GenerateRequest.media). No kvmesh engine has it yet: workers refuse
-media with INVALID_ARGUMENT, and the gateway refuses image and audio content parts.
+media with INVALID_ARGUMENT, and the gateway answers 400 to (checked) images for them.
 """
 ENGINE_CAPABILITY_LORA: EngineCapability.ValueType  # 5
 """LoRA adapters selectable per request (GenerateRequest.lora_name). Workers without it refuse
@@ -726,6 +728,10 @@ class LoadMetrics(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     KV_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     KV_TIERS_FIELD_NUMBER: _builtins.int
+    SPEC_STEPS_TOTAL_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    SPEC_EMITTED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     num_running_requests: _builtins.int
     """Sequences scheduled in the running batch."""
     num_waiting_requests: _builtins.int
@@ -750,6 +756,16 @@ class LoadMetrics(_message.Message):
     """KV blocks pinned for remote prefill transfers (PrefillRemote), waiting for a decode worker
     to pull and release them; included in kv_active_blocks. 0 on workers that pin nothing.
     """
+    spec_steps_total: _builtins.int
+    """Speculative decoding, lifetime counters (0 when the engine does not speculate): verification
+    chunks run (one per drafting request per step) ...
+    """
+    spec_draft_tokens_total: _builtins.int
+    """... draft tokens proposed and verified ..."""
+    spec_accepted_tokens_total: _builtins.int
+    """... draft tokens the model accepted (acceptance rate: accepted / draft) ..."""
+    spec_emitted_tokens_total: _builtins.int
+    """... and tokens the verification chunks produced (tokens per step: emitted / steps)."""
     @_builtins.property
     def kv_tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTierMetrics]:
         """Per-tier cache counters: the device tier, then the host and disk tiers where the worker has
@@ -771,10 +787,14 @@ class LoadMetrics(_message.Message):
         draining: _builtins.bool = ...,
         kv_pinned_blocks: _builtins.int = ...,
         kv_tiers: _abc.Iterable[Global___KvTierMetrics] | None = ...,
+        spec_steps_total: _builtins.int = ...,
+        spec_draft_tokens_total: _builtins.int = ...,
+        spec_accepted_tokens_total: _builtins.int = ...,
+        spec_emitted_tokens_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_tiers", b"kv_tiers", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_tiers", b"kv_tiers", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "spec_accepted_tokens_total", b"spec_accepted_tokens_total", "spec_draft_tokens_total", b"spec_draft_tokens_total", "spec_emitted_tokens_total", b"spec_emitted_tokens_total", "spec_steps_total", b"spec_steps_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

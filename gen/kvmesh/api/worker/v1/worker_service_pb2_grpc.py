@@ -92,6 +92,21 @@ class WorkerServiceStub:
                 request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/kvmesh.api.worker.v1.WorkerService/Embed',
+                request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/kvmesh.api.worker.v1.WorkerService/LoadLoraAdapter',
+                request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/kvmesh.api.worker.v1.WorkerService/UnloadLoraAdapter',
+                request_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -183,6 +198,32 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+        UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+        (see the engine's flags); truncation to fewer dimensions is the caller's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter from a path on the worker's disk (vLLM's /v1/load_lora_adapter).
+        INVALID_ARGUMENT: bad name, already loaded, or an adapter the engine cannot use;
+        UNIMPLEMENTED: the engine loads no adapters at runtime. May unload the least recently used
+        adapter to stay within the engine's bound; the returned card lists what is loaded now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload a LoRA adapter (requests running on it finish). NOT_FOUND: it is not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +276,21 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainRequest.FromString,
                     response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -515,6 +571,87 @@ class WorkerService:
             '/kvmesh.api.worker.v1.WorkerService/Drain',
             kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainRequest.SerializeToString,
             kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.api.worker.v1.WorkerService/Embed',
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedRequest.SerializeToString,
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.api.worker.v1.WorkerService/LoadLoraAdapter',
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.api.worker.v1.WorkerService/UnloadLoraAdapter',
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,6 +74,19 @@ class WorkerServiceStub:
     """
     Drain: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.DrainRequest, _worker_service_pb2.DrainResponse]
     """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.EmbedRequest, _worker_service_pb2.EmbedResponse]
+    """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+    UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+    (see the engine's flags); truncation to fewer dimensions is the caller's.
+    """
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.LoadLoraAdapterRequest, _worker_service_pb2.LoadLoraAdapterResponse]
+    """Load a LoRA adapter from a path on the worker's disk (vLLM's /v1/load_lora_adapter).
+    INVALID_ARGUMENT: bad name, already loaded, or an adapter the engine cannot use;
+    UNIMPLEMENTED: the engine loads no adapters at runtime. May unload the least recently used
+    adapter to stay within the engine's bound; the returned card lists what is loaded now.
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.UnloadLoraAdapterRequest, _worker_service_pb2.UnloadLoraAdapterResponse]
+    """Unload a LoRA adapter (requests running on it finish). NOT_FOUND: it is not loaded."""
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -121,6 +134,19 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     Drain: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.DrainRequest, _worker_service_pb2.DrainResponse]  # type: ignore[assignment]
     """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
+    Embed: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.EmbedRequest, _worker_service_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+    UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+    (see the engine's flags); truncation to fewer dimensions is the caller's.
+    """
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.LoadLoraAdapterRequest, _worker_service_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """Load a LoRA adapter from a path on the worker's disk (vLLM's /v1/load_lora_adapter).
+    INVALID_ARGUMENT: bad name, already loaded, or an adapter the engine cannot use;
+    UNIMPLEMENTED: the engine loads no adapters at runtime. May unload the least recently used
+    adapter to stay within the engine's bound; the returned card lists what is loaded now.
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.UnloadLoraAdapterRequest, _worker_service_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    """Unload a LoRA adapter (requests running on it finish). NOT_FOUND: it is not loaded."""
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """A worker: runs one engine for one model.
@@ -225,5 +251,36 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.DrainResponse, _abc.Awaitable[_worker_service_pb2.DrainResponse]]:
         """Stop accepting new requests (they get UNAVAILABLE) and wait for in-flight ones to finish."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _worker_service_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.EmbedResponse, _abc.Awaitable[_worker_service_pb2.EmbedResponse]]:
+        """Embedding vectors of prompts (engines whose model card lists the EMBEDDINGS capability;
+        UNIMPLEMENTED elsewhere). Vectors are pooled and normalized as the model is configured to
+        (see the engine's flags); truncation to fewer dimensions is the caller's.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _worker_service_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_worker_service_pb2.LoadLoraAdapterResponse]]:
+        """Load a LoRA adapter from a path on the worker's disk (vLLM's /v1/load_lora_adapter).
+        INVALID_ARGUMENT: bad name, already loaded, or an adapter the engine cannot use;
+        UNIMPLEMENTED: the engine loads no adapters at runtime. May unload the least recently used
+        adapter to stay within the engine's bound; the returned card lists what is loaded now.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _worker_service_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_worker_service_pb2.UnloadLoraAdapterResponse]]:
+        """Unload a LoRA adapter (requests running on it finish). NOT_FOUND: it is not loaded."""
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
