@@ -226,12 +226,14 @@ def test_host_tier_raises_reuse_and_lowers_ttft(trace_path: str) -> None:
         trace_path, **small, tiers=KvTierConfig(kv_host_blocks=64, kv_disk_blocks=1024)
     )
     slow = simulate(trace, disk_cfg, RouterMode.KV)
-    # At the default 5 GB/s, reading a 64-token block of Llama-8B KV (8 MiB) costs more than
-    # recomputing it: the mocker does not onboard from disk. A faster disk pays.
-    assert slow.tier_hit_rates["disk"] == 0
+    # At the default 5 GB/s, reading a 64-token block of Llama-8B KV (8 MiB) alone costs more
+    # than recomputing it in these prompts: the mocker onboards from disk only the odd block
+    # that rides beside a host-tier run (the moves run side by side, and the pair saves more
+    # prefill than the disk read takes). A faster disk pays on its own.
     disk_cfg.mocker = dataclasses.replace(disk_cfg.mocker, kv_disk_gbps=25.0)
     disk = simulate(trace, disk_cfg, RouterMode.KV)
-    assert disk.tier_hit_rates["disk"] > 0
+    assert disk.tier_hit_rates["disk"] > 0.1
+    assert slow.tier_hit_rates["disk"] < 0.01
     assert disk.requests == host.requests == none.requests == 60
     # The modes without KV events simulate the tiers too (nothing is published).
     rr = simulate(trace, host_cfg, RouterMode.ROUND_ROBIN)
