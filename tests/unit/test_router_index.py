@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.router.hashing import block_hashes
-from kvmesh.router.indexer import ApproxIndex, PrefixIndex
+from kvmesh.router.indexer import ApproxIndex, InflightIndex, PrefixIndex
 from kvmesh.router.kv_state import KvIndexer
 from kvmesh.runtime import wire
 from kvmesh.runtime.kv_events import (
@@ -525,3 +525,19 @@ def test_kv_indexer_lower_tier_block_hashed_late() -> None:
     idx.apply_event("w", BlocksRemoved([e1], KvTier.DISK))
     assert idx.find_credits(query) == {"w": 0.25}
     assert (idx.stats("w").host_blocks, idx.stats("w").disk_blocks) == (0, 1)
+
+
+def test_inflight_index_counts_chains_per_worker_and_leaves_no_holes() -> None:
+    idx: InflightIndex[str] = InflightIndex()
+    assert idx.find_matches([1, 2, 3]) == {} and len(idx) == 0
+    idx.add("a", [1, 2, 3])
+    idx.add("a", [1, 2])  # a second request sharing the first two blocks
+    idx.add("b", [1])
+    assert idx.find_matches([1, 2, 3, 4]) == {"a": 3, "b": 1}
+    idx.remove("a", [1, 2, 3])  # the longer one's prefill ended: the shared part stays
+    assert idx.find_matches([1, 2, 3, 4]) == {"a": 2, "b": 1}
+    idx.remove("a", [1, 2])
+    idx.remove("a", [1, 2])  # more removes than adds are ignored
+    assert idx.find_matches([1, 2, 3]) == {"b": 1} and len(idx) == 1
+    idx.remove_worker("b")
+    assert idx.find_matches([1]) == {} and len(idx) == 0

@@ -35,7 +35,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from itertools import islice
 from typing import Generic, TypeVar
 
-__all__ = ["ApproxIndex", "PrefixIndex"]
+__all__ = ["ApproxIndex", "InflightIndex", "PrefixIndex"]
 
 W = TypeVar("W", bound=Hashable)
 
@@ -326,3 +326,69 @@ class ApproxIndex(Generic[W]):
         """`worker`'s entries not expired as of the last call that took `now` (O(1))."""
         expiry = self._expiry.get(worker)
         return 0 if expiry is None else len(expiry)
+
+
+class InflightIndex(Generic[W]):
+    """The prompts routed to each worker whose prefill has not finished yet: a PrefixIndex of
+    block-hash chains counted per worker, so a chain stays while any of its requests does.
+
+    A worker publishes a prompt's blocks only once it has computed them, so a request arriving
+    while an earlier one with the same prefix still waits or prefills there (the next turn of a
+    tool loop, the rest of a burst sharing a new system prompt) finds no cached prefix anywhere;
+    KvScheduler credits the prefix the worker is computing already. `add(worker, hashes)` when
+    a request is booked there, `remove(worker, hashes)` with the same chain at its first token
+    (or when it ends first).
+    """
+
+    __slots__ = ("_counts", "index")
+
+    def __init__(self) -> None:
+        self.index: PrefixIndex[W] = PrefixIndex()
+        self._counts: dict[W, dict[int, int]] = {}
+
+    def add(self, worker: W, block_hashes: Sequence[int]) -> None:
+        """A request with this chain (from the root) was booked on `worker`."""
+        if not block_hashes:
+            return
+        counts = self._counts.get(worker)
+        if counts is None:
+            counts = self._counts[worker] = {}
+        get = counts.get
+        for h in block_hashes:
+            counts[h] = get(h, 0) + 1
+        self.index.apply_stored(worker, block_hashes, None)
+
+    def remove(self, worker: W, block_hashes: Sequence[int]) -> None:
+        """One request added with this chain left prefill on `worker`. Chains come whole from
+        the root, so a block's count never exceeds its parent's: what drops to zero is a set of
+        leaves and the index keeps no holes."""
+        counts = self._counts.get(worker)
+        if counts is None:
+            return
+        gone = []
+        for h in block_hashes:
+            n = counts.get(h, 0) - 1
+            if n > 0:
+                counts[h] = n
+            elif n == 0:
+                del counts[h]
+                gone.append(h)
+        if gone:
+            self.index.apply_removed(worker, gone, leaves=True)
+        if not counts:
+            del self._counts[worker]
+
+    def find_matches(self, block_hashes: Sequence[int]) -> dict[W, int]:
+        """{worker: leading blocks of `block_hashes` that requests in prefill there share}."""
+        if not self._counts:
+            return {}
+        return self.index.find_matches(block_hashes)
+
+    def remove_worker(self, worker: W) -> None:
+        """Forget `worker`."""
+        counts = self._counts.pop(worker, None)
+        self.index.remove_worker(worker, counts if counts is not None else ())
+
+    def __len__(self) -> int:
+        """Workers with requests in prefill."""
+        return len(self._counts)

@@ -93,6 +93,11 @@ class KvPolicyFlags:
     router_itl_penalty_cap_ms: float = opt(
         DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
     )
+    router_inflight_prefixes: bool = opt(
+        True,
+        "kv: count the prompt prefix a worker is about to compute for requests routed there "
+        "(waiting or prefilling) as cached on it",
+    )
 
 
 def itl_penalized(
