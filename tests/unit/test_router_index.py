@@ -527,17 +527,19 @@ def test_kv_indexer_lower_tier_block_hashed_late() -> None:
     assert (idx.stats("w").host_blocks, idx.stats("w").disk_blocks) == (0, 1)
 
 
-def test_inflight_index_counts_chains_per_worker_and_leaves_no_holes() -> None:
+def test_inflight_index_counts_blocks_per_worker_and_extends_matches() -> None:
     idx: InflightIndex[str] = InflightIndex()
-    assert idx.find_matches([1, 2, 3]) == {} and len(idx) == 0
+    assert idx.extend("a", [1, 2, 3], 0) == 0 and len(idx) == 0
     idx.add("a", [1, 2, 3])
-    idx.add("a", [1, 2])  # a second request sharing the first two blocks
-    idx.add("b", [1])
-    assert idx.find_matches([1, 2, 3, 4]) == {"a": 3, "b": 1}
+    idx.add("a", [1, 2])  # a second request computing the first two blocks too
+    idx.add("b", [2, 3])  # b holds block 1 already
+    assert [idx.extend("a", [1, 2, 3, 4], 0), idx.extend("b", [1, 2, 3, 4], 0)] == [3, 0]
+    assert idx.extend("b", [1, 2, 3, 4], 1) == 3  # continues the KV index's match of 1
+    assert idx.extend("a", [1, 2, 3], 3) == 3  # nothing past the end
     idx.remove("a", [1, 2, 3])  # the longer one's prefill ended: the shared part stays
-    assert idx.find_matches([1, 2, 3, 4]) == {"a": 2, "b": 1}
+    assert idx.extend("a", [1, 2, 3, 4], 0) == 2
     idx.remove("a", [1, 2])
     idx.remove("a", [1, 2])  # more removes than adds are ignored
-    assert idx.find_matches([1, 2, 3]) == {"b": 1} and len(idx) == 1
+    assert idx.extend("a", [1, 2, 3], 0) == 0 and len(idx) == 1
     idx.remove_worker("b")
-    assert idx.find_matches([1]) == {} and len(idx) == 0
+    assert idx.extend("b", [1, 2], 1) == 1 and len(idx) == 0

@@ -329,25 +329,27 @@ class ApproxIndex(Generic[W]):
 
 
 class InflightIndex(Generic[W]):
-    """The prompts routed to each worker whose prefill has not finished yet: a PrefixIndex of
-    block-hash chains counted per worker, so a chain stays while any of its requests does.
+    """Per worker, the prompt blocks that requests routed there will compute and have not yet:
+    block hash -> how many such requests.
 
     A worker publishes a prompt's blocks only once it has computed them, so a request arriving
     while an earlier one with the same prefix still waits or prefills there (the next turn of a
     tool loop, the rest of a burst sharing a new system prompt) finds no cached prefix anywhere;
-    KvScheduler credits the prefix the worker is computing already. `add(worker, hashes)` when
-    a request is booked there, `remove(worker, hashes)` with the same chain at its first token
-    (or when it ends first).
+    KvScheduler credits the prefix the worker is computing already. `add(worker, hashes)` with
+    the blocks a booked request will compute there (its prompt's chain after the prefix the
+    worker holds), `remove` with the same hashes at its first token (or when it ends first).
+    `extend(worker, hashes, start)` continues a prefix match found in the KV index (`start`
+    leading blocks) through the blocks being computed: one lookup when there are none, so the
+    routing cost per request stays flat.
     """
 
-    __slots__ = ("_counts", "index")
+    __slots__ = ("_counts",)
 
     def __init__(self) -> None:
-        self.index: PrefixIndex[W] = PrefixIndex()
         self._counts: dict[W, dict[int, int]] = {}
 
     def add(self, worker: W, block_hashes: Sequence[int]) -> None:
-        """A request with this chain (from the root) was booked on `worker`."""
+        """A request booked on `worker` will compute these blocks."""
         if not block_hashes:
             return
         counts = self._counts.get(worker)
@@ -356,39 +358,38 @@ class InflightIndex(Generic[W]):
         get = counts.get
         for h in block_hashes:
             counts[h] = get(h, 0) + 1
-        self.index.apply_stored(worker, block_hashes, None)
 
     def remove(self, worker: W, block_hashes: Sequence[int]) -> None:
-        """One request added with this chain left prefill on `worker`. Chains come whole from
-        the root, so a block's count never exceeds its parent's: what drops to zero is a set of
-        leaves and the index keeps no holes."""
+        """The request that added these blocks on `worker` left prefill."""
         counts = self._counts.get(worker)
         if counts is None:
             return
-        gone = []
+        get = counts.get
         for h in block_hashes:
-            n = counts.get(h, 0) - 1
-            if n > 0:
-                counts[h] = n
-            elif n == 0:
+            n = get(h, 0)
+            if n > 1:
+                counts[h] = n - 1
+            elif n:
                 del counts[h]
-                gone.append(h)
-        if gone:
-            self.index.apply_removed(worker, gone, leaves=True)
         if not counts:
             del self._counts[worker]
 
-    def find_matches(self, block_hashes: Sequence[int]) -> dict[W, int]:
-        """{worker: leading blocks of `block_hashes` that requests in prefill there share}."""
-        if not self._counts:
-            return {}
-        return self.index.find_matches(block_hashes)
+    def extend(self, worker: W, block_hashes: Sequence[int], start: int) -> int:
+        """`start` plus the blocks of `block_hashes` from index `start` on, in order, that
+        requests on `worker` are computing."""
+        counts = self._counts.get(worker)
+        if counts is None:
+            return start
+        n = len(block_hashes)
+        depth = start
+        while depth < n and block_hashes[depth] in counts:
+            depth += 1
+        return depth
 
     def remove_worker(self, worker: W) -> None:
         """Forget `worker`."""
-        counts = self._counts.pop(worker, None)
-        self.index.remove_worker(worker, counts if counts is not None else ())
+        self._counts.pop(worker, None)
 
     def __len__(self) -> int:
-        """Workers with requests in prefill."""
+        """Workers with blocks being computed."""
         return len(self._counts)

@@ -294,7 +294,8 @@ class _Booking:
     decode: int
     live: bool = True
     inflight: Sequence[int] = ()
-    """The prompt's block hashes in the scheduler's InflightIndex until its first token."""
+    """The prompt blocks it will compute (after the prefix its worker holds or computes for
+    others), in the scheduler's InflightIndex until its first token."""
 
 
 class KvScheduler:
@@ -469,9 +470,7 @@ class KvScheduler:
         need_exact = any(w.kv_events for w in ready)
         need_approx = not all(w.kv_events for w in ready)
         inflight = self.inflight if cfg.inflight_prefixes and len(self.inflight) else None
-        by_size: dict[
-            int, tuple[list[int], Mapping[str, float], dict[str, int], dict[str, int]]
-        ] = {}
+        by_size: dict[int, tuple[list[int], Mapping[str, float], dict[str, int]]] = {}
         overlaps: dict[str, float] = {}
         for w in ready:
             bs = w.block_size
@@ -480,11 +479,13 @@ class KvScheduler:
                 hashes = block_hashes(token_ids, bs, lora_name)
                 exact = self.indexer.find_credits(hashes) if hashes and need_exact else {}
                 approx = self.approx.find_matches(hashes, now) if hashes and need_approx else {}
-                coming = inflight.find_matches(hashes) if hashes and inflight else {}
-                found = by_size[bs] = (hashes, exact, approx, coming)
+                found = by_size[bs] = (hashes, exact, approx)
             wid = w.worker_id
             if w.kv_events:
-                overlaps[wid] = max(found[1].get(wid, 0), found[3].get(wid, 0))
+                credit = found[1].get(wid, 0)
+                if inflight is not None:
+                    credit = max(credit, inflight.extend(wid, found[0], int(credit)))
+                overlaps[wid] = credit
             else:
                 overlaps[wid] = found[2].get(wid, 0)
         if cfg.policy is KvPolicyKind.TTFT:
@@ -624,30 +625,24 @@ class KvScheduler:
                 else mean + 0.01 * (expected_output_tokens - mean)
             )
         overlap = selection.overlap_blocks
+        hashes = selection.block_hashes
         old = self._bookings.get(("", request_id))
         if old is not None and old.inflight:  # re-booked: it does not share its own prefix
             self._end_inflight(old)
             if load.kv_events:
-                hashes = selection.block_hashes
-                overlap = min(
-                    overlap,
-                    int(
-                        max(
-                            self.indexer.find_credits(hashes).get(load.worker_id, 0),
-                            self.inflight.find_matches(hashes).get(load.worker_id, 0),
-                        )
-                    ),
-                )
+                credit = self.indexer.find_credits(hashes).get(load.worker_id, 0)
+                credit = max(credit, self.inflight.extend(load.worker_id, hashes, int(credit)))
+                overlap = min(overlap, int(credit))
         prefill = max(0, -(-selection.prompt_tokens // bs) - overlap)
         total = -(-(selection.prompt_tokens + max(0, expected_output_tokens)) // bs)
         decode = max(0, total - overlap)
         booking = self._book("", request_id, load, prefill, decode, now)
-        if selection.block_hashes:
+        if hashes:
             if not load.kv_events:
-                self.approx.insert(load.worker_id, selection.block_hashes, now)
-            elif self.config.inflight_prefixes and prefill:
-                booking.inflight = selection.block_hashes
-                self.inflight.add(load.worker_id, selection.block_hashes)
+                self.approx.insert(load.worker_id, hashes, now)
+            elif self.config.inflight_prefixes and overlap < len(hashes):
+                booking.inflight = hashes[overlap:]
+                self.inflight.add(load.worker_id, booking.inflight)
         if self._listeners:
             self._emit(
                 LoadEvent(
