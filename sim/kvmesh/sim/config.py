@@ -157,6 +157,11 @@ class ReplayConfig(KvPolicyFlags):
             timing_profile=self.mocker.timing_profile,
             host_hit_weight=self.router_host_hit_weight,
             disk_hit_weight=self.router_disk_hit_weight,
+            # The replay hands a routed request to its worker at once, so a load sample taken
+            # at `now` shows every booking made before it: none is still on its way (the live
+            # default of 0.25 s counted the last quarter second's bookings twice here, and so
+            # steered bursts away from the workers that had just taken their prefix).
+            load_settle_s=0.0,
         )
 
 

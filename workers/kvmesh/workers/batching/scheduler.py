@@ -462,12 +462,15 @@ class BatchScheduler(Generic[S, C]):
 
         `pending_prefill_tokens` is the prefill work still to do: the prompt tokens not yet
         computed, where a request still waiting for admission counts without the prefix the pool
-        holds now (admission reuses it, so it is no work; counting the whole prompt overstated
-        the queue of exactly the workers holding the prefixes, and so steered KV routing away
-        from them under load)."""
+        holds now and without the blocks another waiting request computes first (admission
+        reuses both, so they are no work: a burst sharing a new prefix costs that prefix once;
+        counting every waiting prompt whole overstated the queue of exactly the workers holding
+        or computing the prefixes, and so steered KV routing away from them under load)."""
         pending = 0
         caching = self.pool.enable_caching
         bs = self.block_size
+        match = self.pool.match_prefix
+        queued: set[int] = set()  # blocks of waiting prompts counted already
         for seq in self._seqs.values():
             if seq.decoding:
                 continue
@@ -475,7 +478,12 @@ class BatchScheduler(Generic[S, C]):
             if caching and not done and seq.status is SeqStatus.WAITING:
                 limit = (len(seq.tokens) - 1) // bs  # as _admit: the last token is computed
                 self._ensure_hashes(seq, limit)
-                done = len(self.pool.match_prefix(seq.hashes, limit)) * bs
+                hashes = seq.hashes
+                i = len(match(hashes, limit))
+                while i < limit and hashes[i] in queued:  # chained: a prefix of counted blocks
+                    i += 1
+                queued.update(hashes[i:limit])
+                done = i * bs
             pending += len(seq.tokens) - done
         pool = self.pool
         tiers: tuple[KvTierStats, ...] = (
