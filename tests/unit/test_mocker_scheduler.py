@@ -329,6 +329,11 @@ def test_pending_prefill_of_a_waiting_request_leaves_out_its_cached_prefix() -> 
     assert load.pending_prefill_tokens == 104 - 64  # 4 cached blocks of 16 tokens
     sched.add(req("c", 30), 0.0)  # nothing cached: all of it
     assert sched.load().pending_prefill_tokens == 40 + 30
+    # d shares b's uncached blocks after the cached prefix (b computes them first): only its
+    # own last 8 tokens are work; e shares c's first block (16 tokens)
+    sched.add(req("d", [*prompt[:64], *range(500, 532), 7, 7, 7, 7, 7, 7, 7, 7]), 0.0)
+    sched.add(req("e", [*req("c", 30).prompt[:16], *range(900, 910)]), 0.0)
+    assert sched.load().pending_prefill_tokens == 40 + 30 + 8 + 10
 
 
 def test_logprobs_are_synthetic_but_well_formed() -> None:
