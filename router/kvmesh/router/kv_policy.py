@@ -69,8 +69,9 @@ class KvPolicyKind(enum.Enum):
     """How KvScheduler scores workers."""
 
     TTFT = "ttft"
-    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in until
-    it is at or below Dynamo's KV router across the routing matrix (README)."""
+    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in:
+    cross-validation over the routing matrix prefers it, but two router replicas can choose
+    differently under it for short prompts (README, routing matrix)."""
     COST = "cost"
     """The linear cost over blocks to prefill and blocks decoding (cost_score): the default."""
 
