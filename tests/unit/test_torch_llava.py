@@ -200,10 +200,7 @@ async def test_preemption_recomputes_with_the_same_features(llava: Llava) -> Non
     try:
         cases = [(f"Tell me {i}", [RED if i % 2 else BLUE]) for i in range(4)]
         results = await asyncio.gather(
-            *(
-                run(eng, req(llava.prompt(t, im), im, 24, ignore_eos=True))
-                for t, im in cases
-            )
+            *(run(eng, req(llava.prompt(t, im), im, 24, ignore_eos=True)) for t, im in cases)
         )
         assert eng.load().preemptions_total > 0
         for (text, images), (tokens, _) in zip(cases, results, strict=True):

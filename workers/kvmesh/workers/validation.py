@@ -141,9 +141,10 @@ def _check_capabilities(request: EngineRequest, info: ModelInfo) -> None:
 def validate_wire_request(
     msg: wpb.GenerateRequest | wpb.PrefillRemoteRequest, info: ModelInfo
 ) -> None:
-    """Raise InvalidRequest for contract fields of `msg` that `info`'s engine cannot honour and
-    that an EngineRequest does not carry: media inputs need the MULTIMODAL capability (the torch
-    engine's, with a multimodal model on an aggregated worker). Fields no engine implements at all are refused by
-    kvmesh.runtime.wire when it converts the message."""
+    """Raise InvalidRequest for contract fields of `msg` that `info`'s engine cannot honour,
+    before the message is converted: media inputs need the MULTIMODAL capability (the torch
+    engine's, with a multimodal model on an aggregated worker; `validate_request` checks the
+    converted request again for in-process callers). Fields no engine implements at all are
+    refused by kvmesh.runtime.wire when it converts the message."""
     if msg.media and "MULTIMODAL" not in info.capabilities:
         raise _missing(info, "MULTIMODAL", "media inputs", "media")
