@@ -42,7 +42,7 @@ def mesh(llava: Llava, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mes
         "--engine",
         "torch",
         "--model",
-        str(llava.path),
+        str(llava.model_dir),
         "--workers",
         "2",
         "--device",
@@ -87,8 +87,12 @@ def test_chat_with_an_image_equals_transformers_and_hits_the_cache(
 ) -> None:
     tok = llava.processor.tokenizer
     prompt = llava.prompt(TEXT, [RED], SYSTEM)
-    want_red = tok.decode(llava.reference(TEXT, [RED], N_OUT, SYSTEM), skip_special_tokens=True)
-    want_blue = tok.decode(llava.reference(TEXT, [BLUE], N_OUT, SYSTEM), skip_special_tokens=True)
+    want_red = tok.decode(
+        llava.image_reference(TEXT, [RED], N_OUT, SYSTEM), skip_special_tokens=True
+    )
+    want_blue = tok.decode(
+        llava.image_reference(TEXT, [BLUE], N_OUT, SYSTEM), skip_special_tokens=True
+    )
     assert want_red != want_blue
     text, cached = chat(mesh, RED)
     assert (text, cached) == (want_red, 0)

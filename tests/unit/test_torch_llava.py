@@ -22,13 +22,13 @@ from PIL import Image
 
 from kvmesh.router.hashing import block_hashes, chain_hashes
 from kvmesh.runtime.errors import InvalidRequest
-from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.multimodal import salt_placeholders
-from kvmesh.runtime.types import EngineOutput, EngineRequest, MediaInput, SamplingParams, StopParams
-from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
+from kvmesh.runtime.types import EngineRequest, MediaInput, SamplingParams, StopParams
+from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_llava
+from tests.unit.test_torch_engine import Env, assert_idle, run
 
 pytestmark = pytest.mark.unit
 
@@ -57,16 +57,15 @@ def loaded(llava_dir: Path) -> LoadedModel:
     return load_model(llava_dir, "cpu", TorchDType.FLOAT32)
 
 
-class Llava:
-    """Prompts from the model's own processor and transformers references."""
+class Llava(Env):
+    """Engines on the tiny LLaVA, prompts from the model's own processor, transformers
+    references with images."""
 
     def __init__(self, path: Path, loaded: LoadedModel) -> None:
         from transformers import AutoProcessor
 
-        self.path = path
-        self.loaded = loaded
+        super().__init__(path, loaded)
         self.processor: Any = AutoProcessor.from_pretrained(path)
-        self.eos = ModelDirInfo.load(path).eos_token_ids
 
     def inputs(self, text: str, images: list[bytes], system: str = "") -> dict[str, Any]:
         content: list[dict[str, str]] = [{"type": "image"} for _ in images]
@@ -87,7 +86,9 @@ class Llava:
         ids: list[int] = self.inputs(text, images, system)["input_ids"][0].tolist()
         return ids
 
-    def reference(self, text: str, images: list[bytes], n: int, system: str = "") -> list[int]:
+    def image_reference(
+        self, text: str, images: list[bytes], n: int, system: str = ""
+    ) -> list[int]:
         inputs = self.inputs(text, images, system)
         out = self.loaded.model.generate(
             **inputs,
@@ -99,14 +100,7 @@ class Llava:
         return list(out[0, inputs["input_ids"].shape[1] :].tolist())
 
     def engine(self, **cfg: Any) -> TorchEngine:
-        config = TorchConfig(**{"device": "cpu", "num_gpu_blocks": 64, "block_size": BS, **cfg})
-        return TorchEngine(
-            config,
-            model_dir=self.path,
-            served_model_name="tiny-llava",
-            eos_token_ids=self.eos,
-            loaded=self.loaded,
-        )
+        return super().engine(**{"block_size": BS, **cfg})
 
 
 @pytest.fixture(scope="module")
@@ -135,17 +129,6 @@ def req(prompt: list[int], images: list[bytes], max_tokens: int = 10, **stop: An
     )
 
 
-async def run(engine: TorchEngine, request: EngineRequest) -> tuple[list[int], EngineOutput]:
-    outs = [o async for o in engine.generate(request)]
-    return [t for o in outs for t in o.token_ids], outs[-1]
-
-
-def assert_idle(engine: TorchEngine) -> None:
-    load = engine.load()
-    assert (load.num_running, load.num_waiting, load.kv_active_blocks) == (0, 0, 0)
-    engine.scheduler.check_invariants()
-
-
 async def test_model_card_and_capability(engine: TorchEngine, llava: Llava) -> None:
     info = engine.info
     assert "MULTIMODAL" in info.capabilities
@@ -165,7 +148,7 @@ CASES = [
 async def test_greedy_matches_transformers_generate(engine: TorchEngine, llava: Llava) -> None:
     for text, images in CASES:
         tokens, last = await run(engine, req(llava.prompt(text, images), images, 10))
-        assert tokens == llava.reference(text, images, 10), text
+        assert tokens == llava.image_reference(text, images, 10), text
         assert last.usage is not None and last.usage.completion_tokens == len(tokens)
     assert_idle(engine)
 
@@ -188,7 +171,7 @@ async def test_chunked_prefill_and_concurrency_match(llava: Llava, budget: int) 
             *(run(eng, req(p, images, 10)) for p, (_, images) in zip(prompts, CASES, strict=True))
         )
         for (text, images), (tokens, _) in zip(CASES, results, strict=True):
-            assert tokens == llava.reference(text, images, 10), text
+            assert tokens == llava.image_reference(text, images, 10), text
         assert_idle(eng)
     finally:
         await eng.stop()
@@ -204,7 +187,7 @@ async def test_preemption_recomputes_with_the_same_features(llava: Llava) -> Non
         )
         assert eng.load().preemptions_total > 0
         for (text, images), (tokens, _) in zip(cases, results, strict=True):
-            ref = llava.reference(text, images, 24)
+            ref = llava.image_reference(text, images, 24)
             assert tokens[: len(ref)] == ref
         assert_idle(eng)
     finally:
@@ -229,7 +212,7 @@ async def test_prefix_cache_is_salted_by_the_image(engine: TorchEngine, llava: L
     # Same text, another image: only the blocks before the image are shared.
     other, last = await run(engine, req(prompt, [BLUE]))
     assert last.usage is not None and last.usage.cached_tokens == shared
-    assert other == llava.reference("What is it?", [BLUE], 10, SYSTEM)
+    assert other == llava.image_reference("What is it?", [BLUE], 10, SYSTEM)
     # The same pixels in other bytes count as another image (hashes cover the bytes).
     assert_idle(engine)
 
