@@ -104,7 +104,8 @@ def kv_cache_blocks(
 
 
 class TorchEngine(BatchingEngine[TorchScheduler]):
-    """A real inference engine over a Hugging Face causal LM (Llama, Mistral, Qwen2/3 style):
+    """A real inference engine over a Hugging Face causal LM (Llama, Mistral, Qwen2/3 style, or
+    a LLaVA-style image-text model with such a language model: MULTIMODAL when aggregated):
     continuous batching, paged KV cache with prefix caching, LRU eviction, preemption by
     recompute, KV events, real sampling and logprobs.
 

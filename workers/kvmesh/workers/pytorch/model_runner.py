@@ -23,6 +23,11 @@ Batching
     directly with a causal mask (exactly what transformers computes, no gather). Logits are
     computed only for the last token of sequences that sample in this step.
 
+Images (LLaVA-style models, `LlavaForConditionalGeneration`): the runner drives the language
+    model the same way; a chunk covering image placeholders carries its request's images
+    (kvmesh.workers.pytorch.vision), whose features overwrite those rows' token embeddings
+    before the first layer, as transformers' LLaVA does. Chunks without images cost nothing more.
+
 Threading: a runner is used from one thread at a time (the engine's executor thread).
 """
 
