@@ -66,11 +66,13 @@ async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
 class Mesh:
     """Prefill and decode workers, a pool, a KV router and the gateway backend."""
 
-    def __init__(self, tiny_model: Path, registry: Path) -> None:
+    def __init__(self, tiny_model: Path, registry: Path, ttl_s: float = 3.0) -> None:
+        """`ttl_s`: how long a worker's registration outlives its last heartbeat (short, so a
+        killed worker leaves quickly)."""
         self.tiny_model = tiny_model
         self.registry = registry
         self.workers: list[Worker] = []
-        self.pool = WorkerPool(FileDiscovery(registry, ttl_s=3.0, poll_s=0.02))
+        self.pool = WorkerPool(FileDiscovery(registry, ttl_s=ttl_s, poll_s=0.02))
         self.router = KvRouter(self.pool, KvRouterConfig(seed=1))
 
     async def add(

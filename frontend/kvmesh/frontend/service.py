@@ -92,6 +92,7 @@ from kvmesh.runtime.errors import (
     Unavailable,
     Unimplemented,
 )
+from kvmesh.runtime.multimodal import expand_placeholders
 from kvmesh.runtime.telemetry import tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
@@ -481,6 +482,8 @@ class OpenAIService:
         prompt = self._chat_text(request, tok)
         templated = _perf()
         ids = await _encode(tok, info, prompt, add_special_tokens=False, param="messages")
+        if media and info.image_token_id is not None and info.tokens_per_image:
+            ids = expand_placeholders(ids, info.image_token_id, info.tokens_per_image, len(media))
         if recording:
             assert trace is not None
             _preprocessed(trace, began, templated - resolved, _perf() - templated, len(ids))

@@ -40,6 +40,7 @@ from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import error_from_rpc
+from kvmesh.runtime.multimodal import salt_placeholders
 from kvmesh.runtime.telemetry import tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
@@ -756,7 +757,14 @@ class MeshBackend:
     ) -> RouteDecision:
         """The router's choice for `prompt` of `request` (booked under `request_id`), recorded
         as a `route` span (chosen worker, overlap, cost, policy, and `attributes`) when the trace
-        is sampled."""
+        is sampled. A request with images is routed by its salted token ids
+        (kvmesh.runtime.multimodal), which the engine's block hashes cover too."""
+        if request.media:
+            info = self.model_info(model)
+            if info is not None and info.image_token_id is not None and info.tokens_per_image:
+                prompt = salt_placeholders(
+                    prompt, info.image_token_id, request.media, info.tokens_per_image
+                )
         route = self.router.route(
             model,
             prompt,

@@ -31,6 +31,8 @@ __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
     "EOT_TOKEN",
+    "IMAGE_CHAT_TEMPLATE",
+    "IMAGE_TOKEN",
     "MODEL_FILES",
     "SPECIAL_TOKENS",
     "create_tiny_model",
@@ -95,6 +97,25 @@ CHAT_TEMPLATE = (
 )
 """Llama-3-style chat template (the `tool` role is rendered as Llama 3.1's `ipython`)."""
 
+IMAGE_TOKEN = "<image>"
+"""The image placeholder of IMAGE_CHAT_TEMPLATE (a LLaVA-style model's image token)."""
+
+_TEXT_CONTENT = "{%- set content = message['content'] if message['content'] is string else '' %}\n"
+IMAGE_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    _TEXT_CONTENT,
+    "{%- set ns = namespace(content='') %}\n"
+    "{%- if message['content'] is string %}{%- set ns.content = message['content'] %}\n"
+    "{%- elif message['content'] is not none %}{%- for part in message['content'] %}\n"
+    "{%- if part['type'] == 'text' %}{%- set ns.content = ns.content + part['text'] %}\n"
+    "{%- elif part['type'] in ['image', 'image_url'] %}"
+    "{%- set ns.content = ns.content + '" + IMAGE_TOKEN + "' %}\n"
+    "{%- endif %}{%- endfor %}{%- endif %}\n"
+    "{%- set content = ns.content %}\n",
+)
+"""CHAT_TEMPLATE rendering content parts: text as is, each image part as IMAGE_TOKEN (which
+the gateway expands to the model's number of placeholder tokens per image, as LLaVA's
+processor does)."""
+
 _SENTENCES: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
     "Hello, how are you today? I am a helpful assistant that answers questions.",
@@ -133,7 +154,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _build_tokenizer(vocab_size: int) -> Any:
+def _build_tokenizer(vocab_size: int, extra_tokens: tuple[str, ...] = ()) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < 512:
@@ -142,13 +163,13 @@ def _build_tokenizer(vocab_size: int) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(extra_tokens),
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens([*SPECIAL_TOKENS, *extra_tokens])
     fillers = vocab_size - tok.get_vocab_size()
     if fillers > 0:
         tok.add_special_tokens([f"<|reserved_special_token_{i}|>" for i in range(fillers)])
@@ -176,18 +197,26 @@ def _json_bytes(obj: object) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-def create_tiny_model(path: Path, *, vocab_size: int = 4096, name: str = "tiny-llama") -> Path:
+def create_tiny_model(
+    path: Path,
+    *,
+    vocab_size: int = 4096,
+    name: str = "tiny-llama",
+    extra_tokens: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
     """Write a tiny Llama model directory at `path` (see the module docstring); return `path`.
 
     Deterministic and offline. Leaves an existing complete model directory untouched.
     `name` is recorded as `_name_or_path` in the configs (the served model name defaults to
-    the directory name, not this).
+    the directory name, not this). `extra_tokens`: more special tokens after SPECIAL_TOKENS
+    (e.g. a multimodal model's `<image>`); `chat_template`: the template to write.
     """
     path = Path(path)
     if all((path / f).is_file() for f in MODEL_FILES):
         return path
     path.mkdir(parents=True, exist_ok=True)
-    tok = _build_tokenizer(vocab_size)
+    tok = _build_tokenizer(vocab_size, extra_tokens)
     ids = {t: int(tok.token_to_id(t)) for t in SPECIAL_TOKENS}
     bos_id, eos_id, eot_id = ids[BOS_TOKEN], ids[EOS_TOKEN], ids[EOT_TOKEN]
     added = {
@@ -207,7 +236,7 @@ def create_tiny_model(path: Path, *, vocab_size: int = 4096, name: str = "tiny-l
         "bos_token": BOS_TOKEN,
         "eos_token": EOT_TOKEN,
         "pad_token": EOS_TOKEN,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": CONTEXT_LENGTH,

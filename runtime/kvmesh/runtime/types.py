@@ -281,6 +281,10 @@ class ModelInfo:
     capabilities: tuple[str, ...] = ()
     """Names of kvmesh.api.common.v1.EngineCapability values without the prefix, e.g.
     "KV_EVENTS", "LOGPROBS"."""
+    image_token_id: int | None = None
+    """MULTIMODAL models: the image placeholder token (kvmesh.runtime.multimodal)."""
+    tokens_per_image: int = 0
+    """MULTIMODAL models: placeholder tokens per image in the prompt (0: none)."""
 
 
 @dataclass(slots=True)

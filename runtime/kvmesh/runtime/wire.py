@@ -458,6 +458,8 @@ def card_to_pb(info: ModelInfo) -> cpb.ModelCard:
         ],
         max_num_seqs=info.max_num_seqs,
         eos_token_ids=info.eos_token_ids,
+        image_token_id=info.image_token_id,
+        tokens_per_image=info.tokens_per_image,
     )
 
 
@@ -478,6 +480,8 @@ def card_from_pb(card: cpb.ModelCard) -> ModelInfo:
         capabilities=tuple(
             cpb.EngineCapability.Name(c).removeprefix(prefix) for c in card.capabilities
         ),
+        image_token_id=card.image_token_id if card.HasField("image_token_id") else None,
+        tokens_per_image=card.tokens_per_image,
     )
 
 

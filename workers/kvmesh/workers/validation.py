@@ -122,6 +122,8 @@ def _check_capabilities(request: EngineRequest, info: ModelInfo) -> None:
         raise _missing(info, "GUIDED_DECODING", "structured output", "response_format")
     if s.top_logprobs is not None and "LOGPROBS" not in caps:
         raise _missing(info, "LOGPROBS", "logprobs", "logprobs")
+    if request.media and "MULTIMODAL" not in caps:
+        raise _missing(info, "MULTIMODAL", "media inputs", "media")
     if request.lora_name and "LORA" not in caps:
         raise _missing(info, "LORA", f"LoRA adapter {request.lora_name!r}", "lora_name")
     resumed = request.resumed_output_tokens
@@ -139,9 +141,10 @@ def _check_capabilities(request: EngineRequest, info: ModelInfo) -> None:
 def validate_wire_request(
     msg: wpb.GenerateRequest | wpb.PrefillRemoteRequest, info: ModelInfo
 ) -> None:
-    """Raise InvalidRequest for contract fields of `msg` that `info`'s engine cannot honour and
-    that an EngineRequest does not carry: media inputs need the MULTIMODAL capability (which no
-    kvmesh engine has yet). Fields no engine implements at all are refused by
-    kvmesh.runtime.wire when it converts the message."""
+    """Raise InvalidRequest for contract fields of `msg` that `info`'s engine cannot honour,
+    before the message is converted: media inputs need the MULTIMODAL capability (the torch
+    engine's, with a multimodal model on an aggregated worker; `validate_request` checks the
+    converted request again for in-process callers). Fields no engine implements at all are
+    refused by kvmesh.runtime.wire when it converts the message."""
     if msg.media and "MULTIMODAL" not in info.capabilities:
         raise _missing(info, "MULTIMODAL", "media inputs", "media")

@@ -162,6 +162,7 @@ class Seq:
         "priority",
         "prompt_len",
         "request_id",
+        "salted",
         "status",
         "stop_ids",
         "tokens",
@@ -186,6 +187,19 @@ class Seq:
         self.min_len = len(self.tokens) + request.stop.min_tokens
         self.stop_ids: frozenset[int] = frozenset()
         self.pin = False
+        self.salted: list[int] | None = None
+        """Requests with images: the token ids block hashes cover, image placeholders salted
+        (kvmesh.runtime.multimodal), as far as hashed so far; None: `tokens` themselves."""
+
+    def hash_tokens(self, upto: int) -> Sequence[int]:
+        """The token ids block hashes cover, valid for the first `upto` tokens: `tokens`, or
+        `salted` extended with the tokens after the prompt."""
+        salted = self.salted
+        if salted is None:
+            return self.tokens
+        if len(salted) < upto:
+            salted.extend(self.tokens[len(salted) : upto])
+        return salted
 
     def usage(self) -> Usage:
         return Usage(
@@ -526,7 +540,7 @@ class BatchScheduler(Generic[S, C]):
         i = len(hashes)
         if i >= upto:
             return
-        bs, tokens, lora = self.block_size, seq.tokens, seq.lora
+        bs, tokens, lora = self.block_size, seq.hash_tokens(upto * self.block_size), seq.lora
         parent = hashes[-1] if hashes else None
         while i < upto:
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], lora)
@@ -735,7 +749,8 @@ class BatchScheduler(Generic[S, C]):
         arrived = rec.leading_ok()
         end = hit + arrived
         if arrived:
-            self.pool.cache_full_blocks(seq.blocks, seq.hashes, hit, end, seq.tokens, seq.lora)
+            tokens = seq.hash_tokens(end * bs)
+            self.pool.cache_full_blocks(seq.blocks, seq.hashes, hit, end, tokens, seq.lora)
         seq.num_computed = end * bs
         seq.num_cached_blocks = end
         if seq.cached_tokens < 0:  # first admission: what its usage reports
@@ -785,7 +800,12 @@ class BatchScheduler(Generic[S, C]):
                 full = c // bs
                 self._ensure_hashes(seq, full)
                 pool.cache_full_blocks(
-                    seq.blocks, seq.hashes, seq.num_cached_blocks, full, tokens, seq.lora
+                    seq.blocks,
+                    seq.hashes,
+                    seq.num_cached_blocks,
+                    full,
+                    seq.hash_tokens(full * bs),
+                    seq.lora,
                 )
                 seq.num_cached_blocks = full
             if result is None:

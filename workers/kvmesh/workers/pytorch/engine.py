@@ -69,6 +69,7 @@ from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
 from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
 from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
+from kvmesh.workers.pytorch.vision import ImageEncoder
 
 __all__ = ["TorchEngine", "kv_cache_blocks"]
 
@@ -103,7 +104,8 @@ def kv_cache_blocks(
 
 
 class TorchEngine(BatchingEngine[TorchScheduler]):
-    """A real inference engine over a Hugging Face causal LM (Llama, Mistral, Qwen2/3 style):
+    """A real inference engine over a Hugging Face causal LM (Llama, Mistral, Qwen2/3 style, or
+    a LLaVA-style image-text model with such a language model: MULTIMODAL when aggregated):
     continuous batching, paged KV cache with prefix caching, LRU eviction, preemption by
     recompute, KV events, real sampling and logprobs.
 
@@ -154,6 +156,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._tier_store: TorchTierStore | None = None
         self._lane_executors: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
         self._embedding_head: EmbeddingHead | None = None
+        self._images: ImageEncoder | None = None
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -211,6 +214,9 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._runner = ModelRunner(loaded, cache)
         if self._grammars is None:
             self._grammars = self._grammar_compiler(loaded.vocab_size)
+        if self._images is None and self._disagg.role is Role.AGGREGATED:
+            self._images = loaded.image_encoder()
+        images = self._images
         tiers = self._tiers
         files, on_disk = None, []
         if tiers is not None and tiers.kv_disk_blocks:
@@ -239,6 +245,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             grammars=self._grammars,
             tiers=tiers,
             kv_block_bytes=spec.block_bytes,
+            images=images,
         )
         if sched.tiers is not None:
             self._tier_store = TorchTierStore(cache, sched.tiers.host_slots, files)
@@ -262,12 +269,15 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             max_num_seqs=cfg.max_num_seqs,
             eos_token_ids=self._eos,
             capabilities=self._capabilities(),
+            image_token_id=images.image_token_id if images is not None else None,
+            tokens_per_image=images.tokens_per_image if images is not None else 0,
         )
         log.info(
-            "torch engine: %s (%s) on %s as %s, %d KV blocks of %d tokens (%.1f MiB), "
+            "torch engine: %s (%s%s) on %s as %s, %d KV blocks of %d tokens (%.1f MiB), "
             "max model length %d",
             self.model_dir,
             loaded.model_type,
+            f", images of {images.tokens_per_image} tokens" if images is not None else "",
             loaded.device,
             loaded.dtype,
             num_blocks,
@@ -286,8 +296,11 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             return None
 
     def _capabilities(self) -> tuple[str, ...]:
+        """MULTIMODAL with a multimodal model on an aggregated worker (images are not carried
+        through remote prefill)."""
         caps = (*super()._capabilities(), "EMBEDDINGS")
-        return caps + (("GUIDED_DECODING",) if self._grammars is not None else ())
+        caps += ("GUIDED_DECODING",) if self._grammars is not None else ()
+        return caps + (("MULTIMODAL",) if self._images is not None else ())
 
     async def _close(self) -> None:
         pump, self._pump = self._pump, None
@@ -319,6 +332,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._scheduler = None
         if not self._shared_model:
             self._loaded = None
+            self._images = None
 
     async def _run_step(self, sched: TorchScheduler) -> Sequence[SeqOutput] | None:
         step = sched.schedule()

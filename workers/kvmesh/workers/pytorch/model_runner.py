@@ -23,6 +23,11 @@ Batching
     directly with a causal mask (exactly what transformers computes, no gather). Logits are
     computed only for the last token of sequences that sample in this step.
 
+Images (LLaVA-style models, `LlavaForConditionalGeneration`): the runner drives the language
+    model the same way; a chunk covering image placeholders carries its request's images
+    (kvmesh.workers.pytorch.vision), whose features overwrite those rows' token embeddings
+    before the first layer, as transformers' LLaVA does. Chunks without images cost nothing more.
+
 Threading: a runner is used from one thread at a time (the engine's executor thread).
 """
 
@@ -41,6 +46,7 @@ from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.lora import LORA_MODULES, LoraAdapter, LoraBatch
 from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec, sample
+from kvmesh.workers.pytorch.vision import ImageEncoder, RequestImages
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -56,6 +62,9 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Architectures whose decoder layers the runner knows (pre-norm, RMSNorm, rotary, SwiGLU)."""
+MULTIMODAL_MODEL_TYPES = frozenset({"llava"})
+"""Image-text models whose language model is one of SUPPORTED_MODEL_TYPES (transformers'
+`LlavaForConditionalGeneration`: vision tower + projector + language model)."""
 
 _DTYPES = {
     TorchDType.FLOAT32: torch.float32,
@@ -90,7 +99,7 @@ class LoadedModel:
     """A Hugging Face causal LM in eval mode on its device. Read-only: engines may share one."""
 
     model: Any
-    """The transformers PreTrainedModel (…ForCausalLM)."""
+    """The transformers PreTrainedModel (…ForCausalLM, or LlavaForConditionalGeneration)."""
     path: Path
     device: torch.device
     dtype: torch.dtype
@@ -101,6 +110,25 @@ class LoadedModel:
     head_dim: int
     vocab_size: int
     context_length: int
+    image_token_id: int | None = None
+    """Multimodal models: the image placeholder token (None: a text-only model)."""
+
+    @property
+    def decoder(self) -> Any:
+        """The language model's decoder (embed_tokens, layers, norm, rotary_emb)."""
+        inner = self.model.model
+        return inner.language_model if self.image_token_id is not None else inner
+
+    @property
+    def lm_head(self) -> Any:
+        return self.model.lm_head
+
+    def image_encoder(self) -> ImageEncoder | None:
+        """The image preprocessing and features of a multimodal model (None: text-only);
+        call on the forward thread."""
+        if self.image_token_id is None:
+            return None
+        return ImageEncoder(self.model, self.path, self.device, self.dtype, self.image_token_id)
 
     def kv_spec(self, block_size: int) -> KvCacheSpec:
         """The KV cache block shape for this model."""
@@ -110,7 +138,7 @@ class LoadedModel:
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each decoder layer's projections (what a LoRA adapter must fit)."""
-        layer = self.model.model.layers[0]
+        layer = self.decoder.layers[0]
         mods = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
         return {
             name: (int(m.weight.shape[0]), int(m.weight.shape[1]))
@@ -131,7 +159,7 @@ def load_model(
     Raises ValueError for an architecture the runner does not support, FileNotFoundError when
     the directory has no weights.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlavaForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
     from kvmesh.workers.pytorch.weights import has_weights
@@ -139,10 +167,13 @@ def load_model(
     root = Path(path)
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     model_type = str(getattr(config, "model_type", ""))
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    multimodal = model_type in MULTIMODAL_MODEL_TYPES
+    text_type = str(getattr(config.text_config, "model_type", "")) if multimodal else model_type
+    if text_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model type {model_type!r} is not supported by the torch engine; supported: "
-            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+            + ", ".join(sorted(SUPPORTED_MODEL_TYPES | MULTIMODAL_MODEL_TYPES))
+            + (f" (with a language model of these: {text_type!r} is not)" if multimodal else "")
         )
     if not has_weights(root):
         raise FileNotFoundError(
@@ -156,10 +187,11 @@ def load_model(
     dt = resolve_dtype(dtype, dev, checkpoint)
     hf_log: Any = hf_logging  # transformers' functions are untyped
     hf_log.disable_progress_bar()
-    model: Any = AutoModelForCausalLM.from_pretrained(root, dtype=dt, local_files_only=True)
+    auto: Any = LlavaForConditionalGeneration if multimodal else AutoModelForCausalLM
+    model: Any = auto.from_pretrained(root, dtype=dt, local_files_only=True)
     model.to(dev)
     model.eval()
-    cfg = model.config
+    cfg = model.config.text_config if multimodal else model.config
     num_heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
     return LoadedModel(
@@ -167,13 +199,14 @@ def load_model(
         path=root,
         device=dev,
         dtype=dt,
-        model_type=model_type,
+        model_type=text_type,
         num_layers=int(cfg.num_hidden_layers),
         num_heads=num_heads,
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
         head_dim=head_dim,
         vocab_size=int(cfg.vocab_size),
         context_length=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        image_token_id=int(model.config.image_token_id) if multimodal else None,
     )
 
 
@@ -193,6 +226,9 @@ class SeqChunk:
     """Speculative decoding: the chunk ends with draft tokens; the runner sets `greedy`."""
     greedy: list[int] | None = None
     """With `verify`: the argmax token after each of the chunk's tokens (set by the runner)."""
+    images: RequestImages | None = None
+    """The request's images, when the chunk covers some of their placeholders: their features
+    replace those tokens' embeddings."""
 
 
 @dataclass(slots=True)
@@ -223,12 +259,11 @@ class ModelRunner:
         self.cache = cache
         self.block_size = cache.spec.block_size
         self.device = loaded.device
-        hf = loaded.model
-        self._lm_head = hf.lm_head
-        self._decoder = hf.model
-        self._layers = list(hf.model.layers)
+        self._lm_head = loaded.lm_head
+        self._decoder = loaded.decoder
+        self._layers = list(self._decoder.layers)
         self._rope = apply_rotary_pos_emb
-        config = hf.config
+        config = self._decoder.config
         default_window = (
             getattr(config, "sliding_window", None) if loaded.model_type == "mistral" else None
         )
@@ -339,10 +374,13 @@ class ModelRunner:
         adapters: list[tuple[LoraAdapter, int, int]] = []
         verify: list[SeqChunk] = []
         verify_rows: list[int] = []
+        with_images: list[tuple[SeqChunk, int]] = []
         for c in chunks:
             n = len(c.token_ids)
             if c.lora is not None:
                 adapters.append((c.lora, offsets[-1], n))
+            if c.images is not None:
+                with_images.append((c, offsets[-1]))
             if c.verify:
                 verify.append(c)
                 verify_rows.extend(range(offsets[-1], offsets[-1] + n))
@@ -361,6 +399,11 @@ class ModelRunner:
         slot_index = torch.tensor(slots, dtype=torch.long, device=device)
 
         hidden = self._decoder.embed_tokens(ids)  # [T, hidden]
+        for c, row in with_images:
+            assert c.images is not None
+            placeholders, features = c.images.span(c.start, c.start + len(c.token_ids))
+            rows = torch.tensor([row + p - c.start for p in placeholders], device=device)
+            hidden[rows] = features.to(hidden.dtype)
         cos, sin = self._decoder.rotary_emb(hidden[None], pos[None])
         cos, sin = cos[0], sin[0]  # [T, head_dim]
         head_dim = self.loaded.head_dim

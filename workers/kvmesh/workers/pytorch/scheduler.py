@@ -11,6 +11,12 @@ Stop token ids are EOS (unless ignore_eos) plus stop_token_ids; before min_token
 masks them, so they are not generated at all. A guided request (structured output) gets its
 grammar state when it is added (an invalid schema is refused then) and the state is advanced to
 the request's output before each step that samples for it (kvmesh.workers.pytorch.guided).
+
+A request with images (a multimodal model's `images` encoder) gets its pixels when it is added
+(an undecodable image or a placeholder count that does not match is refused then); a chunk that
+covers some of its placeholders carries them to the forward (kvmesh.workers.pytorch.vision), and
+its block hashes cover the placeholders salted by the images' bytes
+(kvmesh.runtime.multimodal), as the router's do.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from kvmesh.runtime.errors import InvalidRequest
 from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.multimodal import placeholder_positions, salt_placeholders
 from kvmesh.runtime.types import EngineRequest, LoadInfo
 from kvmesh.workers.batching.scheduler import (
     BatchScheduler,
@@ -39,6 +46,7 @@ from kvmesh.workers.pytorch.lora import LoraAdapter
 from kvmesh.workers.pytorch.model_runner import SeqChunk
 from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec
 from kvmesh.workers.pytorch.speculative import SpecStats, accept, propose_ngram
+from kvmesh.workers.pytorch.vision import ImageEncoder, RequestImages
 
 __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
 
@@ -63,6 +71,7 @@ class _Seq(Seq):
         "bias_values",
         "generator",
         "grammar",
+        "images",
         "params",
         "seed",
         "suppress",
@@ -77,6 +86,7 @@ class _Seq(Seq):
         """Sampled requests: the seed the generator is keyed by at each position."""
         self.suppress: tuple[int, ...] = ()
         self.grammar: GrammarState | None = None
+        self.images: RequestImages | None = None
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
         self.bias_values = [float(b) for _, b in bias]
@@ -119,6 +129,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         tiers: KvTierConfig | None = None,
         kv_block_bytes: int = 0,
         grammars: GrammarCompiler | None = None,
+        images: ImageEncoder | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -132,6 +143,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
         self.grammars = grammars
+        self.images = images
+        """The multimodal model's image encoder (None: requests with media are refused)."""
         self.num_computed_tokens = 0
         """Tokens whose KV the forward passes computed so far (prefill, recompute and decode)."""
         self.spec = SpecStats()
@@ -146,6 +159,8 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                 "are needed for guided decoding)",
                 param="response_format",
             )
+        if request.media:
+            self._placeholders(request)
         vocab = self.vocab_size
         if request.prompt and max(request.prompt) >= vocab:
             raise InvalidRequest(
@@ -156,9 +171,26 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                 f"logit_bias token ids must be < the vocabulary size {vocab}", param="logit_bias"
             )
 
+    def _placeholders(self, request: EngineRequest) -> list[int]:
+        """Positions of the image placeholders of `request` (which has media)."""
+        images = self.images
+        if images is None:
+            raise InvalidRequest("this model takes no images", param="media")
+        prompt = request.prompt[: len(request.prompt) - request.resumed_output_tokens]
+        return placeholder_positions(
+            prompt, images.image_token_id, len(request.media), images.tokens_per_image
+        )
+
     def _new_seq(self, request: EngineRequest, arrival: int, now: float) -> _Seq:
         vocab = self.vocab_size
         seq = _Seq(request, arrival)
+        images = self.images
+        if request.media and images is not None:
+            positions = self._placeholders(request)
+            seq.images = RequestImages(images, positions, images.pixels(request.media))
+            seq.salted = salt_placeholders(
+                request.prompt, images.image_token_id, request.media, images.tokens_per_image
+            )
         if request.lora_name:
             seq.adapter = self.loras.use(request.lora_name)
         stop_ids = set(request.stop.stop_token_ids)
@@ -260,6 +292,9 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                     seq.bias_values,
                     seq.grammar,
                 )
+            images = seq.images
+            if images is not None and not images.covers(start, start + n):
+                images = None
             step.chunks.append(
                 SeqChunk(
                     seq.tokens[start : start + n],
@@ -268,6 +303,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                     spec,
                     seq.adapter,
                     verify=k > 0,
+                    images=images,
                 )
             )
         self.num_computed_tokens += step.prefill_tokens + step.decode_tokens

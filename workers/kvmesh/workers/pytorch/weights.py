@@ -14,15 +14,21 @@ seeded generator in sorted parameter-name order:
 
 The file is a pure function of (config, seed, torch's normal_ algorithm): the same bytes on every
 run. It is written atomically, so concurrent creators never expose half a file.
+
+`create_tiny_llava(model_dir)` writes a whole tiny LLaVA-style directory (transformers'
+`LlavaForConditionalGeneration`: a CLIP vision tower, the projector, the tiny Llama of
+kvmesh.runtime.tinymodel as language model) with those weights, and the image-processor and
+processor configs `AutoProcessor` reads, so the directory describes itself.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WEIGHTS_FILE", "create_tiny_weights", "has_weights"]
+__all__ = ["WEIGHTS_FILE", "create_tiny_llava", "create_tiny_weights", "has_weights"]
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -41,13 +47,14 @@ def create_tiny_weights(model_dir: str | Path, seed: int = 0) -> Path:
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlavaForConditionalGeneration
 
     root = Path(model_dir)
     config = AutoConfig.from_pretrained(root, local_files_only=True)
-    auto: Any = AutoModelForCausalLM  # from_config is untyped
+    multimodal = getattr(config, "model_type", "") == "llava"
+    auto: Any = LlavaForConditionalGeneration if multimodal else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = auto._from_config(config) if multimodal else auto.from_config(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "tie_word_embeddings", False):
@@ -75,3 +82,95 @@ def create_tiny_weights(model_dir: str | Path, seed: int = 0) -> Path:
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     return path
+
+
+TINY_LLAVA_IMAGE_SIZE = 16
+"""The tiny LLaVA's vision input side (pixels): 4x4 patches of 4 pixels, so 16 image tokens."""
+
+
+def create_tiny_llava(model_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny LLaVA-style model directory at `model_dir` (see the module docstring) and
+    return it: the tiny Llama tokenizer with an `<image>` special token and a chat template that
+    renders image parts as `<image>`, a LlavaConfig (vision: CLIP, 2 layers, 16-pixel images in
+    4-pixel patches; feature layer -2 without its CLS token: 16 tokens per image; text: the tiny
+    Llama), preprocessor_config.json (CLIPImageProcessor), processor_config.json
+    (LlavaProcessor) and deterministic random weights. Deterministic and offline; an existing
+    complete directory is left as it is.
+    """
+    from kvmesh.runtime.tinymodel import IMAGE_CHAT_TEMPLATE, IMAGE_TOKEN, create_tiny_model
+
+    root = Path(model_dir)
+    config_path = root / "config.json"
+    if has_weights(root) and config_path.is_file():
+        if json.loads(config_path.read_text()).get("model_type") == "llava":
+            return root
+    create_tiny_model(
+        root,
+        name="tiny-llava",
+        extra_tokens=(IMAGE_TOKEN,),
+        chat_template=IMAGE_CHAT_TEMPLATE,
+    )
+    text = json.loads(config_path.read_text())
+    if text.get("model_type") != "llava":
+        tokenizer = json.loads((root / "tokenizer.json").read_text())
+        image_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == IMAGE_TOKEN)
+        text.pop("architectures", None)
+        text.pop("_name_or_path", None)
+        side, patch = TINY_LLAVA_IMAGE_SIZE, 4
+        config = {
+            "_name_or_path": "tiny-llava",
+            "architectures": ["LlavaForConditionalGeneration"],
+            "model_type": "llava",
+            "image_token_id": image_id,
+            "projector_hidden_act": "gelu",
+            "vision_feature_layer": -2,
+            "vision_feature_select_strategy": "default",
+            "image_seq_length": (side // patch) ** 2,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "text_config": text,
+            "vision_config": {
+                "model_type": "clip_vision_model",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": side,
+                "patch_size": patch,
+                "projection_dim": 32,
+                "hidden_act": "quick_gelu",
+            },
+        }
+        mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+        preprocessor = {
+            "image_processor_type": "CLIPImageProcessor",
+            "processor_class": "LlavaProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": side},
+            "resample": 3,
+            "do_center_crop": True,
+            "crop_size": {"height": side, "width": side},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": mean,
+            "image_std": std,
+            "do_convert_rgb": True,
+        }
+        processor = {
+            "processor_class": "LlavaProcessor",
+            "image_token": IMAGE_TOKEN,
+            "patch_size": patch,
+            "num_additional_image_tokens": 1,
+            "vision_feature_select_strategy": "default",
+        }
+        for name, obj in (
+            ("preprocessor_config.json", preprocessor),
+            ("processor_config.json", processor),
+            ("config.json", config),
+        ):
+            tmp = root / f".{name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(obj, indent=2) + "\n")
+            os.replace(tmp, root / name)
+    create_tiny_weights(root, seed)
+    return root

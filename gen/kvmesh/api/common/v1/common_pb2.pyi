@@ -657,6 +657,8 @@ class ModelCard(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_IMAGE_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """The model name clients put in `model`. Never empty."""
     engine: _builtins.str
@@ -675,6 +677,14 @@ class ModelCard(_message.Message):
     """
     max_num_seqs: _builtins.int
     """Maximum concurrent sequences the engine schedules. 0: unknown."""
+    image_token_id: _builtins.int
+    """MULTIMODAL models: the image placeholder token. The chat template renders one per image and
+    the gateway repeats it `tokens_per_image` times. Unset: the model takes no images this way.
+    """
+    tokens_per_image: _builtins.int
+    """MULTIMODAL models: placeholder tokens each image takes in the prompt. 0: not a
+    placeholder-token model.
+    """
     @_builtins.property
     def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """LoRA adapters the worker can serve. Empty: base model only."""
@@ -701,12 +711,16 @@ class ModelCard(_message.Message):
         capabilities: _abc.Iterable[Global___EngineCapability.ValueType] | None = ...,
         max_num_seqs: _builtins.int = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        image_token_id: _builtins.int | None = ...,
+        tokens_per_image: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_image_token_id", b"_image_token_id", "image_token_id", b"image_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "context_length_tokens", b"context_length_tokens", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "kv_block_size_tokens", b"kv_block_size_tokens", "kv_total_blocks", b"kv_total_blocks", "lora_adapters", b"lora_adapters", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "role", b"role", "served_model_name", b"served_model_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_image_token_id", b"_image_token_id", "capabilities", b"capabilities", "context_length_tokens", b"context_length_tokens", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "image_token_id", b"image_token_id", "kv_block_size_tokens", b"kv_block_size_tokens", "kv_total_blocks", b"kv_total_blocks", "lora_adapters", b"lora_adapters", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "role", b"role", "served_model_name", b"served_model_name", "tokens_per_image", b"tokens_per_image"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__image_token_id: _TypeAlias = _typing.Literal["image_token_id"]  # noqa: Y015
+    _WhichOneofArgType__image_token_id: _TypeAlias = _typing.Literal["_image_token_id", b"_image_token_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__image_token_id) -> _WhichOneofReturnType__image_token_id | None: ...
 
 Global___ModelCard: _TypeAlias = ModelCard  # noqa: Y015
 

@@ -1,0 +1,126 @@
+"""Images through the whole mesh (`kvmesh up --engine torch` on the tiny LLaVA, real processes,
+the official `openai` client): greedy output of a chat with a data-URI image equals
+transformers' generate() on the same model, processor output and image; the same image and
+prompt again hit the prefix cache (routed by the same salted block hashes the worker reports),
+another image with the same text does not past the image; bad images get 400s."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install kvmesh[torch])")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+from kvmesh.workers.pytorch.config import TorchDType
+from kvmesh.workers.pytorch.model_runner import load_model
+from kvmesh.workers.pytorch.weights import create_tiny_llava
+from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
+from tests.unit.test_torch_llava import BLUE, BS, RED, SYSTEM, Llava
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "tiny-llava"
+N_OUT = 10
+TEXT = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Llava:
+    path = create_tiny_llava(tmp_path_factory.mktemp("llava-mesh") / MODEL)
+    return Llava(path, load_model(path, "cpu", TorchDType.FLOAT32))
+
+
+@pytest.fixture(scope="module")
+def mesh(llava: Llava, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    m = start_mesh(
+        tmp_path_factory.mktemp("up-llava"),
+        "--engine",
+        "torch",
+        "--model",
+        str(llava.model_dir),
+        "--workers",
+        "2",
+        "--device",
+        "cpu",
+        "--torch-num-gpu-blocks",
+        "64",
+        "--torch-block-size",
+        str(BS),
+        ready_timeout_s=120.0,
+    )
+    m.wait_workers(aggregated=2)
+    yield m
+    assert stop_mesh(m) == 0, m.log.read_text()
+
+
+def data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def chat(mesh: Mesh, png: bytes, text: str = TEXT, system: str = SYSTEM) -> tuple[str, int]:
+    messages: list[Any] = [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(png)}},
+                {"type": "text", "text": text},
+            ],
+        },
+    ]
+    res = mesh.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=N_OUT, temperature=0
+    )
+    assert res.usage is not None
+    details = res.usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return res.choices[0].message.content or "", cached
+
+
+def test_chat_with_an_image_equals_transformers_and_hits_the_cache(
+    mesh: Mesh, llava: Llava
+) -> None:
+    tok = llava.processor.tokenizer
+    prompt = llava.prompt(TEXT, [RED], SYSTEM)
+    want_red = tok.decode(
+        llava.image_reference(TEXT, [RED], N_OUT, SYSTEM), skip_special_tokens=True
+    )
+    want_blue = tok.decode(
+        llava.image_reference(TEXT, [BLUE], N_OUT, SYSTEM), skip_special_tokens=True
+    )
+    assert want_red != want_blue
+    text, cached = chat(mesh, RED)
+    assert (text, cached) == (want_red, 0)
+    # Same image and prompt: routed to the worker holding its blocks, which serves them.
+    text, cached = chat(mesh, RED)
+    assert text == want_red
+    assert cached == (len(prompt) - 1) // BS * BS
+    # Same text, another image: at most the blocks before the image's first placeholder.
+    before_image = prompt.index(llava.processor.image_token_id) // BS * BS
+    text, cached = chat(mesh, BLUE)
+    assert text == want_blue
+    assert cached in (0, before_image)
+
+
+def test_bad_images_get_400(mesh: Mesh) -> None:
+    with pytest.raises(openai.BadRequestError, match="image"):
+        chat(mesh, b"\x89PNG\r\n\x1a\n broken")
+    with pytest.raises(openai.BadRequestError, match="allowed-local-media-path"):
+        mesh.client().chat.completions.create(
+            model=MODEL,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}},
+                        {"type": "text", "text": "hi"},
+                    ],
+                }
+            ],
+            max_tokens=2,
+        )
