@@ -19,19 +19,22 @@ Per cell and policy: TTFT mean and p99, ITL p99, prefix reuse (prompt tokens ser
 load imbalance (requests on the busiest worker / mean) and, for kvmesh, busy-time imbalance.
 
 Policies: `kv` (KV routing with the ttft policy and its defaults), `kv-cost` (the linear
-cost, kvmesh's default), `round-robin`; Dynamo's `kv_router` and `round_robin` (median of 3
-runs: its KV router is not deterministic) when its venv exists (--dynamo-python).
+cost), `round-robin`; Dynamo's `kv_router` and `round_robin` (median of 3 runs: its KV router is
+not deterministic) when its venv exists (--dynamo-python). The report's first column is the
+default policy (KvPolicyFlags.router_policy), the one the acceptance verdicts are about.
 
-`--cv` chooses the ttft policy's ITL-penalty defaults by leave-one-workload-out cross-validation
-over the CV cells (every workload, steady arrivals, 4 workers, three loads, 500 requests per
-worker): for each held-out workload, the grid point with the best score on the other
-workloads' cells is scored on the held-out one. Score of a cell: geometric mean of TTFT mean and
-p99, each relative to round-robin's in the same cell (lower is better).
+`--cv` chooses the default policy and its parameters by leave-one-workload-out
+cross-validation over the CV cells (every workload, both arrivals, 4 workers, three loads, 500
+requests per worker) and the points of GRID (both policies): for each held-out workload, the
+point with the best score on the other workloads' cells is scored on the held-out one. Score of
+a cell: geometric mean of TTFT mean and p99, each relative to round-robin's in the same cell
+(lower is better). The defaults' rows are the matrix's own (params {}), so a CV run after a
+matrix run at 4 workers only replays the other points.
 
 Usage (from the repository root; Dynamo optional; results are appended, so a run resumes):
     .venv/bin/python tests/benchmarks/routing_matrix.py --workers 4      # ~20 min a policy here
     .venv/bin/python tests/benchmarks/routing_matrix.py                  # 2-16 workers: hours
-    .venv/bin/python tests/benchmarks/routing_matrix.py --cv             # choose the defaults
+    .venv/bin/python tests/benchmarks/routing_matrix.py --cv             # choose the default
     .venv/bin/python tests/benchmarks/routing_matrix.py --quick          # 2 workloads x 4 workers
   --jobs N: simulations in parallel (default 2); --out DIR (default .cache/routing_matrix).
 Simulated latencies do not depend on this machine's load; only wall times do.
@@ -53,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmesh.router.kv_policy import KvPolicyFlags, KvPolicyKind
 from kvmesh.router.routing import RouterMode
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.replay import simulate
@@ -88,18 +92,24 @@ WORKERS = (2, 4, 8, 16)
 REQUESTS_PER_WORKER = 500
 CV_REQUESTS_PER_WORKER = 500
 """The CV cells have the matrix's requests per worker (fewer would miss the regimes where request
-slots run short); the synthetic trace's first 2,000."""
+slots run short), so they are the matrix's 4-worker cells."""
 SYNTHETIC_REQUESTS = 3993
 BURST_S = 5.0
 """Bursty arrivals: mean burst length in simulated seconds (3x the mean rate; lulls at 1/3 of
 it last 3x as long), whatever the cell's speedup."""
 
-GRID = {
-    "router_itl_weight": [0.0, 2.0, 5.0, 10.0, 20.0, 40.0],
-    "router_itl_penalty_cap_ms": [100.0, 300.0, 1000.0],
-}
-"""The ttft policy's ITL penalty: weight (x expected output tokens x ms of ITL above the best
-worker's) and cap (ms). Weight 0 needs no cap."""
+GRID: list[tuple[str, dict[str, Any]]] = [
+    ("kv-cost", {}),
+    ("kv-cost", {"router_overlap_weight": 2.0}),
+    ("kv", {}),
+    ("kv", {"router_itl_weight": 5.0, "router_itl_penalty_cap_ms": 300.0}),
+]
+"""The points cross-validation chooses from: (policy, ReplayConfig overrides; {} = defaults).
+cost: the overlap weight (blocks to prefill against blocks decoding); ttft: the ITL penalty
+(weight x expected output tokens x ms of ITL above the best worker's, capped). Small, so a CV
+run costs two matrix passes at 4 workers beyond the matrix's own."""
+DEFAULT_POLICY = "kv-cost" if KvPolicyFlags().router_policy is KvPolicyKind.COST else "kv"
+"""The matrix policy that runs with the router's default policy."""
 
 
 @dataclass(frozen=True)
@@ -168,15 +178,15 @@ def matrix_cells(workloads: Iterable[str], workers: Iterable[int]) -> list[Cell]
 
 def cv_cells() -> list[Cell]:
     return [
-        Cell(w, "steady", 4, load, CV_REQUESTS_PER_WORKER * 4)
-        for w, load in itertools.product(WORKLOADS, ("light", "moderate", "overload"))
+        Cell(w, a, 4, load, SYNTHETIC_REQUESTS if w == "synthetic" else CV_REQUESTS_PER_WORKER * 4)
+        for w, a, load in itertools.product(WORKLOADS, ARRIVALS, ("light", "moderate", "overload"))
     ]
 
 
 # -- kvmesh runs ------------------------------------------------------------------------------
 
 
-def run_kvmesh(job: tuple[dict[str, Any], str, str, dict[str, float]]) -> dict[str, Any]:
+def run_kvmesh(job: tuple[dict[str, Any], str, str, dict[str, Any]]) -> dict[str, Any]:
     """One kvmesh replay of a cell (in a worker process)."""
     cell, trace, policy, params = job
     config = ReplayConfig(
@@ -210,7 +220,7 @@ def key(row: dict[str, Any]) -> str:
 
 
 def run_jobs(
-    jobs: list[tuple[dict[str, Any], str, str, dict[str, float]]], path: Path, n: int
+    jobs: list[tuple[dict[str, Any], str, str, dict[str, Any]]], path: Path, n: int
 ) -> list[dict[str, Any]]:
     """Run the kvmesh jobs not yet in `path` (n at a time), append them; return every row."""
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -285,24 +295,34 @@ def by_cell(rows: list[dict[str, Any]], policy_field: str) -> dict[tuple[str, st
     return {(r["id"], r[policy_field]): r for r in rows if not r.get("params")}
 
 
-def report(cells: list[Cell], kv_rows: list[dict[str, Any]], dyn_rows: list[dict[str, Any]]) -> str:
-    """The acceptance table (markdown) and the verdicts."""
+def report(
+    cells: list[Cell],
+    kv_rows: list[dict[str, Any]],
+    dyn_rows: list[dict[str, Any]],
+    primary: str = DEFAULT_POLICY,
+) -> str:
+    """The acceptance table (markdown) and the verdicts, for `primary` (the default policy)
+    beside the other KV policy, round-robin and Dynamo."""
     kv = by_cell(kv_rows, "policy")
     dyn = by_cell(dyn_rows, "mode")
+    other = "kv" if primary == "kv-cost" else "kv-cost"
     lines = [
-        "| workload | arrival | W | load | kv TTFT mean / p99 | kv-cost | round-robin | Dynamo KV "
-        "| Dynamo RR | kv / Dynamo mean | ITL p99 kv / Dyn | reuse kv / cost / Dyn % "
-        "| req imbalance kv / Dyn |",
-        "|---|---|---:|---|---|---|---|---|---|---:|---|---|---|",
+        f"| workload | arrival | W | load | {primary} TTFT mean / p99 | {other} | round-robin "
+        f"| Dynamo KV | Dynamo RR | {primary} / Dynamo mean | {primary} / Dynamo p99 "
+        f"| ITL p99 {primary} / Dyn | reuse {primary} / {other} / Dyn % "
+        f"| req imbalance {primary} / Dyn |",
+        "|---|---|---:|---|---|---|---|---|---|---:|---:|---|---|---|",
     ]
     worse_dyn: list[str] = []
     worse_rr: list[str] = []
     ratios: list[float] = []
+    p99_ratios: list[float] = []
+    other_worse: list[str] = []
     for c in cells:
-        k = kv.get((c.id, "kv"))
+        k = kv.get((c.id, primary))
         if k is None:
             continue
-        cost = kv.get((c.id, "kv-cost"))
+        o = kv.get((c.id, other))
         rr = kv.get((c.id, "round-robin"))
         d = dyn.get((c.id, "kv_router"))
         drr = dyn.get((c.id, "round_robin"))
@@ -310,51 +330,62 @@ def report(cells: list[Cell], kv_rows: list[dict[str, Any]], dyn_rows: list[dict
         def pair(r: dict[str, Any] | None, mean: str, p99: str) -> str:
             return "-" if r is None else f"{r[mean]:.0f} / {r[p99]:.0f}"
 
-        ratio = "-"
+        ratio = p99_ratio = "-"
         if d is not None:
             x = k["ttft_mean"] / d["mean_ttft_ms"]
+            y = k["ttft_p99"] / d["p99_ttft_ms"]
             ratios.append(x)
-            ratio = f"{x:.2f}"
-            if k["ttft_mean"] > d["mean_ttft_ms"] or k["ttft_p99"] > d["p99_ttft_ms"]:
+            p99_ratios.append(y)
+            ratio, p99_ratio = f"{x:.2f}", f"{y:.2f}"
+            if x > 1 or y > 1:
                 worse_dyn.append(c.id)
+            if o is not None and (
+                o["ttft_mean"] > d["mean_ttft_ms"] or o["ttft_p99"] > d["p99_ttft_ms"]
+            ):
+                other_worse.append(c.id)
         if rr is not None and (k["ttft_mean"] > rr["ttft_mean"] or k["ttft_p99"] > rr["ttft_p99"]):
             worse_rr.append(c.id)
         reuse = f"{100 * k['reuse']:.1f}"
-        reuse += f" / {100 * cost['reuse']:.1f}" if cost else " / -"
+        reuse += f" / {100 * o['reuse']:.1f}" if o else " / -"
         reuse += f" / {100 * d['prefix_cache_reused_ratio']:.1f}" if d else " / -"
         itl = f"{k['itl_p99']:.0f} / " + (f"{d['p99_itl_ms']:.0f}" if d else "-")
         imb = f"{k['req_imbalance']:.2f} / " + (f"{d['req_imbalance']:.2f}" if d else "-")
         lines.append(
             f"| {c.workload} | {c.arrival} | {c.workers} | {c.load} | "
-            f"{pair(k, 'ttft_mean', 'ttft_p99')} | {pair(cost, 'ttft_mean', 'ttft_p99')} | "
+            f"{pair(k, 'ttft_mean', 'ttft_p99')} | {pair(o, 'ttft_mean', 'ttft_p99')} | "
             f"{pair(rr, 'ttft_mean', 'ttft_p99')} | {pair(d, 'mean_ttft_ms', 'p99_ttft_ms')} | "
-            f"{pair(drr, 'mean_ttft_ms', 'p99_ttft_ms')} | {ratio} | {itl} | {reuse} | {imb} |"
+            f"{pair(drr, 'mean_ttft_ms', 'p99_ttft_ms')} | {ratio} | {p99_ratio} | {itl} | "
+            f"{reuse} | {imb} |"
         )
     lines.append("")
+
+    def geo(xs: list[float]) -> float:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
     if ratios:
-        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines.append(
-            f"kv TTFT mean / Dynamo KV's: geometric mean {geo:.2f}, worst {max(ratios):.2f} over "
-            f"{len(ratios)} cells"
+            f"{primary} TTFT mean / Dynamo KV's: geometric mean {geo(ratios):.2f}, worst "
+            f"{max(ratios):.2f} over {len(ratios)} cells; p99: geometric mean "
+            f"{geo(p99_ratios):.2f}, worst {max(p99_ratios):.2f}"
         )
     lines.append(
-        f"cells where kv's TTFT mean or p99 exceeds Dynamo KV's: {len(worse_dyn)} {worse_dyn}"
+        f"cells where {primary}'s TTFT mean or p99 exceeds Dynamo KV's: "
+        f"{len(worse_dyn)} {worse_dyn}"
     )
     lines.append(
-        f"cells where kv's TTFT mean or p99 exceeds round-robin's: {len(worse_rr)} {worse_rr}"
+        f"cells where {primary}'s TTFT mean or p99 exceeds round-robin's: "
+        f"{len(worse_rr)} {worse_rr}"
     )
+    if ratios:
+        lines.append(f"({other}: mean or p99 above Dynamo KV's in {len(other_worse)} cells)")
     return "\n".join(lines)
 
 
 # -- cross-validation -------------------------------------------------------------------------
 
 
-def grid() -> list[dict[str, float]]:
-    points = [{"router_itl_weight": 0.0, "router_itl_penalty_cap_ms": 0.0}]
-    for w, cap in itertools.product(GRID["router_itl_weight"], GRID["router_itl_penalty_cap_ms"]):
-        if w:
-            points.append({"router_itl_weight": w, "router_itl_penalty_cap_ms": cap})
-    return points
+def point_key(policy: str, params: dict[str, Any]) -> str:
+    return json.dumps([policy, params], sort_keys=True)
 
 
 def cell_score(row: dict[str, Any], rr: dict[str, Any]) -> float:
@@ -362,16 +393,19 @@ def cell_score(row: dict[str, Any], rr: dict[str, Any]) -> float:
 
 
 def cross_validate(cells: list[Cell], rows: list[dict[str, Any]]) -> str:
-    rr = {r["id"]: r for r in rows if r["policy"] == "round-robin"}
-    scores: dict[str, dict[str, float]] = {}  # params key -> cell id -> score
+    """Leave-one-workload-out over the GRID points present in `rows` (see the module doc)."""
+    rr = {r["id"]: r for r in rows if r["policy"] == "round-robin" and not r.get("params")}
+    ids = {c.id for c in cells}
+    scores: dict[str, dict[str, float]] = {}  # point key -> cell id -> score
     for r in rows:
-        if r["policy"] == "kv" and r["id"] in rr:
-            scores.setdefault(json.dumps(r["params"], sort_keys=True), {})[r["id"]] = cell_score(
-                r, rr[r["id"]]
-            )
+        if r["policy"] != "round-robin" and r["id"] in rr and r["id"] in ids:
+            point = point_key(r["policy"], r.get("params", {}))
+            scores.setdefault(point, {})[r["id"]] = cell_score(r, rr[r["id"]])
+    scores = {p: v for p, v in scores.items() if len(v) == len(ids)}  # complete points only
+    default = point_key(DEFAULT_POLICY, {})
 
-    def mean_log(point: str, ids: list[str]) -> float:
-        return sum(math.log(scores[point][i]) for i in ids) / len(ids)
+    def mean_log(point: str, cell_ids: list[str]) -> float:
+        return sum(math.log(scores[point][i]) for i in cell_ids) / len(cell_ids)
 
     lines = [
         "leave-one-workload-out (score: geometric mean over cells of sqrt(mean ratio x p99 "
@@ -381,16 +415,19 @@ def cross_validate(cells: list[Cell], rows: list[dict[str, Any]]) -> str:
     for held in WORKLOADS:
         train = [c.id for c in cells if c.workload != held]
         test = [c.id for c in cells if c.workload == held]
+        if not train or not test:
+            continue
         best = min(scores, key=lambda p: mean_log(p, train))
         chosen.append(best)
         oracle = min(scores, key=lambda p: mean_log(p, test))
+        vs = f"; default {math.exp(mean_log(default, test)):.3f}" if default in scores else ""
         lines.append(
             f"  held out {held:9}: chosen {best} -> held-out score "
-            f"{math.exp(mean_log(best, test)):.3f} "
+            f"{math.exp(mean_log(best, test)):.3f}{vs} "
             f"(best possible {math.exp(mean_log(oracle, test)):.3f} with {oracle})"
         )
     everything = [c.id for c in cells]
-    lines.append("all grid points on all CV cells:")
+    lines.append("all points on all CV cells:")
     for p in sorted(scores, key=lambda p: mean_log(p, everything)):
         lines.append(f"  {p}: {math.exp(mean_log(p, everything)):.3f}")
     lines.append(f"folds chose: {sorted(set(chosen), key=chosen.index)}")
@@ -404,7 +441,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / ".cache" / "routing_matrix")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--cv", action="store_true", help="cross-validate the ttft defaults")
+    parser.add_argument(
+        "--cv", action="store_true", help="choose the default policy and its parameters"
+    )
     parser.add_argument("--quick", action="store_true", help="conv and agentic, 4 workers only")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--workers", nargs="+", type=int, default=list(WORKERS))
@@ -432,7 +471,7 @@ def main() -> None:
             f"prefix bound {100 * s['prefix_bound_tokens']:.1f} %",
             file=sys.stderr,
         )
-    jobs: list[tuple[dict[str, Any], str, str, dict[str, float]]] = []
+    jobs: list[tuple[dict[str, Any], str, str, dict[str, Any]]] = []
     for c in cells:
         cell = {
             "id": c.id,
@@ -443,11 +482,10 @@ def main() -> None:
         }
         if args.cv:
             jobs.append((cell, str(traces[c.id]), "round-robin", {}))
-            jobs += [(cell, str(traces[c.id]), "kv", p) for p in grid()]
+            jobs += [(cell, str(traces[c.id]), pol, params) for pol, params in GRID]
         else:
             jobs += [(cell, str(traces[c.id]), p, {}) for p in args.policies]
-    name = "cv.jsonl" if args.cv else "kvmesh.jsonl"
-    rows = run_jobs(jobs, args.out / name, args.jobs)
+    rows = run_jobs(jobs, args.out / "kvmesh.jsonl", args.jobs)
     if args.cv:
         text = cross_validate(cells, rows)
         (args.out / "cv.txt").write_text(text + "\n")

@@ -316,6 +316,26 @@ def test_load_reports_pending_prefill() -> None:
     assert load.kv_active_blocks == 4 and load.kv_total_blocks == 64
 
 
+def test_pending_prefill_of_a_waiting_request_leaves_out_its_cached_prefix() -> None:
+    # a waiting request reuses the prefix the pool holds when it is admitted: that is no work
+    sched = make(max_num_batched_tokens=64, max_num_seqs=1)
+    prompt = [(7 * i) % 900 + 10 for i in range(80)]
+    sched.add(req("a", prompt, max_tokens=50), 0.0)
+    sched.step(0.0)
+    sched.step(0.0)  # a's 80 tokens computed: its 5 full blocks are cached, it decodes
+    sched.add(req("b", [*prompt[:64], *range(500, 540)], max_tokens=2), 0.0)  # waits: 1 slot
+    load = sched.load()
+    assert load.num_waiting == 1
+    assert load.pending_prefill_tokens == 104 - 64  # 4 cached blocks of 16 tokens
+    sched.add(req("c", 30), 0.0)  # nothing cached: all of it
+    assert sched.load().pending_prefill_tokens == 40 + 30
+    # d shares b's uncached blocks after the cached prefix (b computes them first): only its
+    # own last 8 tokens are work; e shares c's first block (16 tokens)
+    sched.add(req("d", [*prompt[:64], *range(500, 532), 7, 7, 7, 7, 7, 7, 7, 7]), 0.0)
+    sched.add(req("e", [*req("c", 30).prompt[:16], *range(900, 910)]), 0.0)
+    assert sched.load().pending_prefill_tokens == 40 + 30 + 8 + 10
+
+
 def test_logprobs_are_synthetic_but_well_formed() -> None:
     sched = make()
     sched.add(req("a", 8, max_tokens=10, top_logprobs=5, temperature=0.7, seed=1), 0.0)

@@ -218,20 +218,24 @@ def test_host_tier_raises_reuse_and_lowers_ttft(trace_path: str) -> None:
     host_cfg = config(trace_path, **small, tiers=KvTierConfig(kv_host_blocks=512))
     host = simulate(trace, host_cfg, RouterMode.KV)
     assert json_without_wall(host) == json_without_wall(simulate(trace, host_cfg, RouterMode.KV))
-    assert host.prefix_hit_rate > none.prefix_hit_rate + 0.1
-    assert host.tier_hit_rates["host"] > 0.1
+    # (+7 points of reuse, 7 % of prompt tokens from the host tier: the KV router keeps most
+    # of each document's requests on one worker already, so the device pool misses less)
+    assert host.prefix_hit_rate > none.prefix_hit_rate + 0.05
+    assert host.tier_hit_rates["host"] > 0.05
     assert host.ttft_ms.mean < none.ttft_ms.mean
     assert set(none.tier_hit_rates) == {"device"}
     disk_cfg = config(
         trace_path, **small, tiers=KvTierConfig(kv_host_blocks=64, kv_disk_blocks=1024)
     )
     slow = simulate(trace, disk_cfg, RouterMode.KV)
-    # At the default 5 GB/s, reading a 64-token block of Llama-8B KV (8 MiB) costs more than
-    # recomputing it: the mocker does not onboard from disk. A faster disk pays.
-    assert slow.tier_hit_rates["disk"] == 0
+    # At the default 5 GB/s, reading a 64-token block of Llama-8B KV (8 MiB) alone costs more
+    # than recomputing it in these prompts: the mocker onboards from disk only the odd block
+    # that rides beside a host-tier run (the moves run side by side, and the pair saves more
+    # prefill than the disk read takes). A faster disk pays on its own.
     disk_cfg.mocker = dataclasses.replace(disk_cfg.mocker, kv_disk_gbps=25.0)
     disk = simulate(trace, disk_cfg, RouterMode.KV)
-    assert disk.tier_hit_rates["disk"] > 0
+    assert disk.tier_hit_rates["disk"] > 0.05
+    assert slow.tier_hit_rates["disk"] < 0.01
     assert disk.requests == host.requests == none.requests == 60
     # The modes without KV events simulate the tiers too (nothing is published).
     rr = simulate(trace, host_cfg, RouterMode.ROUND_ROBIN)

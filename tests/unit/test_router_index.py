@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.router.hashing import block_hashes
-from kvmesh.router.indexer import ApproxIndex, PrefixIndex
+from kvmesh.router.indexer import ApproxIndex, InflightIndex, PrefixIndex
 from kvmesh.router.kv_state import KvIndexer
 from kvmesh.runtime import wire
 from kvmesh.runtime.kv_events import (
@@ -525,3 +525,21 @@ def test_kv_indexer_lower_tier_block_hashed_late() -> None:
     idx.apply_event("w", BlocksRemoved([e1], KvTier.DISK))
     assert idx.find_credits(query) == {"w": 0.25}
     assert (idx.stats("w").host_blocks, idx.stats("w").disk_blocks) == (0, 1)
+
+
+def test_inflight_index_counts_blocks_per_worker_and_extends_matches() -> None:
+    idx: InflightIndex[str] = InflightIndex()
+    assert idx.extend("a", [1, 2, 3], 0) == 0 and len(idx) == 0
+    idx.add("a", [1, 2, 3])
+    idx.add("a", [1, 2])  # a second request computing the first two blocks too
+    idx.add("b", [2, 3])  # b holds block 1 already
+    assert [idx.extend("a", [1, 2, 3, 4], 0), idx.extend("b", [1, 2, 3, 4], 0)] == [3, 0]
+    assert idx.extend("b", [1, 2, 3, 4], 1) == 3  # continues the KV index's match of 1
+    assert idx.extend("a", [1, 2, 3], 3) == 3  # nothing past the end
+    idx.remove("a", [1, 2, 3])  # the longer one's prefill ended: the shared part stays
+    assert idx.extend("a", [1, 2, 3, 4], 0) == 2
+    idx.remove("a", [1, 2])
+    idx.remove("a", [1, 2])  # more removes than adds are ignored
+    assert idx.extend("a", [1, 2, 3], 0) == 0 and len(idx) == 1
+    idx.remove_worker("b")
+    assert idx.extend("b", [1, 2], 1) == 1 and len(idx) == 0

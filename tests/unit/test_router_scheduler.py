@@ -97,6 +97,36 @@ def test_requests_sharing_a_cached_prefix_add_only_their_tails() -> None:
     assert (w0.booked_prefill, w0.booked_decode) == (0, 0)
 
 
+def test_a_prefix_being_computed_counts_as_cached_until_the_first_token() -> None:
+    # A burst sharing a new 8-block prefix: the first request lands anywhere; on its worker the
+    # next ones find the prefix it will have computed by the time they are admitted.
+    sched = make()
+    shared = list(range(1000, 1032))
+    first = sched.select([*shared, 1, 2, 3, 4], now=0.0)
+    assert first.overlap_blocks == 0
+    sched.book("a", first, 0.0)
+    second = sched.select([*shared, 5, 6, 7, 8], now=0.0)
+    # there: a's 9 queued blocks + 1 new, 9 decoding + 1 new; elsewhere 9 new, twice
+    assert second.costs == {w: 20.0 if w == first.worker_id else 18.0 for w in second.costs}
+    second = sched.select([*shared, 5, 6, 7, 8], now=0.0, candidates=[first.worker_id])
+    assert second.overlap_blocks == 8
+    sched.book("b", second, 0.0)
+    assert sched.worker(first.worker_id).booked_prefill == 9 + 1  # type: ignore[union-attr]
+    # a's prefill ends: its blocks come from KV events now; b's block on top still counts
+    assert sched.first_token("a")
+    tail = [*shared, 5, 6, 7, 8, 9]
+    assert sched.select(tail, now=0.0).overlap_blocks == 0  # the event has not come yet
+    cache(sched, first.worker_id, [*shared, 1, 2, 3, 4])
+    assert sched.select(tail, now=0.0).overlap_blocks == 8 + 1
+    assert sched.free("b")
+    assert sched.select(tail, now=0.0).overlap_blocks == 8
+    off = KvScheduler(KvRouterConfig(inflight_prefixes=False))
+    for i in range(3):
+        off.add_worker(f"w{i}", block_size=BS, kv_total_blocks=100)
+    off.book("a", off.select([*shared, 1, 2, 3, 4], now=0.0), 0.0)
+    assert off.select([*shared, 5, 6, 7, 8], now=0.0).overlap_blocks == 0
+
+
 def test_ties_are_broken_at_random_not_always_the_first() -> None:
     sched = make(4, seed=7)
     picks = Counter(sched.select([1, 2, 3, 4], now=0.0).worker_id for _ in range(400))
@@ -286,28 +316,47 @@ booking_ops = st.lists(
 def test_booked_load_equals_the_sum_of_active_bookings(
     ops: list[tuple[str, int, int, int]],
 ) -> None:
+    """Bookings add up, with the prefix that own bookings still in prefill on the same worker
+    will compute credited as cached (every prompt here is a prefix of range(60))."""
     sched = make(3)
-    active: dict[tuple[str, str], tuple[str, int, int]] = {}
+    # (source, id) -> (worker, prefill blocks, decode blocks, the blocks [start, end) of
+    # range(60)'s chain it has in the in-flight index)
+    active: dict[tuple[str, str], tuple[str, int, int, tuple[int, int]]] = {}
+
+    def computing(worker: str, skip: tuple[str, str] | None = None) -> int:
+        covered = {
+            i for k, v in active.items() if v[0] == worker and k != skip for i in range(*v[3])
+        }
+        depth = 0
+        while depth in covered:
+            depth += 1
+        return depth
+
     for op, rid_n, wi, size in ops:
         rid, w = f"r{rid_n}", f"w{wi}"
         if op == "book":
+            full = size // BS
             sel = sched.select(list(range(size)), 0.0, candidates=[w])
+            assert sel.overlap_blocks == min(full, computing(w))
             sched.book(rid, sel, 0.0, expected_output_tokens=size)
-            active[("", rid)] = (w, -(-size // BS), -(-2 * size // BS))
+            # booking it again: it does not share the blocks its first booking computes
+            overlap = min(full, computing(w, skip=("", rid)))
+            prefill = -(-size // BS) - overlap
+            active[("", rid)] = (w, prefill, -(-2 * size // BS) - overlap, (overlap, full))
         elif op == "first" and ("", rid) in active:
             assert sched.first_token(rid)
-            w0, _, d = active[("", rid)]
-            active[("", rid)] = (w0, 0, d)
+            w0, _, d, _ = active[("", rid)]
+            active[("", rid)] = (w0, 0, d, (0, 0))
         elif op == "free":
             assert sched.free(rid) == (("", rid) in active)
             active.pop(("", rid), None)
         elif op == "peer_book":
             sched.apply_peer("p", LoadEvent("x", rid, w, LoadEventKind.BOOKED, size, size + 1))
-            active[("p", rid)] = (w, size, size + 1)
+            active[("p", rid)] = (w, size, size + 1, (0, 0))  # peers share loads, not prompts
         elif op == "peer_first" and ("p", rid) in active:
             sched.apply_peer("p", LoadEvent("x", rid, w, LoadEventKind.FIRST_TOKEN))
-            w0, _, d = active[("p", rid)]
-            active[("p", rid)] = (w0, 0, d)
+            w0, _, d, _ = active[("p", rid)]
+            active[("p", rid)] = (w0, 0, d, (0, 0))
         elif op == "peer_free":
             sched.apply_peer("p", LoadEvent("x", rid, w, LoadEventKind.FREED))
             active.pop(("p", rid), None)
@@ -320,4 +369,6 @@ def test_booked_load_equals_the_sum_of_active_bookings(
             mine = [v for v in active.values() if v[0] == f"w{i}"]
             assert load.booked_prefill == sum(v[1] for v in mine)
             assert load.booked_decode == sum(v[2] for v in mine)
+            chain = block_hashes(list(range(60)), BS)
+            assert sched.inflight.extend(f"w{i}", chain, 0) == computing(f"w{i}")
         assert len(sched.own_bookings()) == sum(1 for k in active if not k[0])

@@ -40,32 +40,38 @@ def test_one_cell_end_to_end(rm: Any, tmp_path: Path) -> None:
     rows = [rm.run_kvmesh((job, str(path), p, {})) for p in ("kv", "kv-cost", "round-robin")]
     for row in rows:
         assert row["completed"] == 80 and row["ttft_mean"] > 0 and 0 <= row["reuse"] <= 1
-    kv, _, rr = rows
-    # A Dynamo row as dynamo_replay_cells.py writes it, here made slightly better than kv's.
-    dyn = {"id": cell.id, "mode": "kv_router", "mean_ttft_ms": kv["ttft_mean"] * 0.9,
-           "p99_ttft_ms": kv["ttft_p99"], "p99_itl_ms": 10.0, "prefix_cache_reused_ratio": 0.5,
-           "req_imbalance": 1.1}  # fmt: skip
+    by_policy = dict(zip(("kv", "kv-cost", "round-robin"), rows, strict=True))
+    primary, rr = by_policy[rm.DEFAULT_POLICY], by_policy["round-robin"]
+    # A Dynamo row as dynamo_replay_cells.py writes it, here made slightly better than the
+    # default policy's.
+    dyn = {"id": cell.id, "mode": "kv_router", "mean_ttft_ms": primary["ttft_mean"] * 0.9,
+           "p99_ttft_ms": primary["ttft_p99"], "p99_itl_ms": 10.0,
+           "prefix_cache_reused_ratio": 0.5, "req_imbalance": 1.1}  # fmt: skip
     text = rm.report([cell], rows, [dyn])
-    assert f"| tenants | bursty | 2 | moderate | {kv['ttft_mean']:.0f} / " in text
-    assert "geometric mean 1.11" in text
+    assert f"| tenants | bursty | 2 | moderate | {primary['ttft_mean']:.0f} / " in text
+    assert "geometric mean 1.11" in text and "p99: geometric mean 1.00" in text
     assert f"exceeds Dynamo KV's: 1 ['{cell.id}']" in text
-    worse_rr = kv["ttft_mean"] > rr["ttft_mean"] or kv["ttft_p99"] > rr["ttft_p99"]
+    worse_rr = primary["ttft_mean"] > rr["ttft_mean"] or primary["ttft_p99"] > rr["ttft_p99"]
     assert f"exceeds round-robin's: {int(worse_rr)}" in text
 
 
 def test_cross_validation_picks_by_the_other_workloads(rm: Any) -> None:
     cells = [rm.Cell(w, "steady", 4, "moderate", 1000) for w in rm.WORKLOADS]
     good = {"router_itl_weight": 5.0, "router_itl_penalty_cap_ms": 300.0}
-    bad = {"router_itl_weight": 0.0, "router_itl_penalty_cap_ms": 0.0}
     rows = []
     for c in cells:
         rows.append({"id": c.id, "policy": "round-robin", "params": {}, "ttft_mean": 100.0,
                      "ttft_p99": 400.0})  # fmt: skip
-        # "good" wins everywhere but on conv, where "bad" is better
+        # ("kv", good) wins everywhere but on conv, where the default is better
         g, b = (90.0, 80.0) if c.workload == "conv" else (50.0, 70.0)
         rows.append({"id": c.id, "policy": "kv", "params": good, "ttft_mean": g, "ttft_p99": 4 * g})
-        rows.append({"id": c.id, "policy": "kv", "params": bad, "ttft_mean": b, "ttft_p99": 4 * b})
+        rows.append({"id": c.id, "policy": rm.DEFAULT_POLICY, "params": {}, "ttft_mean": b,
+                     "ttft_p99": 4 * b})  # fmt: skip
+    # an incomplete point (one cell only) is left out
+    rows.append({"id": cells[0].id, "policy": "kv", "params": {"x": 1}, "ttft_mean": 1.0,
+                 "ttft_p99": 1.0})  # fmt: skip
     text = rm.cross_validate(cells, rows)
-    assert 'held out conv     : chosen {"router_itl_penalty_cap_ms": 300.0' in text
-    assert "held-out score 0.900 (best possible 0.800" in text
+    assert 'held out conv     : chosen ["kv", {"router_itl_penalty_cap_ms": 300.0' in text
+    assert "held-out score 0.900; default 0.800 (best possible 0.800" in text
+    assert '"x": 1' not in text
     assert text.splitlines()[-1].startswith("folds chose: [")

@@ -35,7 +35,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from itertools import islice
 from typing import Generic, TypeVar
 
-__all__ = ["ApproxIndex", "PrefixIndex"]
+__all__ = ["ApproxIndex", "InflightIndex", "PrefixIndex"]
 
 W = TypeVar("W", bound=Hashable)
 
@@ -326,3 +326,70 @@ class ApproxIndex(Generic[W]):
         """`worker`'s entries not expired as of the last call that took `now` (O(1))."""
         expiry = self._expiry.get(worker)
         return 0 if expiry is None else len(expiry)
+
+
+class InflightIndex(Generic[W]):
+    """Per worker, the prompt blocks that requests routed there will compute and have not yet:
+    block hash -> how many such requests.
+
+    A worker publishes a prompt's blocks only once it has computed them, so a request arriving
+    while an earlier one with the same prefix still waits or prefills there (the next turn of a
+    tool loop, the rest of a burst sharing a new system prompt) finds no cached prefix anywhere;
+    KvScheduler credits the prefix the worker is computing already. `add(worker, hashes)` with
+    the blocks a booked request will compute there (its prompt's chain after the prefix the
+    worker holds), `remove` with the same hashes at its first token (or when it ends first).
+    `extend(worker, hashes, start)` continues a prefix match found in the KV index (`start`
+    leading blocks) through the blocks being computed: one lookup when there are none, so the
+    routing cost per request stays flat.
+    """
+
+    __slots__ = ("_counts",)
+
+    def __init__(self) -> None:
+        self._counts: dict[W, dict[int, int]] = {}
+
+    def add(self, worker: W, block_hashes: Sequence[int]) -> None:
+        """A request booked on `worker` will compute these blocks."""
+        if not block_hashes:
+            return
+        counts = self._counts.get(worker)
+        if counts is None:
+            counts = self._counts[worker] = {}
+        get = counts.get
+        for h in block_hashes:
+            counts[h] = get(h, 0) + 1
+
+    def remove(self, worker: W, block_hashes: Sequence[int]) -> None:
+        """The request that added these blocks on `worker` left prefill."""
+        counts = self._counts.get(worker)
+        if counts is None:
+            return
+        get = counts.get
+        for h in block_hashes:
+            n = get(h, 0)
+            if n > 1:
+                counts[h] = n - 1
+            elif n:
+                del counts[h]
+        if not counts:
+            del self._counts[worker]
+
+    def extend(self, worker: W, block_hashes: Sequence[int], start: int) -> int:
+        """`start` plus the blocks of `block_hashes` from index `start` on, in order, that
+        requests on `worker` are computing."""
+        counts = self._counts.get(worker)
+        if counts is None:
+            return start
+        n = len(block_hashes)
+        depth = start
+        while depth < n and block_hashes[depth] in counts:
+            depth += 1
+        return depth
+
+    def remove_worker(self, worker: W) -> None:
+        """Forget `worker`."""
+        self._counts.pop(worker, None)
+
+    def __len__(self) -> int:
+        """Workers with blocks being computed."""
+        return len(self._counts)

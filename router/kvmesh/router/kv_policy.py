@@ -69,8 +69,9 @@ class KvPolicyKind(enum.Enum):
     """How KvScheduler scores workers."""
 
     TTFT = "ttft"
-    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in until
-    it is at or below Dynamo's KV router across the routing matrix (README)."""
+    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in:
+    cross-validation over the routing matrix prefers it, but two router replicas can choose
+    differently under it for short prompts (README, routing matrix)."""
     COST = "cost"
     """The linear cost over blocks to prefill and blocks decoding (cost_score): the default."""
 
@@ -92,6 +93,11 @@ class KvPolicyFlags:
     )
     router_itl_penalty_cap_ms: float = opt(
         DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
+    )
+    router_inflight_prefixes: bool = opt(
+        True,
+        "kv: count the prompt prefix a worker is about to compute for requests routed there "
+        "(waiting or prefilling) as cached on it",
     )
 
 

@@ -65,7 +65,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.router.hashing import block_hashes
-from kvmesh.router.indexer import ApproxIndex
+from kvmesh.router.indexer import ApproxIndex, InflightIndex
 from kvmesh.router.kv_policy import (
     DEFAULT_ITL_PENALTY_CAP_MS,
     DEFAULT_ITL_WEIGHT,
@@ -133,6 +133,12 @@ class KvRouterConfig:
     block counting 1 (1 - onboarding cost / recompute cost)."""
     disk_hit_weight: float = DISK_HIT_WEIGHT
     """The same for a block a worker holds only on its disk tier."""
+    inflight_prefixes: bool = True
+    """Count as cached on a worker the prompt prefix that requests booked there and still
+    waiting or prefilling will have computed (kvmesh.router.indexer.InflightIndex): the next
+    turn of a conversation, or the rest of a burst sharing a new prefix, then follows the first
+    instead of prefilling the prefix again elsewhere. Own bookings only (peers share loads,
+    not prompts)."""
 
     def __post_init__(self) -> None:
         if not self.overlap_weight >= 0:
@@ -287,6 +293,9 @@ class _Booking:
     prefill: int
     decode: int
     live: bool = True
+    inflight: Sequence[int] = ()
+    """The prompt blocks it will compute (after the prefix its worker holds or computes for
+    others), in the scheduler's InflightIndex until its first token."""
 
 
 class KvScheduler:
@@ -324,6 +333,7 @@ class KvScheduler:
             )
         )
         self.approx: ApproxIndex[str] = ApproxIndex(self.config.approx_ttl_s)
+        self.inflight: InflightIndex[str] = InflightIndex()
         self.router_id = router_id
         self._workers: dict[str, WorkerLoad] = {}
         self._bookings: dict[tuple[str, str], _Booking] = {}
@@ -375,6 +385,7 @@ class KvScheduler:
         if self._workers.pop(worker_id, None) is not None:
             self.indexer.remove_worker(worker_id)
             self.approx.remove_worker(worker_id)
+            self.inflight.remove_worker(worker_id)
 
     def worker(self, worker_id: str) -> WorkerLoad | None:
         """The registered worker's state."""
@@ -458,6 +469,7 @@ class KvScheduler:
         n_tokens = len(token_ids)
         need_exact = any(w.kv_events for w in ready)
         need_approx = not all(w.kv_events for w in ready)
+        inflight = self.inflight if cfg.inflight_prefixes and len(self.inflight) else None
         by_size: dict[int, tuple[list[int], Mapping[str, float], dict[str, int]]] = {}
         overlaps: dict[str, float] = {}
         for w in ready:
@@ -469,7 +481,13 @@ class KvScheduler:
                 approx = self.approx.find_matches(hashes, now) if hashes and need_approx else {}
                 found = by_size[bs] = (hashes, exact, approx)
             wid = w.worker_id
-            overlaps[wid] = (found[1] if w.kv_events else found[2]).get(wid, 0)
+            if w.kv_events:
+                credit = found[1].get(wid, 0)
+                if inflight is not None:
+                    credit = max(credit, inflight.extend(wid, found[0], int(credit)))
+                overlaps[wid] = credit
+            else:
+                overlaps[wid] = found[2].get(wid, 0)
         if cfg.policy is KvPolicyKind.TTFT:
             costs = self._ttft_scores(ready, overlaps, n_tokens, now, expected_output_tokens)
         else:
@@ -607,12 +625,24 @@ class KvScheduler:
                 else mean + 0.01 * (expected_output_tokens - mean)
             )
         overlap = selection.overlap_blocks
+        hashes = selection.block_hashes
+        old = self._bookings.get(("", request_id))
+        if old is not None and old.inflight:  # re-booked: it does not share its own prefix
+            self._end_inflight(old)
+            if load.kv_events:
+                credit = self.indexer.find_credits(hashes).get(load.worker_id, 0)
+                credit = max(credit, self.inflight.extend(load.worker_id, hashes, int(credit)))
+                overlap = min(overlap, int(credit))
         prefill = max(0, -(-selection.prompt_tokens // bs) - overlap)
         total = -(-(selection.prompt_tokens + max(0, expected_output_tokens)) // bs)
         decode = max(0, total - overlap)
-        self._book("", request_id, load, prefill, decode, now)
-        if not load.kv_events and selection.block_hashes:
-            self.approx.insert(load.worker_id, selection.block_hashes, now)
+        booking = self._book("", request_id, load, prefill, decode, now)
+        if hashes:
+            if not load.kv_events:
+                self.approx.insert(load.worker_id, hashes, now)
+            elif self.config.inflight_prefixes and overlap < len(hashes):
+                booking.inflight = hashes[overlap:]
+                self.inflight.add(load.worker_id, booking.inflight)
         if self._listeners:
             self._emit(
                 LoadEvent(
@@ -633,7 +663,7 @@ class KvScheduler:
         prefill: int,
         decode: int,
         now: float | None,
-    ) -> None:
+    ) -> _Booking:
         self._drop_booking((source, request_id))
         load.booked_prefill += prefill
         load.booked_decode += decode
@@ -646,6 +676,7 @@ class KvScheduler:
             while recent and recent[0][0] <= now - settle:  # bounded without load metrics too
                 recent.popleft()
             recent.append((now, booking))
+        return booking
 
     def _drop_booking(self, key: tuple[str, str]) -> _Booking | None:
         b = self._bookings.pop(key, None)
@@ -654,13 +685,22 @@ class KvScheduler:
             b.load.booked_decode -= b.decode
             b.load.booked_requests -= 1
             b.live = False
+            self._end_inflight(b)
         return b
+
+    def _end_inflight(self, b: _Booking) -> None:
+        if b.inflight:
+            wid = b.load.worker_id
+            if self._workers.get(wid) is b.load:  # not a worker that left (and came back)
+                self.inflight.remove(wid, b.inflight)
+            b.inflight = ()
 
     def first_token(self, request_id: str, source: str = "") -> bool:
         """The request's prefill is done: its prefill blocks stop counting. False if unknown."""
         b = self._bookings.get((source, request_id))
         if b is None:
             return False
+        self._end_inflight(b)
         if b.prefill:
             b.load.booked_prefill -= b.prefill
             b.prefill = 0

@@ -152,10 +152,16 @@ class ReplayConfig(KvPolicyFlags):
             policy=self.router_policy,
             itl_weight=self.router_itl_weight,
             itl_penalty_cap_ms=self.router_itl_penalty_cap_ms,
+            inflight_prefixes=self.router_inflight_prefixes,
             chunk_tokens=self.mocker.max_num_batched_tokens,
             timing_profile=self.mocker.timing_profile,
             host_hit_weight=self.router_host_hit_weight,
             disk_hit_weight=self.router_disk_hit_weight,
+            # The replay hands a routed request to its worker at once, so a load sample taken
+            # at `now` shows every booking made before it: none is still on its way (the live
+            # default of 0.25 s counted the last quarter second's bookings twice here, and so
+            # steered bursts away from the workers that had just taken their prefix).
+            load_settle_s=0.0,
         )
 
 

@@ -472,11 +472,33 @@ class BatchScheduler(Generic[S, C]):
         return self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
 
     def load(self) -> LoadInfo:
-        """Current load (O(requests))."""
+        """Current load (O(requests); O(prompt blocks) per request not admitted yet).
+
+        `pending_prefill_tokens` is the prefill work still to do: the prompt tokens not yet
+        computed, where a request still waiting for admission counts without the prefix the pool
+        holds now and without the blocks another waiting request computes first (admission
+        reuses both, so they are no work: a burst sharing a new prefix costs that prefix once;
+        counting every waiting prompt whole overstated the queue of exactly the workers holding
+        or computing the prefixes, and so steered KV routing away from them under load)."""
         pending = 0
+        caching = self.pool.enable_caching
+        bs = self.block_size
+        match = self.pool.match_prefix
+        queued: set[int] = set()  # blocks of waiting prompts counted already
         for seq in self._seqs.values():
-            if not seq.decoding:
-                pending += len(seq.tokens) - seq.num_computed
+            if seq.decoding:
+                continue
+            done = seq.num_computed
+            if caching and not done and seq.status is SeqStatus.WAITING:
+                limit = (len(seq.tokens) - 1) // bs  # as _admit: the last token is computed
+                self._ensure_hashes(seq, limit)
+                hashes = seq.hashes
+                i = len(match(hashes, limit))
+                while i < limit and hashes[i] in queued:  # chained: a prefix of counted blocks
+                    i += 1
+                queued.update(hashes[i:limit])
+                done = i * bs
+            pending += len(seq.tokens) - done
         pool = self.pool
         tiers: tuple[KvTierStats, ...] = (
             KvTierStats(
