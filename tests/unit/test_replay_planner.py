@@ -120,6 +120,9 @@ class Scripted:
         target = self.plan.get(round(now, 6), pool.target)
         return Decision(targets={Role.AGGREGATED: target})
 
+    def surge(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision:
+        return Decision(targets={})  # only the scripted sizes, at the intervals
+
 
 def test_planned_pool_start_up_delay_and_drain_without_dropping_a_request() -> None:
     # 60 requests over 30 s, each decoding 400 tokens (a few seconds): workers always busy.
@@ -220,3 +223,32 @@ def test_replay_planner_settings_are_checked() -> None:
                                     "--min-workers", "3", "--max-workers", "2"])  # fmt: skip
     with pytest.raises(ConfigError, match="min-workers"):
         from_args(PlannerConfig, ns)
+
+
+def test_surge_check_grows_the_pool_between_intervals() -> None:
+    # 2 req/s for 20 s, then a step to 40 req/s: the surge check sees it within seconds; without
+    # it the pool waits for the next interval (every 10 s)
+    rows = [(0.5 * i, 600, 20) for i in range(40)]
+    rows += [(20.0 + 0.025 * i, 600, 20) for i in range(800)]
+    trace = _trace(rows)
+
+    def first_growth(check_s: float) -> dict[str, object]:
+        settings = PlannerConfig(
+            ttft_slo_ms=250.0,
+            itl_slo_ms=15.0,
+            adjustment_interval_s=10.0,
+            worker_startup_s=5.0,
+            max_workers=12,
+            surge_check_s=check_s,
+        )
+        config = ReplayConfig(trace="step", planning=settings, planner=PlannerPolicy.SLA)
+        profile = profile_mocker(config.mocker, max_model_len=4096)
+        result = simulate_planned(trace, config, RouterMode.KV, profile)
+        assert result.planner is not None and result.planner["surge_check_s"] == check_s
+        return next(d for d in result.planner["decisions"] if d["to"] > d["from"])
+
+    with_surge = first_growth(2.0)
+    without = first_growth(0.0)
+    assert without["t_s"] == 30.0  # the first interval after the step
+    assert 20.0 < float(with_surge["t_s"]) < 30.0  # type: ignore[arg-type]
+    assert str(with_surge["reason"]).startswith("sla surge")

@@ -8,6 +8,10 @@ the next interval tries again (a Scale refused with ABORTED, because the previou
 being applied, is simply retried). `kvmesh up --planner` runs the same loop (`PlannerLoop`)
 against its own supervisor.
 
+Between intervals, every `--surge-check-s` (sla), the loop scrapes again and lets the planner's
+surge check (`Planner.surge`, over the window since the last scrape) grow a pool the load
+already outgrew; a surge never shrinks a pool.
+
 Connectors (`--connector`): `grpc` (a ScalingService: `--scaling-address`, e.g. `kvmesh up`'s
 control port), `kubernetes` (kvmesh.planner.kubernetes: the worker Deployments' scale
 subresource), `virtual` (kvmesh.planner.virtual: decisions published for an external system).
@@ -143,10 +147,38 @@ class PlannerLoop:
             await self.connector.scale(changes, f"planner: {reason}"[:500])
         return snap
 
+    async def surge_step(self, previous: Snapshot) -> Snapshot:
+        """One surge check between intervals: scrape, and grow the pools the load already
+        outgrew (kvmesh.planner.policy.Planner.surge). Returns the snapshot to compare with
+        next."""
+        snap = await self.scraper.scrape()
+        if self.planner is None:
+            return snap
+        pools = await self.connector.pools()
+        obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
+        decision = self.planner.surge(time.monotonic(), obs, pools)
+        changes = decision.changes(pools)
+        if changes:
+            for role, replicas in changes.items():
+                log.info(
+                    "planner: %s pool %d -> %d (%s)",
+                    role.value,
+                    pools[role].target,
+                    replicas,
+                    decision.reasons.get(role, ""),
+                )
+            self.decisions.append(decision)
+            reason = "; ".join(decision.reasons.get(r, "") for r in changes)
+            await self.connector.scale(changes, f"planner: {reason}"[:500])
+        return snap
+
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set."""
         previous: Snapshot | None = None
+        interval = self.config.adjustment_interval_s
+        check = self.config.surge_check_s if self.policy is PlannerPolicy.SLA else 0.0
         while not stop.is_set():
+            deadline = time.monotonic() + interval
             try:
                 previous = await self.step(previous)
                 self.steps["ok"] += 1
@@ -158,8 +190,16 @@ class PlannerLoop:
                     exc.message,
                     type(exc).__name__,
                 )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.adjustment_interval_s)
+            window = previous
+            while check > 0 and window is not None and deadline - time.monotonic() > check:
+                if await _stopped(stop, check):
+                    return
+                try:
+                    window = await self.surge_step(window)
+                except KvmeshError as exc:
+                    log.warning("planner: surge check: %s (%s)", exc.message, type(exc).__name__)
+            if await _stopped(stop, max(0.0, deadline - time.monotonic())):
+                return
 
     async def close(self) -> None:
         await self.scraper.close()
@@ -195,6 +235,13 @@ class PlannerLoop:
         for result, n in self.steps.items():
             steps.add_metric([result], n)
         yield from (target, capacity, predicted, steps)
+
+
+async def _stopped(stop: asyncio.Event, wait_s: float) -> bool:
+    """Wait up to `wait_s` for `stop`; whether it is set."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), wait_s)
+    return stop.is_set()
 
 
 async def serve_status(loop: PlannerLoop, host: str, port: int) -> web.AppRunner:
