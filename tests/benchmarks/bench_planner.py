@@ -9,8 +9,9 @@ with the exact command line of the issue's contract:
 
   * static pools of N workers, N going up until the pool meets the SLO for >= 95 % of the
     requests (the smallest such pool is the reference);
-  * the SLA planner (its defaults: Kalman predictor, the mocker's profile measured in virtual
-    time), min 1 worker, max 2x the reference;
+  * the SLA planner (its defaults: Kalman predictor, surge checks every 2 s, the mocker's
+    profile measured in virtual time), min 1 worker, max 2x the first guess; and the same
+    without its surge checks (`--surge-check-s 0`), to show what they change;
   * the reactive baseline (`--planner queue`, HPA/KEDA on in-flight requests per worker), with
     the target a load test would set: the requests one worker holds in flight at the SLO, per
     the same profile (and, for the record, half and twice that).
@@ -173,6 +174,7 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     planned = ["--min-workers", "1", "--max-workers", str(2 * guess),
                "--worker-startup-s", str(case.startup_s)]  # fmt: skip
     sla_f = pool.submit(replay, case, path, "--planner", "sla", *planned)
+    plain_f = pool.submit(replay, case, path, "--planner", "sla", *planned, "--surge-check-s", "0")
     targets = [target] if case.held_out else [target, round(target / 2, 1), round(target * 2, 1)]
     queue_f = {
         t: pool.submit(replay, case, path, "--planner", "queue", *planned, "--queue-target", str(t))
@@ -193,6 +195,7 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     ref_n = min(meets)
     ref = static[ref_n]
     sla = sla_f.result()
+    plain = plain_f.result()
     queues = {t: f.result() for t, f in queue_f.items()}
     pool.shutdown()
     runs = [dict(ref, mode=f"static {ref_n}"), dict(sla, mode="sla planner"),
@@ -204,6 +207,7 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
         "static": static,
         "ref_n": ref_n,
         "sla": sla,
+        "sla_no_surge": plain,
         "queues": queues,
         "queue_target": target,
     }
@@ -226,6 +230,7 @@ def table(results: list[dict[str, Any]]) -> str:
         rows = [(f"static {n}" + (" (ref)" if n == res["ref_n"] else ""), r)
                 for n, r in sorted(res["static"].items())]  # fmt: skip
         rows.append(("SLA planner", res["sla"]))
+        rows.append(("SLA planner, no surge checks", res["sla_no_surge"]))
         rows += [(f"queue, target {t:g}" + (" (load test)" if t == res["queue_target"] else ""),
                   r) for t, r in res["queues"].items()]  # fmt: skip
         for i, (policy, r) in enumerate(rows):
