@@ -265,7 +265,8 @@ def test_a_hung_worker_process_is_replaced(up_factory: list[Up]) -> None:
     (worker,) = up.children - {frontend_pid}
     os.kill(worker, signal.SIGSTOP)
     poll(lambda: not _alive({worker}), 30, "the hung worker to be killed")
-    assert "stopped answering health checks" in up.output()
+    # Said before the kill; the thread reading up's output may not have read it yet.
+    poll(lambda: "stopped answering health checks" in up.output(), 10, "the kill to be told")
     poll(lambda: len(_children(up.proc.pid)) == 2, 30, "a replacement worker")
     poll(lambda: frontend_ready(up.port), 60, "the mesh to serve again")
     stream = Stream(up.port, 20)

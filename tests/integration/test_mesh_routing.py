@@ -7,7 +7,8 @@ registry `kvmesh up` uses.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import shutil
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,12 @@ from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import RouterMode, SimpleRouter
-from kvmesh.router.service import ROUTER_SERVICE, RemoteRouter, RouterServicer
+from kvmesh.router.service import (
+    ROUTER_SERVICE,
+    RemoteRouter,
+    RouterServicer,
+    serve_when_routable,
+)
 from kvmesh.runtime import errors, wire
 from kvmesh.runtime.discovery import FileDiscovery, StaticDiscovery
 from kvmesh.runtime.grpcutil import GrpcServer, insecure_channel
@@ -147,6 +153,7 @@ async def test_router_service_route_list_and_proxy(workers: list[Worker], tmp_pa
         await front_pool.wait_for(2, timeout_s=10)
         remote = RemoteRouter(server.address, front_pool)
         backend = MeshBackend(front_pool, remote)
+        await poll_until(backend.ready)  # the service is SERVING: its pool has both workers
         assert len(await run(backend, request("q"))) == 3
         await remote.close()
         await front_pool.stop()
@@ -229,3 +236,51 @@ async def test_a_dead_worker_is_retried_elsewhere_and_avoided(
     dead = next(w for w in pool.workers() if w.worker_id == "w0")
     assert dead.down_until > 0
     await pool.stop()
+
+
+async def poll_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():  # noqa: ASYNC110 (the checks read state other tasks update)
+            await asyncio.sleep(0.02)
+
+
+async def test_a_router_service_is_ready_only_with_a_worker(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    """A gateway using a router service is not ready (/health 503) while that service has not
+    joined a worker: otherwise it would answer 503 "no workers" to requests it took."""
+    registry = tmp_path / "registry"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    router_pool = WorkerPool(FileDiscovery(empty, poll_s=0.05))
+    await router_pool.start()
+    server = GrpcServer()
+    server.add(
+        rpb_grpc.add_RouterServiceServicer_to_server,
+        RouterServicer(router_pool, SimpleRouter(router_pool)),
+        ROUTER_SERVICE,
+    )
+    await server.start()
+    routable = asyncio.create_task(serve_when_routable(server, router_pool))
+    front_pool = WorkerPool(FileDiscovery(registry, poll_s=0.05))
+    await front_pool.start()
+    await front_pool.wait_for(2, timeout_s=10)
+    remote = RemoteRouter(server.address, front_pool)
+    backend = MeshBackend(front_pool, remote)
+    try:
+        await asyncio.sleep(0.5)  # the health watch has answered by now
+        assert not remote.ready() and not backend.ready()
+        # The router's pool joins the workers (their registry entries appear where it looks).
+        for entry in registry.glob("worker.*.json"):
+            shutil.copy(entry, empty / entry.name)
+        await poll_until(backend.ready)
+        assert len(await run(backend, request("q"))) == 3
+        # The router service goes away: the gateway is no longer ready.
+        await server.stop(0)
+        await poll_until(lambda: not backend.ready())
+    finally:
+        routable.cancel()
+        await remote.close()
+        await front_pool.stop()
+        await router_pool.stop()
+        await server.stop(0)

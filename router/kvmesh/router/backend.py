@@ -34,7 +34,7 @@ import grpc
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.router.admission import Admission, AdmissionConfig
 from kvmesh.router.pool import WorkerHandle, WorkerPool
-from kvmesh.router.routing import RouteDecision, Router
+from kvmesh.router.routing import RouteDecision, Router, router_ready
 from kvmesh.router.session import MAX_BUFFERED_OUTPUTS, RequestPaused, WorkerLost
 from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
@@ -283,8 +283,11 @@ class MeshBackend:
 
     def ready(self) -> bool:
         """A worker that can generate is live and answering (prefill-only workers cannot serve
-        alone; ejected and draining workers take no new work)."""
-        return any(w.info.role is not Role.PREFILL and w.available for w in self.pool.workers())
+        alone; ejected and draining workers take no new work), and the router can route (a
+        router service has joined one too)."""
+        return router_ready(self.router) and any(
+            w.info.role is not Role.PREFILL and w.available for w in self.pool.workers()
+        )
 
     def models(self) -> list[ModelInfo]:
         """The served models' cards; each lists the LoRA adapters loaded on any of its workers."""

@@ -6,6 +6,8 @@ Its flags are RouterServerConfig's and MeshConfig's but `--router-address` (`ENT
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -13,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.router.metrics import PoolCollector, register_router_metrics
-from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
+from kvmesh.router.service import ROUTER_SERVICE, RouterServicer, serve_when_routable
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args, opt
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
@@ -56,8 +58,10 @@ async def serve_router(
         register_router_metrics(registry, router)
         registry.register(PoolCollector(pool))
         metrics = MetricsServer(registry, config.host, config.metrics_port)
+    routable: asyncio.Task[None] | None = None
     try:
         await server.start()
+        routable = asyncio.create_task(serve_when_routable(server, pool), name="routable")
         if metrics is not None:
             await metrics.start()
         log.info(
@@ -70,6 +74,10 @@ async def serve_router(
         await server.set_serving(False)
         await server.stop(2.0)
     finally:
+        if routable is not None:
+            routable.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await routable
         if metrics is not None:
             await metrics.stop()
         await close_router(router)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -200,6 +200,13 @@ class WorkerPool:
         """A live worker's card changed (a LoRA adapter was loaded or unloaded through it)."""
         if self._workers.get(handle.instance_id) is handle:
             handle.info = info
+
+    async def watch_workers(self) -> AsyncIterator[list[WorkerHandle]]:
+        """The live workers now, then again after every join or leave."""
+        while True:
+            self._changed.clear()
+            yield self.workers()
+            await self._changed.wait()
 
     async def wait_for(self, count: int, timeout_s: float = 30.0) -> None:
         """Wait until at least `count` workers are live."""

@@ -228,6 +228,13 @@ def pick_simple(
     raise ValueError(f"{mode.value} is not a simple routing policy")
 
 
+def router_ready(router: Router) -> bool:
+    """Whether `router` can route now: a router service (RemoteRouter) reports SERVING once it
+    has joined a worker that can generate; routers in this process always can."""
+    ready = getattr(router, "ready", None)
+    return True if ready is None else bool(ready())
+
+
 class SimpleRouter:
     """Round-robin, random or least-loaded (fewest requests in flight from this process),
     chosen by `pick_simple`; round-robin keeps one counter per model."""

@@ -10,6 +10,7 @@ without other changes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import RouteDecision, Router
 from kvmesh.runtime import wire
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
-from kvmesh.runtime.grpcutil import error_from_rpc, mesh_channel
+from kvmesh.runtime.grpcutil import GrpcServer, error_from_rpc, mesh_channel, watch_health
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import Role
 
@@ -160,11 +161,25 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):
         return rpb.ListWorkersResponse(workers=infos)
 
 
+async def serve_when_routable(server: GrpcServer, pool: WorkerPool) -> None:
+    """Keep the service's health SERVING only while its pool has a worker that can generate
+    (prefill-only workers cannot serve alone): gateways using this router count it ready then,
+    so none answers 503 while this router has not joined the workers yet."""
+    serving: bool | None = None
+    async for workers in pool.watch_workers():
+        now = any(w.info.role is not Role.PREFILL for w in workers)
+        if now != serving:
+            serving = now
+            await server.set_serving(now)
+
+
 class RemoteRouter:
     """Router interface backed by a `kvmesh router` service.
 
     Decisions come from the service; the worker handles (channels, model cards) come from the
-    frontend's own WorkerPool, keyed by worker id. The channel to the service authenticates as
+    frontend's own WorkerPool, keyed by worker id. `ready()` follows the service's health: it
+    is SERVING once the service has joined a worker that can generate. Construct it on the
+    event loop; `close()` when done. The channel to the service authenticates as
     the pool's (`pool.security`).
     """
 
@@ -173,6 +188,28 @@ class RemoteRouter:
         self._channel = mesh_channel(address, pool.security)
         self._stub = rpb_grpc.RouterServiceStub(self._channel)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._serving = False
+        self._health = asyncio.get_running_loop().create_task(
+            self._follow_health(), name="router-health"
+        )
+
+    def ready(self) -> bool:
+        """Whether the router service reports SERVING (it has joined a worker that can
+        generate), as its grpc.health.v1 Watch last said."""
+        return self._serving
+
+    async def _follow_health(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                async for serving in watch_health(self._channel):
+                    self._serving = serving
+                    delay = 0.05
+            except grpc.aio.AioRpcError:
+                pass
+            self._serving = False  # the service went away: not ready until it answers again
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def route(
         self,
@@ -229,5 +266,8 @@ class RemoteRouter:
         self._report(request_id, rpb.REQUEST_STATE_FINISHED)
 
     async def close(self) -> None:
-        """Close the channel to the router service."""
+        """Stop following the service's health and close the channel to it."""
+        self._health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._health
         await self._channel.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -221,11 +222,13 @@ def _wrap_unary(
     return call
 
 
-def _wrap_stream(
-    fn: Callable[..., Any], authorize: Authorize | None
-) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(fn: Callable[..., Any], authorize: Authorize | None) -> Callable[..., Any]:
     # `fn` is an async generator method of a grpc.aio servicer (grpc's stubs type handlers as
-    # the sync API's iterators).
+    # the sync API's iterators), or a coroutine that writes with context.write (grpc's own
+    # Health.Watch), wrapped as a unary handler is.
+    if not inspect.isasyncgenfunction(fn):
+        return _wrap_unary(fn, authorize)
+
     async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             if authorize is not None:
@@ -374,6 +377,19 @@ async def check_health(channel: grpc.aio.Channel, timeout_s: float) -> bool:
 
 
 # --- security ---------------------------------------------------------------------------------
+
+
+async def watch_health(channel: grpc.aio.Channel) -> AsyncIterator[bool]:
+    """The standard grpc.health.v1 Watch of the server behind `channel`: whether it is SERVING,
+    now and at every change. Ends (or raises AioRpcError) when the server goes away."""
+    watch = channel.unary_stream(
+        "/grpc.health.v1.Health/Watch",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    async for resp in watch(health_pb2.HealthCheckRequest()):
+        yield resp.status == health_pb2.HealthCheckResponse.SERVING
+
 
 HEALTH_METHODS = f"/{health.SERVICE_NAME}/"
 """Method-name prefix of grpc.health.v1: probes call it without a mesh token."""
