@@ -31,7 +31,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -42,7 +42,7 @@ from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.connectors import Connector, GrpcConnector
 from kvmesh.planner.kubernetes import KubernetesConfig, KubernetesConnector
 from kvmesh.planner.metrics import MetricsScraper, Snapshot, observation
-from kvmesh.planner.policy import Decision, Planner
+from kvmesh.planner.policy import Decision, Planner, PoolState
 from kvmesh.planner.profile import PerfProfile
 from kvmesh.planner.virtual import VirtualConfig, VirtualConnector
 from kvmesh.runtime.config import Flags, from_args, opt
@@ -51,6 +51,7 @@ from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.process import Entry, run, wait_for_signal
 from kvmesh.runtime.telemetry import Span, TracingConfig, setup_tracing, shutdown_tracing, tracer
 from kvmesh.runtime.tls import TlsConfig
+from kvmesh.runtime.types import Role
 
 __all__ = ["ENTRY", "ConnectorKind", "PlannerLoop", "PlannerProcessConfig"]
 
@@ -130,21 +131,7 @@ class PlannerLoop:
         obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
         decision = self.planner.decide(time.monotonic(), obs, pools)
         self.decisions.append(decision)
-        changes = decision.changes(pools)
-        if changes:
-            for role, replicas in changes.items():
-                log.info(
-                    "planner: %s pool %d -> %d (%s)",
-                    role.value,
-                    pools[role].target,
-                    replicas,
-                    decision.reasons.get(role, ""),
-                )
-            reason = "; ".join(decision.reasons.get(r, "") for r in changes)
-            for role, replicas in changes.items():
-                span.set(f"kvmesh.planner.{role.value}.replicas", replicas)
-            span.set("kvmesh.planner.reason", reason)
-            await self.connector.scale(changes, f"planner: {reason}"[:500])
+        await self._scale(decision, pools, span)
         return snap
 
     async def surge_step(self, previous: Snapshot) -> Snapshot:
@@ -157,20 +144,33 @@ class PlannerLoop:
         pools = await self.connector.pools()
         obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
         decision = self.planner.surge(time.monotonic(), obs, pools)
-        changes = decision.changes(pools)
-        if changes:
-            for role, replicas in changes.items():
-                log.info(
-                    "planner: %s pool %d -> %d (%s)",
-                    role.value,
-                    pools[role].target,
-                    replicas,
-                    decision.reasons.get(role, ""),
-                )
-            self.decisions.append(decision)
-            reason = "; ".join(decision.reasons.get(r, "") for r in changes)
-            await self.connector.scale(changes, f"planner: {reason}"[:500])
+        if decision.changes(pools):
+            if self.decisions:  # the target gauges follow the surge
+                self.decisions[-1].targets.update(decision.targets)
+            span = tracer().start("plan", None, attributes={"kvmesh.planner.surge": True})
+            try:
+                await self._scale(decision, pools, span)
+            finally:
+                span.end()
         return snap
+
+    async def _scale(self, decision: Decision, pools: Mapping[Role, PoolState], span: Span) -> None:
+        """Log and apply the pools `decision` changes (their sizes and why, on `span`)."""
+        changes = decision.changes(pools)
+        if not changes:
+            return
+        for role, replicas in changes.items():
+            log.info(
+                "planner: %s pool %d -> %d (%s)",
+                role.value,
+                pools[role].target,
+                replicas,
+                decision.reasons.get(role, ""),
+            )
+            span.set(f"kvmesh.planner.{role.value}.replicas", replicas)
+        reason = "; ".join(decision.reasons.get(r, "") for r in changes)
+        span.set("kvmesh.planner.reason", reason)
+        await self.connector.scale(changes, f"planner: {reason}"[:500])
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set."""
