@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from kvmesh.planner.config import PlannerPolicy
 from kvmesh.planner.drain import DrainCandidate, drain_order
 from kvmesh.planner.policy import Decision, Observation, Planner, PoolState
 from kvmesh.planner.profile import PerfProfile
@@ -136,6 +137,9 @@ class PlannedReplay(AggregatedReplay):
         """The window since the last surge check or tick."""
         self.meters = (self.meter, self.check_meter)
         self.last_check = 0.0
+        sla = config.planner is PlannerPolicy.SLA
+        self.check_s = self.settings.surge_check_s if sla else 0.0
+        """Surge checks (sla only: the queue baseline acts on its own period, as live)."""
         self.samples: list[ReplicaSample] = []
         self.decisions: list[dict[str, Any]] = []
         self.peak = self.serving
@@ -169,7 +173,7 @@ class PlannedReplay(AggregatedReplay):
         """The next tick, and the surge checks before it."""
         c = self.cluster
         interval = self.settings.adjustment_interval_s
-        check = self.settings.surge_check_s
+        check = self.check_s
         if check > 0:
             k = 1
             while k * check < interval - 1e-9:
@@ -333,7 +337,7 @@ def simulate_planned(
         "worker_startup_s": settings.worker_startup_s,
         "adjustment_interval_s": settings.adjustment_interval_s,
         "predictor": settings.predictor.value,
-        "surge_check_s": settings.surge_check_s,
+        "surge_check_s": replay.check_s,
         "workers_started": len(cluster.workers),
         "scale_events": len(replay.decisions),
         "decisions": replay.decisions,
