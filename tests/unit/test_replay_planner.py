@@ -26,7 +26,7 @@ from kvmesh.sim.planned import PlannedReplay, simulate_planned
 from kvmesh.sim.policies import make_policy
 from kvmesh.sim.profiler import profile_mocker
 from kvmesh.sim.replay import simulate
-from kvmesh.sim.reshape import day_rate, reshape_day
+from kvmesh.sim.reshape import DayShape, day_rate, reshape_day
 from kvmesh.sim.results import ModeResult
 from kvmesh.sim.trace import Trace, TraceRequest, write_trace
 from kvmesh.workers.mocker import PolynomialTiming
@@ -252,3 +252,22 @@ def test_surge_check_grows_the_pool_between_intervals() -> None:
     assert without["t_s"] == 30.0  # the first interval after the step
     assert 20.0 < float(with_surge["t_s"]) < 30.0  # type: ignore[arg-type]
     assert str(with_surge["reason"]).startswith("sla surge")
+
+
+def test_reshape_shapes() -> None:
+    def rate(t: float, shape: DayShape) -> float:
+        return day_rate(t, 100.0, 2.0, 20.0, shape)
+
+    two = DayShape.TWO_PEAKS
+    assert rate(25.0, two) == pytest.approx(20.0) == rate(75.0, two)
+    assert rate(50.0, two) == pytest.approx(2.0)
+    ramp = DayShape.RAMP
+    assert [rate(t, ramp) for t in (10.0, 25.0, 45.0, 65.0, 90.0)] == pytest.approx(
+        [2.0, 11.0, 20.0, 11.0, 2.0]
+    )
+    flash = DayShape.FLASH
+    assert [rate(t, flash) for t in (39.9, 40.0, 49.9, 50.0)] == [2.0, 20.0, 20.0, 2.0]
+    source = _trace([(0.0, 100, 10)] * 50)
+    day = reshape_day(source, duration_s=100.0, low_rps=1.0, peak_rps=30.0, shape=flash, seed=2)
+    inside = sum(1 for r in day.requests if 40e3 <= r.timestamp_ms < 50e3)
+    assert inside > 0.6 * len(day.requests)  # the crowd: 300 of ~390 arrivals in 10 % of the day
