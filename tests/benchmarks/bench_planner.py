@@ -9,11 +9,18 @@ with the exact command line of the issue's contract:
 
   * static pools of N workers, N going up until the pool meets the SLO for >= 95 % of the
     requests (the smallest such pool is the reference);
-  * the SLA planner (its defaults: Kalman predictor, the mocker's profile measured in virtual
-    time), min 1 worker, max 2x the reference;
+  * the SLA planner (its defaults: Kalman predictor, surge checks every 2 s, the mocker's
+    profile measured in virtual time), min 1 worker, max 2x the first guess; and the same
+    without its surge checks (`--surge-check-s 0`), to show what they change;
   * the reactive baseline (`--planner queue`, HPA/KEDA on in-flight requests per worker), with
     the target a load test would set: the requests one worker holds in flight at the SLO, per
     the same profile (and, for the record, half and twice that).
+
+Held-out cases (`--traces held-out`, or any of their keys): other day shapes (`kvmesh reshape
+--shape two-peaks|ramp|flash`), the Azure code trace and a generated multi-tenant workload
+(`kvmesh workload --kind tenants`), run with the planner defaults exactly as fixed on the two
+cases above (nothing is tuned on them); their queue baseline runs at the load-test target only,
+and their static search starts from the profile's estimate of the peak's pool.
 
 Prints a Markdown table (SLO attainment, worker-hours, ratio to the reference) and writes a
 PNG per trace (load, replicas, latency over the day). About 10-30 minutes on 2 cores.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -34,11 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.planner.model import WorkerModel
+from kvmesh.runtime.errors import Unimplemented
 from kvmesh.runtime.types import Role
 from kvmesh.sim.main import write_timeline_plot
 from kvmesh.sim.profiler import profile_mocker
-from kvmesh.sim.reshape import reshape_day
-from kvmesh.sim.trace import load_trace, write_trace
+from kvmesh.sim.reshape import DayShape, reshape_day
+from kvmesh.sim.trace import Trace, load_trace, write_trace
+from kvmesh.sim.workloads import WorkloadConfig, WorkloadKind, generate
 from kvmesh.workers.mocker.config import MockerConfig
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "ref" / "traces"
@@ -55,7 +65,12 @@ class Case:
     itl_slo_ms: float
     startup_s: float
     first_guess: int
-    """Static pool size to start the search from (the search goes up, and down if it passes)."""
+    """Static pool size to start the search from (the search goes up, and down if it passes);
+    0: the profile's estimate for the peak."""
+    shape: DayShape = DayShape.DAY
+    held_out: bool = False
+    """Run with the defaults fixed on the other cases; the queue baseline at its load-test
+    target only."""
 
 
 CASES = {
@@ -71,7 +86,37 @@ CASES = {
         "Mooncake synthetic (day)", "mooncake_synthetic_trace.jsonl", 600.0, 0.8, 16.0,
         3000.0, 30.0, 10.0, 8,
     ),
+    # held out: defaults fixed before these ran
+    "conv-2peaks": Case(
+        "Azure conv (two peaks)", "AzureLLMInferenceTrace_conv.csv", 400.0, 5.0, 100.0,
+        250.0, 15.0, 10.0, 0, DayShape.TWO_PEAKS, True,
+    ),
+    "conv-flash": Case(
+        "Azure conv (flash crowd)", "AzureLLMInferenceTrace_conv.csv", 300.0, 5.0, 60.0,
+        250.0, 15.0, 10.0, 0, DayShape.FLASH, True,
+    ),
+    "code-ramp": Case(
+        "Azure code (sharp ramps)", "AzureLLMInferenceTrace_code.csv", 300.0, 4.0, 60.0,
+        300.0, 15.0, 10.0, 0, DayShape.RAMP, True,
+    ),
+    "mooncake-2peaks": Case(
+        "Mooncake synthetic (two peaks)", "mooncake_synthetic_trace.jsonl", 600.0, 0.8, 16.0,
+        3000.0, 30.0, 10.0, 0, DayShape.TWO_PEAKS, True,
+    ),
+    "tenants-day": Case(
+        "generated multi-tenant (day)", "workload:tenants", 400.0, 1.0, 12.0,
+        2000.0, 30.0, 10.0, 0, DayShape.DAY, True,
+    ),
 }  # fmt: skip
+HELD_OUT = [k for k, c in CASES.items() if c.held_out]
+
+
+def source_trace(case: Case) -> Trace:
+    """The case's source requests: a shared trace, or `workload:KIND` generated (seed 0)."""
+    if case.source.startswith("workload:"):
+        kind = WorkloadKind(case.source.split(":", 1)[1])
+        return generate(WorkloadConfig(kind=kind, requests=4000, seed=0))
+    return load_trace(str(TRACES / case.source))
 
 
 def replay(case: Case, day: Path, *extra: str) -> dict[str, Any]:
@@ -92,9 +137,10 @@ def replay(case: Case, day: Path, *extra: str) -> dict[str, Any]:
     return row
 
 
-def queue_target(case: Case, day_path: Path) -> float:
-    """In-flight requests one worker holds at the SLO (mean ISL/OSL of the day), per the
-    mocker's profile: what a load test would give an HPA/KEDA setup as its target."""
+def one_worker(case: Case, day_path: Path) -> tuple[float, float]:
+    """Per the mocker's profile at the day's mean ISL/OSL: the requests/s one worker serves at
+    the SLO, and the requests it then holds in flight (what a load test would give an
+    HPA/KEDA setup as its target)."""
     trace = load_trace(str(day_path))
     isl = sum(r.input_length for r in trace.requests) / len(trace.requests)
     osl = sum(r.max_tokens for r in trace.requests) / len(trace.requests)
@@ -104,16 +150,17 @@ def queue_target(case: Case, day_path: Path) -> float:
     )
     cap = model.capacity(isl, osl, case.ttft_slo_ms, case.itl_slo_ms)
     lat = model.latency(cap, isl, osl)
-    return max(1.0, round(cap * (lat.ttft_ms + (osl - 1) * lat.itl_ms) / 1e3, 1))
+    return cap, max(1.0, round(cap * (lat.ttft_ms + (osl - 1) * lat.itl_ms) / 1e3, 1))
 
 
 def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     day = reshape_day(
-        load_trace(str(TRACES / case.source)),
+        source_trace(case),
         duration_s=case.duration_s,
         low_rps=case.low_rps,
         peak_rps=case.peak_rps,
         seed=0,
+        shape=case.shape,
     )
     path = out / f"{key}_day.jsonl"
     write_trace(day, str(path))
@@ -123,17 +170,20 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     # the smallest pool meeting the SLO for >= 95 %; the planned runs go alongside it, their
     # maximum 2x the first guess.
     pool = ThreadPoolExecutor(jobs)
-    planned = ["--min-workers", "1", "--max-workers", str(2 * case.first_guess),
+    cap, target = one_worker(case, path)
+    guess = case.first_guess or max(1, math.ceil(case.peak_rps / cap))
+    planned = ["--min-workers", "1", "--max-workers", str(2 * guess),
                "--worker-startup-s", str(case.startup_s)]  # fmt: skip
-    target = queue_target(case, path)
     sla_f = pool.submit(replay, case, path, "--planner", "sla", *planned)
+    plain_f = pool.submit(replay, case, path, "--planner", "sla", *planned, "--surge-check-s", "0")
+    targets = [target] if case.held_out else [target, round(target / 2, 1), round(target * 2, 1)]
     queue_f = {
         t: pool.submit(replay, case, path, "--planner", "queue", *planned, "--queue-target", str(t))
-        for t in (target, round(target / 2, 1), round(target * 2, 1))
+        for t in targets
     }
     static_f = {
         n: pool.submit(replay, case, path, "--workers", str(n))
-        for n in range(max(1, case.first_guess - 1), case.first_guess + 2)
+        for n in range(max(1, guess - 1), guess + 2)
     }
     static: dict[int, dict[str, Any]] = {}
     while True:
@@ -146,17 +196,22 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     ref_n = min(meets)
     ref = static[ref_n]
     sla = sla_f.result()
+    plain = plain_f.result()
     queues = {t: f.result() for t, f in queue_f.items()}
     pool.shutdown()
     runs = [dict(ref, mode=f"static {ref_n}"), dict(sla, mode="sla planner"),
             dict(queues[target], mode=f"queue (target {target:g})")]  # fmt: skip
-    write_timeline_plot(runs, str(out / f"{key}_day.png"), title=case.name)
+    try:
+        write_timeline_plot(runs, str(out / f"{key}_day.png"), title=case.name)
+    except Unimplemented as exc:  # no matplotlib: the table still comes
+        print(f"  no plot: {exc.message}", file=sys.stderr)
     return {
         "case": case,
         "requests": len(day.requests),
         "static": static,
         "ref_n": ref_n,
         "sla": sla,
+        "sla_no_surge": plain,
         "queues": queues,
         "queue_target": target,
     }
@@ -171,13 +226,15 @@ def table(results: list[dict[str, Any]]) -> str:
         case: Case = res["case"]
         ref = res["static"][res["ref_n"]]
         name = (
-            f"{case.name}: {res['requests']} req, {case.low_rps:g}->{case.peak_rps:g}->"
-            f"{case.low_rps:g} req/s over {case.duration_s:g} s; TTFT <= {case.ttft_slo_ms:g} "
-            f"ms, ITL <= {case.itl_slo_ms:g} ms, start-up {case.startup_s:g} s"
+            f"{'(held out) ' if case.held_out else ''}{case.name}: {res['requests']} req, "
+            f"{case.low_rps:g}->{case.peak_rps:g}->{case.low_rps:g} req/s over "
+            f"{case.duration_s:g} s; TTFT <= {case.ttft_slo_ms:g} ms, ITL <= "
+            f"{case.itl_slo_ms:g} ms, start-up {case.startup_s:g} s"
         )
         rows = [(f"static {n}" + (" (ref)" if n == res["ref_n"] else ""), r)
                 for n, r in sorted(res["static"].items())]  # fmt: skip
         rows.append(("SLA planner", res["sla"]))
+        rows.append(("SLA planner, no surge checks", res["sla_no_surge"]))
         rows += [(f"queue, target {t:g}" + (" (load test)" if t == res["queue_target"] else ""),
                   r) for t, r in res["queues"].items()]  # fmt: skip
         for i, (policy, r) in enumerate(rows):
@@ -191,12 +248,21 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default="/tmp/planner-bench", help="days, plots, results")
-    parser.add_argument("--traces", default="conv,mooncake", help=f"of {', '.join(CASES)}")
+    parser.add_argument(
+        "--traces",
+        default="conv,mooncake",
+        help=f"of {', '.join(CASES)}; held-out: {', '.join(HELD_OUT)}",
+    )
     parser.add_argument("--jobs", type=int, default=4, help="replays run at once")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [run_case(k, CASES[k], out, args.jobs) for k in args.traces.split(",")]
+    names = args.traces.split(",")
+    keys = [k for name in names for k in (HELD_OUT if name == "held-out" else [name])]
+    unknown = [k for k in keys if k not in CASES]
+    if unknown:
+        parser.error(f"unknown case {', '.join(unknown)}: of {', '.join(CASES)}, held-out")
+    results = [run_case(k, CASES[k], out, args.jobs) for k in keys]
     text = table(results)
     (out / "results.md").write_text(text + "\n")
     (out / "results.json").write_text(

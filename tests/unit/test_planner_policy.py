@@ -240,3 +240,61 @@ def test_drain_order_prefers_the_least_cached_value() -> None:
         ]
     )
     assert [c.worker_id for c in order] == ["booting-new", "booting", "cold-idle", "cold", "hot"]
+
+
+def test_surge_grows_an_overloaded_pool_between_intervals() -> None:
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    one = PoolState(AGG, target=1, ready=1)
+    assert planner.decide(10.0, obs(0.5 * cap), {AGG: one}).targets[AGG] == 1
+    # 2 s later the arrivals run at 6 workers' worth: grown now, not at the next interval
+    d = planner.surge(12.0, obs(6 * cap, interval=2.0), {AGG: one})
+    assert 5 <= d.targets[AGG] <= 6 and d.reasons[AGG].startswith("sla surge")
+    grown = PoolState(AGG, target=d.targets[AGG], ready=1, starting=d.targets[AGG] - 1)
+    # the same load with those workers starting: not asked for again
+    assert planner.surge(14.0, obs(6 * cap, interval=2.0), {AGG: grown}).targets == {}
+    # a calm window changes nothing (a surge never shrinks)
+    assert planner.surge(16.0, obs(0.1 * cap, interval=2.0), {AGG: grown}).targets == {}
+    # and what the surge asked for holds through the stabilization window (30 s)
+    ready = PoolState(AGG, target=d.targets[AGG], ready=d.targets[AGG])
+    assert planner.decide(20.0, obs(0.5 * cap), {AGG: ready}).targets[AGG] == d.targets[AGG]
+    assert planner.decide(50.0, obs(0.5 * cap), {AGG: ready}).targets[AGG] == 1
+
+
+def test_surge_reads_queued_work_and_latency_but_not_noise() -> None:
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    four = PoolState(AGG, target=4, ready=4)
+
+    def surge(o: Observation) -> dict[Role, int]:
+        planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+        planner.decide(10.0, obs(3 * cap), {AGG: four})
+        return planner.surge(12.0, o, {AGG: four}).targets
+
+    assert surge(obs(3 * cap, interval=2.0)) == {}  # the load it was sized for
+    assert surge(obs(3 * cap, interval=2.0, inflight=5000))[AGG] > 4  # queued work
+    assert surge(obs(3 * cap, interval=2.0, itl_ms=40.0))[AGG] > 4  # ITL over the target
+    slow = {"first_tokens": 50.0, "ttft_tail_ms": 900.0}
+    assert surge(obs(3 * cap, interval=2.0, **slow))[AGG] > 4  # TTFT tail over the target
+    # a short window: 3 arrivals where 2 were expected is noise, not a surge
+    small = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    small.decide(10.0, obs(0.9 * cap), {AGG: PoolState(AGG, 1, 1)})
+    blip = Observation(interval_s=0.2, requests=math.ceil(0.2 * 1.4 * cap), isl_mean=1000.0)
+    assert small.surge(10.2, blip, {AGG: PoolState(AGG, 1, 1)}).targets == {}
+
+
+def test_surge_respects_limits_and_the_queue_baseline_has_none() -> None:
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    planner = Planner(config(max_total_workers=5, max_workers=4), PlannerPolicy.SLA,
+                      [Role.PREFILL, Role.DECODE], PROFILE)  # fmt: skip
+    pools = {
+        Role.PREFILL: PoolState(Role.PREFILL, target=1, ready=1),
+        Role.DECODE: PoolState(Role.DECODE, target=1, ready=1),
+    }
+    planner.decide(10.0, obs(1.0), pools)
+    d = planner.surge(12.0, obs(50 * cap, interval=2.0), pools)
+    assert d.targets and all(n <= 4 for n in d.targets.values())
+    assert sum({**{r: s.target for r, s in pools.items()}, **d.targets}.values()) <= 5
+    queue = Planner(config(), PlannerPolicy.QUEUE, [AGG])
+    queue.decide(10.0, obs(1.0, inflight=8), {AGG: PoolState(AGG, 1, 1)})
+    big = obs(100.0, interval=2.0, inflight=5000)
+    assert queue.surge(12.0, big, {AGG: PoolState(AGG, 1, 1)}).targets == {}

@@ -26,7 +26,7 @@ from kvmesh.sim.planned import PlannedReplay, simulate_planned
 from kvmesh.sim.policies import make_policy
 from kvmesh.sim.profiler import profile_mocker
 from kvmesh.sim.replay import simulate
-from kvmesh.sim.reshape import day_rate, reshape_day
+from kvmesh.sim.reshape import DayShape, day_rate, reshape_day
 from kvmesh.sim.results import ModeResult
 from kvmesh.sim.trace import Trace, TraceRequest, write_trace
 from kvmesh.workers.mocker import PolynomialTiming
@@ -119,6 +119,9 @@ class Scripted:
         self.seen.append((now, obs, pool))
         target = self.plan.get(round(now, 6), pool.target)
         return Decision(targets={Role.AGGREGATED: target})
+
+    def surge(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision:
+        return Decision(targets={})  # only the scripted sizes, at the intervals
 
 
 def test_planned_pool_start_up_delay_and_drain_without_dropping_a_request() -> None:
@@ -220,3 +223,51 @@ def test_replay_planner_settings_are_checked() -> None:
                                     "--min-workers", "3", "--max-workers", "2"])  # fmt: skip
     with pytest.raises(ConfigError, match="min-workers"):
         from_args(PlannerConfig, ns)
+
+
+def test_surge_check_grows_the_pool_between_intervals() -> None:
+    # 2 req/s for 20 s, then a step to 40 req/s: the surge check sees it within seconds; without
+    # it the pool waits for the next interval (every 10 s)
+    rows = [(0.5 * i, 600, 20) for i in range(40)]
+    rows += [(20.0 + 0.025 * i, 600, 20) for i in range(800)]
+    trace = _trace(rows)
+
+    def first_growth(check_s: float) -> dict[str, object]:
+        settings = PlannerConfig(
+            ttft_slo_ms=250.0,
+            itl_slo_ms=15.0,
+            adjustment_interval_s=10.0,
+            worker_startup_s=5.0,
+            max_workers=12,
+            surge_check_s=check_s,
+        )
+        config = ReplayConfig(trace="step", planning=settings, planner=PlannerPolicy.SLA)
+        profile = profile_mocker(config.mocker, max_model_len=4096)
+        result = simulate_planned(trace, config, RouterMode.KV, profile)
+        assert result.planner is not None and result.planner["surge_check_s"] == check_s
+        return next(d for d in result.planner["decisions"] if d["to"] > d["from"])
+
+    with_surge = first_growth(2.0)
+    without = first_growth(0.0)
+    assert without["t_s"] == 30.0  # the first interval after the step
+    assert 20.0 < float(with_surge["t_s"]) < 30.0  # type: ignore[arg-type]
+    assert str(with_surge["reason"]).startswith("sla surge")
+
+
+def test_reshape_shapes() -> None:
+    def rate(t: float, shape: DayShape) -> float:
+        return day_rate(t, 100.0, 2.0, 20.0, shape)
+
+    two = DayShape.TWO_PEAKS
+    assert rate(25.0, two) == pytest.approx(20.0) == rate(75.0, two)
+    assert rate(50.0, two) == pytest.approx(2.0)
+    ramp = DayShape.RAMP
+    assert [rate(t, ramp) for t in (10.0, 25.0, 45.0, 65.0, 90.0)] == pytest.approx(
+        [2.0, 11.0, 20.0, 11.0, 2.0]
+    )
+    flash = DayShape.FLASH
+    assert [rate(t, flash) for t in (39.9, 40.0, 49.9, 50.0)] == [2.0, 20.0, 20.0, 2.0]
+    source = _trace([(0.0, 100, 10)] * 50)
+    day = reshape_day(source, duration_s=100.0, low_rps=1.0, peak_rps=30.0, shape=flash, seed=2)
+    inside = sum(1 for r in day.requests if 40e3 <= r.timestamp_ms < 50e3)
+    assert inside > 0.6 * len(day.requests)  # the crowd: 300 of ~390 arrivals in 10 % of the day

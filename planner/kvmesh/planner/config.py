@@ -46,6 +46,12 @@ class PlannerConfig:
         "sla: plan for the predicted rate plus this many times the RMS of how far past "
         "predictions fell short (more headroom while the load rises faster than predicted)",
     )
+    surge_check_s: float = opt(
+        2.0,
+        "sla: between intervals, this often, check whether the load already outgrew the pool "
+        "(latency over the targets, or arrivals / queued work beyond the pool's capacity, past "
+        "their noise) and grow it at once (never shrinks); 0: off",
+    )
     min_workers: int = opt(
         1, "fewest workers per pool; 0 lets an idle pool scale to zero (cold start)"
     )
@@ -99,5 +105,7 @@ class PlannerConfig:
             raise ValueError("--itl-headroom must be in (0, 1]")
         if not self.prediction_margin >= 0:
             raise ValueError("--prediction-margin must be >= 0")
+        if not (self.surge_check_s >= 0 and math.isfinite(self.surge_check_s)):
+            raise ValueError("--surge-check-s must be >= 0")
         if not self.queue_target > 0:
             raise ValueError("--queue-target must be > 0")

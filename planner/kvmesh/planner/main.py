@@ -8,6 +8,10 @@ the next interval tries again (a Scale refused with ABORTED, because the previou
 being applied, is simply retried). `kvmesh up --planner` runs the same loop (`PlannerLoop`)
 against its own supervisor.
 
+Between intervals, every `--surge-check-s` (sla), the loop scrapes again and lets the planner's
+surge check (`Planner.surge`, over the window since the last scrape) grow a pool the load
+already outgrew; a surge never shrinks a pool.
+
 Connectors (`--connector`): `grpc` (a ScalingService: `--scaling-address`, e.g. `kvmesh up`'s
 control port), `kubernetes` (kvmesh.planner.kubernetes: the worker Deployments' scale
 subresource), `virtual` (kvmesh.planner.virtual: decisions published for an external system).
@@ -27,7 +31,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -38,7 +42,7 @@ from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.connectors import Connector, GrpcConnector
 from kvmesh.planner.kubernetes import KubernetesConfig, KubernetesConnector
 from kvmesh.planner.metrics import MetricsScraper, Snapshot, observation
-from kvmesh.planner.policy import Decision, Planner
+from kvmesh.planner.policy import Decision, Planner, PoolState
 from kvmesh.planner.profile import PerfProfile
 from kvmesh.planner.virtual import VirtualConfig, VirtualConnector
 from kvmesh.runtime.config import Flags, from_args, opt
@@ -47,6 +51,7 @@ from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.process import Entry, run, wait_for_signal
 from kvmesh.runtime.telemetry import Span, TracingConfig, setup_tracing, shutdown_tracing, tracer
 from kvmesh.runtime.tls import TlsConfig
+from kvmesh.runtime.types import Role
 
 __all__ = ["ENTRY", "ConnectorKind", "PlannerLoop", "PlannerProcessConfig"]
 
@@ -126,27 +131,54 @@ class PlannerLoop:
         obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
         decision = self.planner.decide(time.monotonic(), obs, pools)
         self.decisions.append(decision)
-        changes = decision.changes(pools)
-        if changes:
-            for role, replicas in changes.items():
-                log.info(
-                    "planner: %s pool %d -> %d (%s)",
-                    role.value,
-                    pools[role].target,
-                    replicas,
-                    decision.reasons.get(role, ""),
-                )
-            reason = "; ".join(decision.reasons.get(r, "") for r in changes)
-            for role, replicas in changes.items():
-                span.set(f"kvmesh.planner.{role.value}.replicas", replicas)
-            span.set("kvmesh.planner.reason", reason)
-            await self.connector.scale(changes, f"planner: {reason}"[:500])
+        await self._scale(decision, pools, span)
         return snap
+
+    async def surge_step(self, previous: Snapshot) -> Snapshot:
+        """One surge check between intervals: scrape, and grow the pools the load already
+        outgrew (kvmesh.planner.policy.Planner.surge). Returns the snapshot to compare with
+        next."""
+        snap = await self.scraper.scrape()
+        if self.planner is None:
+            return snap
+        pools = await self.connector.pools()
+        obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
+        decision = self.planner.surge(time.monotonic(), obs, pools)
+        if decision.changes(pools):
+            if self.decisions:  # the target gauges follow the surge
+                self.decisions[-1].targets.update(decision.targets)
+            span = tracer().start("plan", None, attributes={"kvmesh.planner.surge": True})
+            try:
+                await self._scale(decision, pools, span)
+            finally:
+                span.end()
+        return snap
+
+    async def _scale(self, decision: Decision, pools: Mapping[Role, PoolState], span: Span) -> None:
+        """Log and apply the pools `decision` changes (their sizes and why, on `span`)."""
+        changes = decision.changes(pools)
+        if not changes:
+            return
+        for role, replicas in changes.items():
+            log.info(
+                "planner: %s pool %d -> %d (%s)",
+                role.value,
+                pools[role].target,
+                replicas,
+                decision.reasons.get(role, ""),
+            )
+            span.set(f"kvmesh.planner.{role.value}.replicas", replicas)
+        reason = "; ".join(decision.reasons.get(r, "") for r in changes)
+        span.set("kvmesh.planner.reason", reason)
+        await self.connector.scale(changes, f"planner: {reason}"[:500])
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set."""
         previous: Snapshot | None = None
+        interval = self.config.adjustment_interval_s
+        check = self.config.surge_check_s if self.policy is PlannerPolicy.SLA else 0.0
         while not stop.is_set():
+            deadline = time.monotonic() + interval
             try:
                 previous = await self.step(previous)
                 self.steps["ok"] += 1
@@ -158,8 +190,16 @@ class PlannerLoop:
                     exc.message,
                     type(exc).__name__,
                 )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.adjustment_interval_s)
+            window = previous
+            while check > 0 and window is not None and deadline - time.monotonic() > check:
+                if await _stopped(stop, check):
+                    return
+                try:
+                    window = await self.surge_step(window)
+                except KvmeshError as exc:
+                    log.warning("planner: surge check: %s (%s)", exc.message, type(exc).__name__)
+            if await _stopped(stop, max(0.0, deadline - time.monotonic())):
+                return
 
     async def close(self) -> None:
         await self.scraper.close()
@@ -195,6 +235,13 @@ class PlannerLoop:
         for result, n in self.steps.items():
             steps.add_metric([result], n)
         yield from (target, capacity, predicted, steps)
+
+
+async def _stopped(stop: asyncio.Event, wait_s: float) -> bool:
+    """Wait up to `wait_s` for `stop`; whether it is set."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), wait_s)
+    return stop.is_set()
 
 
 async def serve_status(loop: PlannerLoop, host: str, port: int) -> web.AppRunner:

@@ -20,6 +20,17 @@ Two policies compute the size each pool wants:
   * `QueuePolicy`: the reactive baseline, as KEDA/HPA scale on queue length: replicas *
     (in-flight requests per ready worker / `--queue-target`), unchanged within 10 %.
 
+Between intervals (`--surge-check-s`, sla only), `Planner.surge(now, observation, pools)` looks
+at the seconds since the last check and grows a pool at once when the load already outgrew it,
+instead of up to one interval later: when the arrivals plus the requests in flight beyond what
+the pool holds exceed what its ready and starting workers serve (at the capacity the last
+interval sized them with) by more than `SURGE_Z` Poisson standard deviations (a short window
+is noisy), to the workers that load needs; when the window's mean ITL is over what the pool is
+sized for (`--itl-headroom` x the target) or its TTFT tail over the target, by one worker.
+Starting workers count (a pool whose new workers are on the way is not asked for them again); a
+surge never shrinks a pool, and what it asked for enters the stabilization window below, so the
+next intervals do not take it back before the window has passed (the hysteresis both ways).
+
 `Planner` then applies what both share: the per-pool minimum and maximum, the scale-down
 stabilization window (a pool shrinks only to the largest size wanted over the last
 `--scale-down-delay-s`, and only once that window of history exists; it grows at once), and the
@@ -60,9 +71,12 @@ MIN_SAMPLES = 5
 QUEUE_TOLERANCE = 0.1
 LENGTH_WINDOW = 6
 """Intervals the mean prompt and output lengths are averaged over."""
+"""The reactive policy leaves a pool alone while metric/target is within 1 +- this (HPA)."""
 ERROR_SMOOTHING = 0.2
 """Weight of the newest squared rate-prediction error in its running mean."""
-"""The reactive policy leaves a pool alone while metric/target is within 1 +- this (HPA)."""
+SURGE_Z = 1.0
+"""A surge check grows a pool on arrivals or requests in flight only past this many Poisson
+standard deviations over what the pool serves (the hysteresis against a short window's noise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +141,23 @@ class Policy(Protocol):
         self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
     ) -> dict[Role, int]: ...
 
+    def surge(
+        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+    ) -> dict[Role, int]:
+        """Between intervals: the size of each pool the load already outgrew (others left
+        out)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What the last interval sized a pool with (the surge checks compare against it)."""
+
+    capacity_rps: float
+    """Requests/s one worker serves within the targets."""
+    hold: float
+    """Requests one worker holds in flight at that rate."""
+
 
 def _clamp(value: float, lo: float, hi: float) -> float:
     return min(max(value, lo), hi)
@@ -162,6 +193,8 @@ class SlaPolicy:
         """Intervals ahead a worker asked for now will serve (start-up, then one interval)."""
         self.ttft_factor = 1.0
         self.itl_factor = 1.0
+        self.plans: dict[Role, _Plan] = {}
+        """Per pool, what the last interval sized it with."""
 
     def _observe(self, obs: Observation) -> None:
         if self._predicted_next is not None:
@@ -227,10 +260,11 @@ class SlaPolicy:
                 continue
             # Queued work: requests in flight beyond what ready + starting workers hold at
             # this capacity, to be served within one interval.
+            lat = model.latency(cap, isl, osl)
+            hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
+            self.plans[role] = _Plan(cap, hold)
             backlog = 0.0
             if state is not None:
-                lat = model.latency(cap, isl, osl)
-                hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
                 backlog = max(0.0, obs.inflight - (state.ready + state.starting) * hold)
             demand = rate + backlog / cfg.adjustment_interval_s
             # at least one worker while anything waits (a pool at 0 with a request queued)
@@ -240,6 +274,56 @@ class SlaPolicy:
                 f"backlog {backlog:.0f}, {cap:.2f} req/s per worker "
                 f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f})"
             )
+        return out
+
+    def surge(
+        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+    ) -> dict[Role, int]:
+        cfg = self.config
+        out: dict[Role, int] = {}
+        for role, model in self.models.items():
+            state = pools.get(role)
+            plan = self.plans.get(role)
+            if state is None or plan is None or obs.interval_s <= 0:
+                continue
+            have = state.ready + state.starting
+            need = 1 if obs.inflight and have == 0 else 0
+            why = "a request waits on an empty pool"
+            # Latency over what the pool is sized for: the ready workers are overloaded now;
+            # one more (a pool with workers starting already has it).
+            slow_itl = model.decode is not None and obs.itl_ms > cfg.itl_slo_ms * cfg.itl_headroom
+            slow_ttft = (
+                model.prefill is not None
+                and obs.first_tokens >= MIN_SAMPLES
+                and obs.ttft_tail_ms > cfg.ttft_slo_ms
+            )
+            if (slow_itl or slow_ttft) and state.ready + 1 > need:
+                need, why = (
+                    state.ready + 1,
+                    (
+                        f"ITL {obs.itl_ms:.1f} ms, TTFT tail {obs.ttft_tail_ms:.0f} ms on "
+                        f"{state.ready} ready, over the targets"
+                    ),
+                )
+            # Arrivals and requests in flight beyond what the pool serves, past their noise.
+            n = obs.requests
+            evident_rps = max(0.0, n - SURGE_Z * math.sqrt(n)) / obs.interval_s
+            held = have * plan.hold
+            queued = max(0.0, obs.inflight - held - SURGE_Z * math.sqrt(held))
+            demand = evident_rps + queued / cfg.adjustment_interval_s
+            if plan.capacity_rps > 0:
+                load_need = math.ceil(demand / plan.capacity_rps - 1e-9)
+                if load_need > need:
+                    need, why = (
+                        load_need,
+                        (
+                            f"{evident_rps:.2f} req/s arriving, {queued:.0f} queued beyond the "
+                            f"pool, {plan.capacity_rps:.2f} req/s per worker"
+                        ),
+                    )
+            if need > have:
+                out[role] = need
+                decision.reasons[role] = f"sla surge: {why}"
         return out
 
 
@@ -274,6 +358,11 @@ class QueuePolicy:
                 f"target {self.config.queue_target:g} per worker"
             )
         return out
+
+    def surge(
+        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+    ) -> dict[Role, int]:
+        return {}  # HPA acts on its own sync period only
 
 
 class Planner:
@@ -325,6 +414,31 @@ class Planner:
                 target = current
             decision.targets[role] = target
         self._apply_budget(decision)
+        return decision
+
+    def surge(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision:
+        """Between intervals (`obs`: the window since the last check or interval): the pools
+        the load already outgrew, grown (see the module doc); `targets` holds only those."""
+        cfg = self.config
+        decision = Decision(targets={})
+        grown = self.policy.surge(obs, pools, decision)
+        spare = math.inf
+        if cfg.max_total_workers:
+            total = sum(s.target for r, s in pools.items() if r in self._wanted)
+            spare = max(0, cfg.max_total_workers - total)
+        for role in self.roles:
+            state = pools.get(role)
+            if role not in grown or state is None:
+                decision.reasons.pop(role, None)
+                continue
+            want = int(_clamp(grown[role], cfg.min_workers, cfg.max_workers))
+            want = int(min(want, state.target + spare))
+            if want <= state.target:
+                decision.reasons.pop(role, None)
+                continue
+            spare -= want - state.target
+            self._wanted[role].append((now, want))  # held through the stabilization window
+            decision.targets[role] = want
         return decision
 
     def _apply_budget(self, decision: Decision) -> None:

@@ -14,6 +14,10 @@ target:
     leaves discovery), finish their requests and exit when idle; they count as draining, and
     toward worker-hours, until then.
 
+Between ticks, every `--surge-check-s` (sla), the planner's surge check (`Planner.surge`) gets the
+same kind of Observation over the window since the last check or tick (a second meter) and may
+grow the pool at once, with the same start-up delay.
+
 Requests route among serving workers only (the live routing policy, as in kvmesh.sim.replay);
 while none serves (a pool at 0), they wait at the gateway, in flight, until one does.
 """
@@ -27,6 +31,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from kvmesh.planner.config import PlannerPolicy
 from kvmesh.planner.drain import DrainCandidate, drain_order
 from kvmesh.planner.policy import Decision, Observation, Planner, PoolState
 from kvmesh.planner.profile import PerfProfile
@@ -105,6 +110,8 @@ class Decider(Protocol):
 
     def decide(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision: ...
 
+    def surge(self, now: float, obs: Observation, pools: Mapping[Role, PoolState]) -> Decision: ...
+
 
 class _State(enum.Enum):
     STARTING = "starting"
@@ -124,6 +131,15 @@ class PlannedReplay(AggregatedReplay):
         self.serving = len(cluster.workers)
         self.waiting: deque[int] = deque()
         self.meter = IntervalMeter(cluster.timeline, cluster.trace, self.settings.ttft_quantile)
+        self.check_meter = IntervalMeter(
+            cluster.timeline, cluster.trace, self.settings.ttft_quantile
+        )
+        """The window since the last surge check or tick."""
+        self.meters = (self.meter, self.check_meter)
+        self.last_check = 0.0
+        sla = config.planner is PlannerPolicy.SLA
+        self.check_s = self.settings.surge_check_s if sla else 0.0
+        """Surge checks (sla only: the queue baseline acts on its own period, as live)."""
         self.samples: list[ReplicaSample] = []
         self.decisions: list[dict[str, Any]] = []
         self.peak = self.serving
@@ -150,23 +166,33 @@ class PlannedReplay(AggregatedReplay):
     def start(self, now: float) -> None:
         """Record the pool as it starts and schedule the first tick."""
         self._sample(now)
-        self.cluster.call_later(self.settings.adjustment_interval_s, self._tick)
+        self.last_check = now
+        self._schedule(now)
 
-    def _tick(self) -> None:
+    def _schedule(self, now: float) -> None:
+        """The next tick, and the surge checks before it."""
         c = self.cluster
-        now = c.now
-        t = c.timeline
-        inflight = self.arrived - t.settled
-        obs = self.meter.observe(self.settings.adjustment_interval_s, inflight)
-        pool = PoolState(
+        interval = self.settings.adjustment_interval_s
+        check = self.check_s
+        if check > 0:
+            k = 1
+            while k * check < interval - 1e-9:
+                c.call_later(k * check, self._check)
+                k += 1
+        c.call_later(interval, self._tick)
+
+    def _pool(self) -> PoolState:
+        starting = self._count(_State.STARTING)
+        return PoolState(
             Role.AGGREGATED,
-            target=self.serving + self._count(_State.STARTING),
+            target=self.serving + starting,
             ready=self.serving,
-            starting=self._count(_State.STARTING),
+            starting=starting,
             draining=self._count(_State.DRAINING),
         )
-        decision = self.planner.decide(now, obs, {Role.AGGREGATED: pool})
-        target = decision.targets[Role.AGGREGATED]
+
+    def _apply(self, decision: Decision, pool: PoolState, now: float) -> None:
+        target = decision.targets.get(Role.AGGREGATED, pool.target)
         if target != pool.target:
             self.decisions.append(
                 {
@@ -177,9 +203,31 @@ class PlannedReplay(AggregatedReplay):
                 }
             )
             self._resize(target, now)
+
+    def _inflight(self) -> int:
+        return self.arrived - self.cluster.timeline.settled
+
+    def _check(self) -> None:
+        now = self.cluster.now
+        obs = self.check_meter.observe(now - self.last_check, self._inflight())
+        self.last_check = now
+        if self.cluster.timeline.settled >= self.total:
+            return
+        pool = self._pool()
+        self._apply(self.planner.surge(now, obs, {Role.AGGREGATED: pool}), pool, now)
+
+    def _tick(self) -> None:
+        c = self.cluster
+        now = c.now
+        inflight = self._inflight()
+        obs = self.meter.observe(self.settings.adjustment_interval_s, inflight)
+        self.check_meter.observe(now - self.last_check, inflight)  # the next window starts
+        self.last_check = now
+        pool = self._pool()
+        self._apply(self.planner.decide(now, obs, {Role.AGGREGATED: pool}), pool, now)
         self._sample(now)
-        if t.settled < self.total:
-            c.call_later(self.settings.adjustment_interval_s, self._tick)
+        if c.timeline.settled < self.total:
+            self._schedule(now)
 
     def _resize(self, target: int, now: float) -> None:
         c = self.cluster
@@ -234,7 +282,8 @@ class PlannedReplay(AggregatedReplay):
 
     def arrival(self, index: int, now: float) -> None:
         self.arrived += 1
-        self.meter.arrival(index)
+        for meter in self.meters:
+            meter.arrival(index)
         if self.serving == 0:
             self.waiting.append(index)
             return
@@ -245,10 +294,12 @@ class PlannedReplay(AggregatedReplay):
         index = int(out.request_id[1:])
         first = t.ntok[index] == 0
         super().output(worker, out, now)
-        if first:
-            self.meter.first_token(now - t.arrival[index])
+        for meter in self.meters:
+            if first:
+                meter.first_token(now - t.arrival[index])
+            if out.finish_reason is not None:
+                meter.finish(t.ntok[index])
         if out.finish_reason is not None:
-            self.meter.finish(t.ntok[index])
             if self.state[worker.index] is _State.DRAINING:
                 self._exit_if_idle(worker, now)
 
@@ -286,6 +337,7 @@ def simulate_planned(
         "worker_startup_s": settings.worker_startup_s,
         "adjustment_interval_s": settings.adjustment_interval_s,
         "predictor": settings.predictor.value,
+        "surge_check_s": replay.check_s,
         "workers_started": len(cluster.workers),
         "scale_events": len(replay.decisions),
         "decisions": replay.decisions,
