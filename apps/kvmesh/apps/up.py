@@ -109,6 +109,7 @@ from kvmesh.sim.profiler import profile_mocker
 from kvmesh.workers import main as worker_main
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.config import EngineKind, WorkerConfig
+from kvmesh.workers.pytorch.config import TorchConfig
 
 SCALING_SERVICE = spb.DESCRIPTOR.services_by_name["ScalingService"].full_name
 
@@ -206,6 +207,14 @@ class UpConfig:
         return sizes
 
 
+def cpu_share(workers: int) -> int:
+    """Tensor threads per torch worker when `workers` of them share this machine's cores (the
+    ones this process may run on): at least one each. Workers that Scale adds later get the
+    same share."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, workers))
+
+
 SET_BY_UP: dict[str, frozenset[str]] = {
     "frontend": frozenset({"discovery", "router_address"}),
     "router": frozenset({"host", "port", "discovery", "metrics_port"}),
@@ -247,12 +256,16 @@ class UpArgs:
     def from_args(cls, ns: argparse.Namespace) -> UpArgs:
         """Build every process's config from the flags of `kvmesh up` (ConfigError if bad)."""
         worker = from_args(WorkerConfig, ns)
+        up = from_args(UpConfig, ns)
+        engine = from_args(worker_main.ENGINES[worker.engine].config, ns)
+        if isinstance(engine, TorchConfig) and not engine.num_threads:
+            engine = replace(engine, num_threads=cpu_share(sum(up.pool_sizes().values())))
         return cls(
-            up=from_args(UpConfig, ns),
+            up=up,
             log=from_args(GlobalConfig, ns),
             worker=worker,
             tiers=from_args(KvTierConfig, ns),
-            engine=from_args(worker_main.ENGINES[worker.engine].config, ns),
+            engine=engine,
             frontend=from_args(FrontendConfig, ns),
             mesh=from_args(MeshConfig, ns),
             router=from_args(RouterServerConfig, ns),

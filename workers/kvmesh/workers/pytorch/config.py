@@ -115,7 +115,17 @@ class TorchConfig:
         1, "shortest n-gram the prompt-lookup drafter matches", flag="--torch-prompt-lookup-min"
     )
 
+    num_threads: int = opt(
+        0,
+        "CPU threads of the engine's tensor work (torch.set_num_threads); 0: torch's default, "
+        "one per core (kvmesh up splits the cores among its torch workers instead: several "
+        "workers each using every core run many times slower)",
+        flag="--torch-num-threads",
+    )
+
     def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError("num_threads must be >= 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.block_size < 1:

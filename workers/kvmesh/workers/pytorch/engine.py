@@ -202,6 +202,8 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
     def _setup(self) -> None:
         """Load the model, allocate the KV cache, build the scheduler (executor thread)."""
         cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)  # the forward runs on this thread too
         loaded = self._loaded
         if loaded is None:
             loaded = load_model(self.model_dir, cfg.device, cfg.dtype)
