@@ -210,8 +210,13 @@ def test_frontend_flags_reach_the_frontend(mesh: Mesh) -> None:
 
 def test_no_grpc_fork_handler_lines(mesh: Mesh) -> None:
     """`kvmesh up` starts its children without fork, so gRPC has no fork handlers to skip."""
-    log = mesh.log.read_text()
-    assert "kvmesh is up" in log and "fork" not in log, log
+    # up prints its banner once its own health poll sees the gateway, which may be after the
+    # fixture's poll did (a loaded CI run read an empty log).
+    deadline = time.monotonic() + 30
+    while "kvmesh is up" not in (log := mesh.log.read_text()):
+        assert time.monotonic() < deadline, log
+        time.sleep(0.1)
+    assert "fork" not in log, log
 
 
 def test_bad_requests_get_openai_errors(mesh: Mesh) -> None:
