@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from kvmesh.runtime.ports import free_port  # noqa: E402
 from tests.integration.test_up_openai import start_mesh, stop_mesh  # noqa: E402
 from tests.vllm_real.env import ENGINE_ARGS, create_vllm_tiny_model, worker_env  # noqa: E402
 
@@ -56,12 +56,6 @@ WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
     "sigma tau upsilon phi chi psi omega"
 ).split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:

@@ -100,6 +100,7 @@ from kvmesh.runtime.grpcutil import (
     mesh_server,
 )
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
 from kvmesh.runtime.telemetry import TracingConfig
 from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
@@ -326,12 +327,6 @@ def _reachable(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class Supervisor:
     """The processes of one `kvmesh up` and the worker pools' target sizes."""
 
@@ -357,8 +352,8 @@ class Supervisor:
             fe,
             model=model,
             served_model_name=self.served,
-            http_port=fe.http_port or _free_port(fe.http_host),
-            kserve_grpc_port=fe.kserve_grpc_port or _free_port(fe.http_host),
+            http_port=fe.http_port or free_port(fe.http_host),
+            kserve_grpc_port=fe.kserve_grpc_port or free_port(fe.http_host),
         )
         self.mesh = replace(args.mesh, discovery=self.discovery)
         self.pki: DevPki | None = None
@@ -437,7 +432,7 @@ class Supervisor:
         i, pool.next_index = pool.next_index, pool.next_index + 1
         prefix = "worker" if role is Role.AGGREGATED else role.value
         wid = f"{prefix}-{i}-{self._pid}"
-        metrics = _free_port(self.worker.host)
+        metrics = free_port(self.worker.host)
         argv = self.worker_argv(role, wid, f"{prefix}-{i}", metrics)
         pool.children.append(Child(wid, argv, f"{_reachable(self.worker.host)}:{metrics}"))
         self.write_targets()
@@ -449,7 +444,7 @@ class Supervisor:
                 self.start_worker(pool.role)
         router_address = ""
         if self.config.router_process:
-            port, metrics = _free_port("127.0.0.1"), _free_port("127.0.0.1")
+            port, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
             self.others.append(
                 Child("router", self.router_argv(port, metrics), f"127.0.0.1:{metrics}")
             )
