@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import vllm
-from vllm.config import KVEventsConfig, KVTransferConfig
+from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
@@ -122,6 +122,7 @@ def tokens_prompt(token_ids: list[int]) -> Any:
 _CONFIG_FIELDS: dict[str, Callable[..., Any]] = {
     "kv_transfer_config": KVTransferConfig,
     "kv_events_config": KVEventsConfig,
+    "structured_outputs_config": StructuredOutputsConfig,
 }
 
 
