@@ -413,15 +413,16 @@ def test_structured_output_runs_in_vllm(mesh: Mesh) -> None:
 # -- LoRA ----------------------------------------------------------------------------------------
 
 
-def post(mesh: Mesh, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def post(mesh: Mesh, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    """(status, body): vLLM's plain-text success message, or an OpenAI JSON error."""
     req = urllib.request.Request(
         mesh.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read() or b"{}")
+            return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        return e.code, e.read().decode()
 
 
 def lora_text(mesh: Mesh, model: str) -> tuple[str, int]:
@@ -458,7 +459,7 @@ def test_lora_adapters_equal_pefts_merged_model(
     status, body = post(
         mesh, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(model_dir / "nope")}
     )
-    assert status == 400 and "No adapter found" in body["error"]["message"], body
+    assert status == 400 and "No adapter found" in json.loads(body)["error"]["message"], body
     status, body = post(mesh, "/v1/unload_lora_adapter", {"lora_name": "runtime"})
     assert status == 200, body
     with pytest.raises(openai.NotFoundError):

@@ -272,6 +272,14 @@ class VllmEngine(StreamingAdapter[Any]):
         self._hits = 0
         self._queries = 0
         self._preemptions = 0
+        self.kv_connector_hit_tokens = 0
+        """Prompt tokens vLLM's scheduler took from its KV connector instead of computing them
+        (its connector prefix-cache hits: on a decode worker, the KV pulled from the prefill
+        worker)."""
+        self.kv_transfer_bytes = 0
+        """Bytes the KV connector reports moved (NixlConnector: its completed reads)."""
+        self.kv_transfer_failures = 0
+        """Failed transfers the KV connector reports (vLLM then recomputes the prompt)."""
         self.kv_events_endpoint: str | None = None
         """Where vLLM publishes KV events (None: events are off)."""
         self.kv_events_replay_endpoint: str | None = None
@@ -548,6 +556,7 @@ class VllmEngine(StreamingAdapter[Any]):
         if scheduler is None:
             self.engine_load.preemptions_total = self._preemptions
             return
+        self._on_connector_stats(scheduler)
         prefix = getattr(scheduler, "prefix_cache_stats", None)
         if prefix is not None:
             if prefix.reset:
@@ -563,6 +572,17 @@ class VllmEngine(StreamingAdapter[Any]):
             prefix_cache_hit_rate=self._hits / self._queries if self._queries else 0.0,
             preemptions_total=self._preemptions,
         )
+
+    def _on_connector_stats(self, scheduler: Any) -> None:
+        """vLLM's KV connector numbers of one step (SchedulerStats.connector_prefix_cache_stats,
+        and kv_connector_stats: NixlConnector's lists of per-transfer values)."""
+        hits = getattr(scheduler, "connector_prefix_cache_stats", None)
+        if hits is not None:
+            self.kv_connector_hit_tokens += int(hits.hits)
+        moved = getattr(scheduler, "kv_connector_stats", None)
+        if isinstance(moved, dict):
+            self.kv_transfer_bytes += sum(int(b) for b in moved.get("bytes_transferred", ()))
+            self.kv_transfer_failures += len(moved.get("num_failed_transfers", ()))
 
     # -- KV events -----------------------------------------------------------------------------
 
