@@ -4,7 +4,8 @@
 # and 3.5 GB, then reuses it), with kvmesh from this checkout.
 #
 #   tests/conformance/test_vllm_engine_conformance.py   the engine conformance suite + vLLM-only checks
-#   tests/vllm_real/                                     workers, gateway and KV router over vLLM
+#   tests/vllm_real/                                     workers, gateway and KV router over vLLM;
+#                                                        structured output, LoRA, NIXL, embeddings
 #
 # About 5-8 minutes on two cores (each vLLM engine takes 30-60 s to start).
 # Usage: bash tests/run_vllm_real.sh [pytest args...]

@@ -510,15 +510,18 @@ async def test_lora_load_and_unload_at_runtime(tmp_path: Path) -> None:
         await eng.stop()
 
 
-async def test_runtime_lora_needs_enable_lora() -> None:
+async def test_runtime_lora_and_embeddings_need_their_engine_args() -> None:
+    """Without enable_lora / vLLM's pooling runner: refused, naming the engine argument."""
     eng = VllmEngine(
         VllmConfig(), model_path="/m", served_model_name="m", engine_factory=vllm_fake.factory()
     )
     await eng.start()
     try:
-        assert "LORA" not in eng.info.capabilities
+        assert not {"LORA", "EMBEDDINGS"} & set(eng.info.capabilities)
         with pytest.raises(Unimplemented, match="enable_lora"):
             await eng.load_lora("sql", "/loras/sql")
+        with pytest.raises(Unimplemented, match="runner"):
+            await eng.embed([[1, 2, 3]])
     finally:
         await eng.stop()
 

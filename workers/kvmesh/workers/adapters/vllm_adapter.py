@@ -11,6 +11,9 @@ A thin layer over vLLM's own async API:
     (multimodal, cache salt) withheld;
   * structured output: SamplingParams.structured_outputs, in vLLM's llguidance backend unless
     the engine args choose another (STRUCTURED_OUTPUTS_BACKEND);
+  * embeddings (vLLM's pooling runner: `"runner": "pooling"` in the engine args, which then
+    only embeds): `AsyncLLM.encode` with PoolingParams(task="embed"), vLLM's pooler (a causal
+    LM's default: last token, normalized);
   * load: a stat logger passed to AsyncLLM receives vLLM's SchedulerStats every step;
   * LoRA (with `enable_lora` in the engine args): each request naming an adapter carries a
     LoRARequest (name, kvmesh-assigned id, path), so vLLM loads it from disk when its own
@@ -34,6 +37,7 @@ Supported vLLM versions: vllm_runtime.SUPPORTED_VERSIONS, checked at start.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -43,7 +47,13 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
+from kvmesh.runtime.errors import (
+    InvalidRequest,
+    NotFound,
+    RequestTooLarge,
+    Unavailable,
+    Unimplemented,
+)
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -108,6 +118,8 @@ class AsyncLLMLike(Protocol):
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool: ...
+
+    def encode(self, prompt: Any, pooling_params: Any, request_id: str) -> AsyncIterator[Any]: ...
 
     async def add_lora(self, lora_request: Any) -> bool: ...
 
@@ -269,6 +281,8 @@ class VllmEngine(StreamingAdapter[Any]):
         self._next_lora_id = len(self._lora_ids) + 1
         self._lora_enabled = False
         """vLLM runs with enable_lora (set at start)."""
+        self._pooling = False
+        """vLLM runs its pooling runner: embeddings only (set at start)."""
         self._hits = 0
         self._queries = 0
         self._preemptions = 0
@@ -378,7 +392,8 @@ class VllmEngine(StreamingAdapter[Any]):
         info.kv_total_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
         info.context_length = int(cfg.model_config.max_model_len)
         info.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
-        caps = ["LOGPROBS", "GUIDED_DECODING"]
+        self._pooling = getattr(cfg.model_config, "runner_type", "generate") == "pooling"
+        caps = ["EMBEDDINGS"] if self._pooling else ["LOGPROBS", "GUIDED_DECODING"]
         if self._events is not None:
             caps.append("KV_EVENTS")
             self._translator = KvEventTranslator(self._events, block_size)
@@ -407,6 +422,11 @@ class VllmEngine(StreamingAdapter[Any]):
         remove_private_ipc_files(self.kv_events_endpoint, self.kv_events_replay_endpoint)
 
     def _prepare(self, request: EngineRequest) -> _VllmCall:
+        if self._pooling:
+            raise InvalidRequest(
+                "this vLLM worker runs vLLM's pooling runner (--vllm-engine-args runner "
+                "'pooling'): it computes embeddings and does not generate"
+            )
         return self._call(request)
 
     def _call(
@@ -487,6 +507,48 @@ class VllmEngine(StreamingAdapter[Any]):
         if isinstance(cause, Exception):
             return super()._translate_error(cause)
         return cause
+
+    # -- embeddings ----------------------------------------------------------------------------
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """AsyncLLM.encode of each prompt, concurrently (vLLM batches them)."""
+        from kvmesh.workers.adapters import vllm_runtime
+
+        engine = self._engine
+        if engine is None or not self._running:
+            raise Unavailable("the vllm engine is not running")
+        if not self._pooling:
+            raise Unimplemented(
+                "vLLM computes embeddings with its pooling runner: start an embedding worker "
+                'with --vllm-engine-args \'{"runner": "pooling"}\''
+            )
+        limit = self._info.context_length
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise InvalidRequest(f"input {i} is empty", param="input")
+            if len(ids) > limit:
+                raise RequestTooLarge(
+                    f"input {i} has {len(ids)} tokens; the model's maximum is {limit}",
+                    param="input",
+                )
+        tag = secrets.token_hex(6)
+
+        async def one(i: int, ids: list[int]) -> list[float]:
+            out: Any = None
+            try:
+                async for item in engine.encode(
+                    vllm_runtime.tokens_prompt(list(ids)),
+                    vllm_runtime.build_pooling_params(),
+                    f"embed-{tag}-{i}",
+                ):
+                    out = item
+            except vllm_runtime.CLIENT_ERRORS as exc:
+                raise InvalidRequest(f"vLLM refused input {i}: {exc}", param="input") from exc
+            if out is None:
+                raise Unavailable(f"vLLM returned no embedding for input {i}")
+            return [float(x) for x in out.outputs.data.tolist()]
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     # -- LoRA ----------------------------------------------------------------------------------
 

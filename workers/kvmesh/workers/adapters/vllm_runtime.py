@@ -22,6 +22,7 @@ from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfi
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -45,6 +46,7 @@ __all__ = [
     "SamplingParams",
     "build_engine_args",
     "build_lora_request",
+    "build_pooling_params",
     "build_sampling_params",
     "check_version",
     "cpu_attention_problem",
@@ -158,6 +160,11 @@ def build_sampling_params(
 def build_lora_request(name: str, int_id: int, path: str) -> LoRARequest:
     """vLLM's LoRARequest for a configured adapter."""
     return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+def build_pooling_params() -> PoolingParams:
+    """vLLM PoolingParams of an embedding (its pooler's pooling and normalization)."""
+    return PoolingParams(task="embed")
 
 
 StatsCallback = Callable[[SchedulerStats | None, IterationStats | None], None]
