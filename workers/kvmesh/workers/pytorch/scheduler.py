@@ -45,13 +45,14 @@ from kvmesh.workers.pytorch.guided import GrammarCompiler, GrammarState
 from kvmesh.workers.pytorch.lora import LoraAdapter
 from kvmesh.workers.pytorch.model_runner import SeqChunk
 from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec
-from kvmesh.workers.pytorch.speculative import SpecStats, accept, propose_ngram
+from kvmesh.workers.pytorch.speculative import DraftGate, SpecStats, accept, propose_ngram
 from kvmesh.workers.pytorch.vision import ImageEncoder, RequestImages
 
 __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
 
 
 _MASK64 = (1 << 64) - 1
+_ALL = 1 << 62
 
 
 def _position_seed(seed: int, position: int) -> int:
@@ -69,6 +70,8 @@ class _Seq(Seq):
         "adapter",
         "bias_ids",
         "bias_values",
+        "draft_len",
+        "gate",
         "generator",
         "grammar",
         "images",
@@ -87,6 +90,11 @@ class _Seq(Seq):
         self.suppress: tuple[int, ...] = ()
         self.grammar: GrammarState | None = None
         self.images: RequestImages | None = None
+        self.gate: DraftGate | None = None
+        """Speculative decoding: whether the request drafts (kvmesh.workers.pytorch.speculative)."""
+        self.draft_len = _ALL
+        """With a draft model: positions whose draft-model KV is computed (_ALL: as many as the
+        main model's; after a step that accepted every draft, the last one is missing)."""
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
         self.bias_values = [float(b) for _, b in bias]
@@ -241,6 +249,17 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         ):
             return []
         k = min(cfg.num_speculative_tokens, seq.max_len - len(seq.tokens) - 1)
+        if k <= 0:
+            return []
+        gate = seq.gate
+        if gate is None:
+            gate = seq.gate = DraftGate(cfg.spec_min_acceptance, cfg.spec_backoff_steps)
+        if not gate.allow():
+            self.spec.skipped_steps += 1
+            return []
+        if cfg.draft_model:
+            # placeholders: the draft model fills the chunk's tokens on the forward thread
+            return [seq.tokens[-1]] * k
         lo = cfg.prompt_lookup_min
         return propose_ngram(seq.tokens, k, lo, max(lo, cfg.prompt_lookup_max))
 
@@ -271,6 +290,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             step.sample[i] = True
         for seq, k in drafted.values():  # preempted, or left out of this step
             del seq.tokens[-k:]
+        draft_model = bool(self.config.draft_model)
         for seq, start, n, sample, k in zip(
             step.seqs, step.starts, step.counts, step.sample, step.drafts, strict=True
         ):
@@ -295,17 +315,20 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             images = seq.images
             if images is not None and not images.covers(start, start + n):
                 images = None
-            step.chunks.append(
-                SeqChunk(
-                    seq.tokens[start : start + n],
-                    start,
-                    list(seq.blocks),
-                    spec,
-                    seq.adapter,
-                    verify=k > 0,
-                    images=images,
-                )
+            chunk = SeqChunk(
+                seq.tokens[start : start + n],
+                start,
+                list(seq.blocks),
+                spec,
+                seq.adapter,
+                verify=k > 0,
+                images=images,
             )
+            if draft_model:
+                behind = min(seq.draft_len, start)
+                chunk.draft_prefix = seq.tokens[behind:start]
+                seq.draft_len = start + k if k else _ALL
+            step.chunks.append(chunk)
         self.num_computed_tokens += step.prefill_tokens + step.decode_tokens
         return step
 
@@ -327,15 +350,19 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                 continue
             start = step.starts[i]
             base = start + 1  # where the drafts start in seq.tokens
-            greedy = step.chunks[i].greedy
+            chunk = step.chunks[i]
+            greedy = chunk.greedy
             if seq.status is not SeqStatus.RUNNING or seq.num_computed != start or not greedy:
                 del seq.tokens[base:]  # aborted while the forward ran
                 continue
-            emitted = accept(seq.tokens[base : base + k], greedy)
+            # the drafts as verified (a draft model wrote them into the chunk, not seq.tokens)
+            emitted = accept(chunk.token_ids[1 : 1 + k], greedy)
             spec = self.spec
             spec.steps += 1
             spec.draft_tokens += k
             spec.accepted_tokens += len(emitted) - 1
+            if seq.gate is not None:
+                seq.gate.record(k, len(emitted) - 1)
             for j, t in enumerate(emitted):  # a token that ends the request ends the chunk
                 pos = base + j
                 if pos + 1 >= seq.max_len or (t in seq.stop_ids and pos + 1 >= seq.min_len):
