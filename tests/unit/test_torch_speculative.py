@@ -254,10 +254,10 @@ async def test_draft_model_mixed_batch_equals_generate(
         num_speculative_tokens=3,
         draft_model=str(small_draft_dir),
         max_num_batched_tokens=24,
-        num_gpu_blocks=24,
+        num_gpu_blocks=10,
         spec_min_acceptance=0.0,
     )
-    plain = await _engine(model_dir, loaded, eos, max_num_batched_tokens=24, num_gpu_blocks=24)
+    plain = await _engine(model_dir, loaded, eos, max_num_batched_tokens=24, num_gpu_blocks=10)
     try:
         greedy = [run(eng, p, n) for p, n in zip(prompts, news, strict=True)]
         others = [
@@ -271,6 +271,7 @@ async def test_draft_model_mixed_batch_equals_generate(
         assert await run(plain, OTHERS[1], 12, repetition_penalty=1.3) == got[-1]
         stats = eng.scheduler.spec
         assert stats.steps > 0 and 0 < stats.accepted_tokens < stats.draft_tokens
+        assert eng.scheduler.num_preemptions > 0
         eng.scheduler.check_invariants()
     finally:
         await eng.stop()

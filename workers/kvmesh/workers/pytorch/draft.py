@@ -6,18 +6,21 @@ the scheduler keeps the leading drafts equal to the main model's greedy tokens, 
 model's token after them), so greedy output is plain greedy decoding's whatever the draft says.
 
 The draft model has its own paged KV cache with the main cache's block count and block size,
-addressed by the same block tables: both models cache the same token positions, so a sequence's
-blocks hold its KV in both caches, prefix-cache hits and eviction included. Every step the draft
-model runs over every chunk's known tokens (prefill chunks, decodes, the last known token of a
-drafting chunk), which keeps its cache in step with the main one; then it proposes the drafts
-of the drafting chunks autoregressively, one batched single-token forward per draft after the
-first, writing them into the chunks' placeholder positions (the scheduler reserved the slots and
-the token budget). Rejected drafts are rolled back as in the main cache: their slots lie past
-the sequence's computed length and are overwritten by the next step. When the main model
-accepts all k drafts, the draft model has not yet cached the last one; the scheduler passes it
-as the chunk's `draft_prefix` the next step. KV moved in from elsewhere (KV tiers, a remote
-prefill) carries no draft-model KV: the draft then sees zeros there, which lowers acceptance
-but cannot change the output.
+addressed by the same block tables: both models cache the same token positions in the same
+slots. The draft model runs only for the chunks that draft this step (requests that do not
+qualify, or back off, cost it nothing): the scheduler tracks per request how many leading
+positions the draft cache holds (`draft_len`) and hands a drafting chunk the known tokens after
+them (`SeqChunk.draft_prefix`: the whole prompt the first time, as a draft-model prefill; then
+usually nothing, or the last draft when the main model accepted all of them, or what was
+decoded while the request backed off). One batched forward computes those plus the chunk's last
+known token and gives the first draft; each further draft is one batched single-token forward,
+written into the chunk's placeholder positions (the scheduler reserved the slots and the token
+budget). Rejected drafts are rolled back as in the main cache: `draft_len` is cut back to the
+main model's computed length before each step, so their slots are overwritten. A preempted
+request starts over at 0 (its blocks may come back from the prefix cache, where the draft cache
+of a shared block holds what the draft model computed for those same tokens, if anything). The
+draft cache's contents only steer acceptance: the output is the main model's whatever the draft
+model proposes.
 """
 
 from __future__ import annotations
@@ -29,9 +32,14 @@ from pathlib import Path
 import torch
 
 from kvmesh.workers.pytorch.kv_cache import PagedKvCache
+from kvmesh.runtime.types import SamplingParams
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, SeqChunk
+from kvmesh.workers.pytorch.sampler import SampleSpec
 
 __all__ = ["DraftModel", "check_draft_vocab"]
+
+_GREEDY = SampleSpec(SamplingParams(temperature=0.0), (), 0)
+"""The draft model's sampling: its argmax after a chunk's last token."""
 
 
 def _tokenizer_vocab(path: Path) -> dict[str, int] | None:
@@ -72,31 +80,31 @@ class DraftModel:
         self.runner = ModelRunner(loaded, cache)
 
     def propose(self, chunks: Sequence[SeqChunk]) -> None:
-        """Bring the draft cache up to the chunks' known tokens and write the drafts into the
-        `verify` chunks' token ids (positions 1..k, placeholders until now)."""
-        first = []
-        for c in chunks:
-            known = c.token_ids[:1] if c.verify else c.token_ids
-            tokens = c.draft_prefix + known
-            first.append(
-                SeqChunk(tokens, c.start - len(c.draft_prefix), c.block_table, verify=c.verify)
+        """Write the drafts into the `verify` chunks' token ids (positions 1..k, placeholders
+        until now), computing the draft KV of their `draft_prefix` first."""
+        drafting = [c for c in chunks if c.verify]
+        if not drafting:
+            return
+        first = [
+            SeqChunk(
+                c.draft_prefix + c.token_ids[:1],
+                c.start - len(c.draft_prefix),
+                c.block_table,
+                _GREEDY,
             )
-        self.runner.execute(first)
-        drafting = [(c, d) for c, d in zip(chunks, first, strict=True) if c.verify]
-        for c, d in drafting:
-            assert d.greedy is not None
-            c.token_ids[1] = d.greedy[-1]
+            for c in drafting
+        ]
+        for c, t in zip(drafting, self.runner.execute(first), strict=True):
+            c.token_ids[1] = t.token_id
         j = 2  # the next draft to propose: the one after token_ids[j - 1]
         while True:
-            active = [c for c, _ in drafting if len(c.token_ids) > j]
+            active = [c for c in drafting if len(c.token_ids) > j]
             if not active:
                 return
             step = [
-                SeqChunk([c.token_ids[j - 1]], c.start + j - 1, c.block_table, verify=True)
+                SeqChunk([c.token_ids[j - 1]], c.start + j - 1, c.block_table, _GREEDY)
                 for c in active
             ]
-            self.runner.execute(step)
-            for c, d in zip(active, step, strict=True):
-                assert d.greedy is not None
-                c.token_ids[j] = d.greedy[0]
+            for c, t in zip(active, self.runner.execute(step), strict=True):
+                c.token_ids[j] = t.token_id
             j += 1

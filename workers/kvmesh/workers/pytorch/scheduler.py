@@ -52,7 +52,6 @@ __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
 
 
 _MASK64 = (1 << 64) - 1
-_ALL = 1 << 62
 
 
 def _position_seed(seed: int, position: int) -> int:
@@ -92,9 +91,9 @@ class _Seq(Seq):
         self.images: RequestImages | None = None
         self.gate: DraftGate | None = None
         """Speculative decoding: whether the request drafts (kvmesh.workers.pytorch.speculative)."""
-        self.draft_len = _ALL
-        """With a draft model: positions whose draft-model KV is computed (_ALL: as many as the
-        main model's; after a step that accepted every draft, the last one is missing)."""
+        self.draft_len = 0
+        """With a draft model: the leading positions whose draft-model KV is computed (the
+        draft model catches up on the rest when the request drafts; kvmesh.workers.pytorch.draft)."""
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
         self.bias_values = [float(b) for _, b in bias]
@@ -229,6 +228,10 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             spec_emitted_tokens_total=spec.emitted_tokens,
         )
 
+    def _preempt(self, seq: _Seq) -> None:
+        super()._preempt(seq)
+        seq.draft_len = 0  # its blocks may come back from the prefix cache without draft KV
+
     def _drafts(self, seq: _Seq) -> list[int]:
         """Speculative draft tokens for `seq` this step (see kvmesh.workers.pytorch.speculative:
         only greedy requests whose next token needs no logits processing)."""
@@ -325,9 +328,11 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                 images=images,
             )
             if draft_model:
-                behind = min(seq.draft_len, start)
-                chunk.draft_prefix = seq.tokens[behind:start]
-                seq.draft_len = start + k if k else _ALL
+                # KV past `start` is (re)computed now: the draft model's there is stale
+                seq.draft_len = min(seq.draft_len, start)
+                if k:
+                    chunk.draft_prefix = seq.tokens[seq.draft_len : start]
+                    seq.draft_len = start + k  # its forwards cover the last token and k - 1 drafts
             step.chunks.append(chunk)
         self.num_computed_tokens += step.prefill_tokens + step.decode_tokens
         return step
