@@ -201,6 +201,11 @@ async def test_adaptive_drafting_skips_and_keeps_output(
         assert await run(eng, prompt, 60) == generate_reference(loaded, eos, prompt, 60)
         stats = eng.scheduler.spec
         assert stats.skipped_steps >= 4 and stats.steps > 4, stats
+        load = wire.load_from_pb(wire.load_to_pb(eng.load(), timestamp_ms=0, draining=False))
+        assert load.spec_skipped_steps_total == stats.skipped_steps
+        collector = WorkerCollector("w", lambda: eng.info, eng.load, None)
+        values = {m.name: m.samples[0].value for m in collector.collect()}
+        assert values["kvmesh_worker_spec_decode_num_skipped_steps"] == stats.skipped_steps
     finally:
         await eng.stop()
 
@@ -243,9 +248,9 @@ async def test_draft_model_mixed_batch_equals_generate(
     """A smaller draft model; random prompts, greedy ones (drafting) and others (not) in one
     batch, a token budget that cuts drafts off and a pool small enough to preempt."""
     rng = random.Random(16)
-    prompts = [
-        [rng.randrange(20, 4000) for _ in range(rng.randrange(3, 40))] for _ in range(6)
-    ] + [REPETITIVE]
+    prompts = [[rng.randrange(20, 4000) for _ in range(rng.randrange(3, 40))] for _ in range(6)] + [
+        REPETITIVE
+    ]
     news = [rng.randrange(8, 40) for _ in prompts]
     eng = await _engine(
         model_dir,
@@ -287,7 +292,7 @@ async def test_draft_model_with_another_vocabulary_is_refused(
     config["vocab_size"] = 5000
     (path / "config.json").write_text(json.dumps(config))
     create_tiny_weights(path)
-    with pytest.raises(ValueError, match="vocabulary of 5000 tokens.*must share the tokenizer"):
+    with pytest.raises(ValueError, match=r"vocabulary of 5000 tokens.*must share the tokenizer"):
         await _engine(model_dir, loaded, eos, num_speculative_tokens=2, draft_model=str(path))
     with pytest.raises(ValueError, match="needs --torch-num-speculative-tokens"):
         TorchConfig(draft_model=str(path))

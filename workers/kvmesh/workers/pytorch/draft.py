@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.workers.pytorch.kv_cache import PagedKvCache
 from kvmesh.runtime.types import SamplingParams
+from kvmesh.workers.pytorch.kv_cache import PagedKvCache
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, SeqChunk
 from kvmesh.workers.pytorch.sampler import SampleSpec
 

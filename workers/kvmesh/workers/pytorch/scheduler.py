@@ -92,8 +92,8 @@ class _Seq(Seq):
         self.gate: DraftGate | None = None
         """Speculative decoding: whether the request drafts (kvmesh.workers.pytorch.speculative)."""
         self.draft_len = 0
-        """With a draft model: the leading positions whose draft-model KV is computed (the
-        draft model catches up on the rest when the request drafts; kvmesh.workers.pytorch.draft)."""
+        """With a draft model: the leading positions whose draft-model KV is computed (it
+        catches up on the rest when the request drafts; kvmesh.workers.pytorch.draft)."""
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
         self.bias_values = [float(b) for _, b in bias]
@@ -226,6 +226,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             spec_draft_tokens_total=spec.draft_tokens,
             spec_accepted_tokens_total=spec.accepted_tokens,
             spec_emitted_tokens_total=spec.emitted_tokens,
+            spec_skipped_steps_total=spec.skipped_steps,
         )
 
     def _preempt(self, seq: _Seq) -> None:
