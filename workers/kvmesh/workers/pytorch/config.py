@@ -121,7 +121,7 @@ class TorchConfig:
         flag="--torch-draft-model",
     )
     spec_min_acceptance: float = opt(
-        0.3,
+        0.2,
         "speculative decoding: a request whose drafts' acceptance over its last 4 verified steps "
         "falls below this stops drafting for a back-off; 0: always draft",
         flag="--torch-spec-min-acceptance",
