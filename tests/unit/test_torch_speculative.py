@@ -295,4 +295,4 @@ async def test_draft_model_with_another_vocabulary_is_refused(
     with pytest.raises(ValueError, match=r"vocabulary of 5000 tokens.*must share the tokenizer"):
         await _engine(model_dir, loaded, eos, num_speculative_tokens=2, draft_model=str(path))
     with pytest.raises(ValueError, match="needs --torch-num-speculative-tokens"):
-        TorchConfig(draft_model=str(path))
+        await _engine(model_dir, loaded, eos, draft_model=str(model_dir))

@@ -169,5 +169,3 @@ class TorchConfig:
             raise ValueError("spec_min_acceptance must be between 0 and 1")
         if self.spec_backoff_steps < 1:
             raise ValueError("spec_backoff_steps must be >= 1")
-        if self.draft_model and not self.num_speculative_tokens:
-            raise ValueError("--torch-draft-model needs --torch-num-speculative-tokens >= 1")

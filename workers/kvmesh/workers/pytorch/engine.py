@@ -224,6 +224,8 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             cache = PagedKvCache(spec, num_blocks, loaded.device)
         self._runner = ModelRunner(loaded, cache)
         if cfg.draft_model:
+            if not cfg.num_speculative_tokens:
+                raise ValueError("--torch-draft-model needs --torch-num-speculative-tokens >= 1")
             draft = load_model(cfg.draft_model, cfg.device, cfg.dtype)
             check_draft_vocab(loaded, draft)
             self._draft = DraftModel(draft, num_blocks, cfg.block_size)
