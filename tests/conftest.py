@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvmesh.runtime.ports import free_port as free_port  # the tests' ports: one home
 from kvmesh.runtime.tinymodel import create_tiny_model
 
 if TYPE_CHECKING:
