@@ -20,8 +20,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.tls import DevPki
-from tests.conftest import free_port
 
 ETCD_BINARY = shutil.which("etcd")
 MISSING_REASON = (

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.runtime.ports import free_port
 from kvmesh.workers.config import EngineKind
 from kvmesh.workers.server import WORKER_SERVICE
-from tests.conftest import free_port
 from tests.deploy.manifests import DEPLOY, ROOT, tool
 from tests.procs import Proc, frontend_ready, poll
 

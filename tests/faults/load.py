@@ -29,7 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.conftest import free_port
+from kvmesh.runtime.ports import free_port
 from tests.procs import frontend_ready, poll
 
 CRASH_MARKERS = (

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from kvmesh.runtime.ports import free_port
 from tests.procs import frontend_ready, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

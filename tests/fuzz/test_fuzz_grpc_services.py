@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from kvmesh.api.router.v1 import router_service_pb2
 from kvmesh.api.scaling.v1 import scaling_service_pb2
 from kvmesh.api.worker.v1 import worker_service_pb2
-from tests.conftest import free_port
+from kvmesh.runtime.ports import free_port
 from tests.procs import poll
 
 pytestmark = pytest.mark.integration

@@ -35,11 +35,11 @@ from kvmesh.frontend.tokenizer import Tokenizer
 from kvmesh.runtime import wire
 from kvmesh.runtime.discovery import EventKind, FileDiscovery
 from kvmesh.runtime.modeldir import ModelDirInfo
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
-from tests.conftest import free_port
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
-from tests.conftest import free_port
+from kvmesh.runtime.ports import free_port
 from tests.integration.test_up_openai import start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration

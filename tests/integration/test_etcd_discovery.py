@@ -29,8 +29,8 @@ from kvmesh.runtime.discovery import (
     open_discovery,
 )
 from kvmesh.runtime.errors import InvalidRequest, Unavailable
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.tls import TlsError, write_dev_pki
-from tests.conftest import free_port
 from tests.etcd_server import ETCD_BINARY, MISSING_REASON, EtcdServer, TcpProxy
 
 TTL = 2

@@ -33,7 +33,7 @@ from kvmesh.api.router.v1 import router_service_pb2 as rpb
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
-from tests.conftest import free_port
+from kvmesh.runtime.ports import free_port
 from tests.etcd_server import ETCD_BINARY, MISSING_REASON, EtcdServer
 from tests.procs import Proc, frontend_ready, poll
 

@@ -22,8 +22,8 @@ from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.wire import device_cached_blocks
-from tests.conftest import free_port
 from tests.integration.test_up_openai import MODEL, Mesh, start_mesh, stop_mesh
 from tests.procs import poll
 

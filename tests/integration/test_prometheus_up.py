@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from kvmesh.runtime.ports import free_port
 from tests.integration.test_up_openai import start_mesh, stop_mesh
 from tests.integration.test_worker_observability import promtool_check
 from tests.procs import poll

@@ -18,7 +18,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.conftest import free_port
+from kvmesh.runtime.ports import free_port
 
 pytestmark = pytest.mark.integration
 

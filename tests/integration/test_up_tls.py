@@ -28,8 +28,8 @@ from tritonclient.utils import InferenceServerException
 from kvmesh.api.common.v1 import common_pb2 as cpb
 from kvmesh.api.scaling.v1 import scaling_service_pb2 as spb
 from kvmesh.api.scaling.v1 import scaling_service_pb2_grpc as spb_grpc
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.tls import DevPki, write_dev_pki
-from tests.conftest import free_port
 from tests.integration.test_up_openai import MESSAGES, MODEL
 
 pytestmark = pytest.mark.integration
