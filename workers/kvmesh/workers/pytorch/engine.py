@@ -105,7 +105,7 @@ def kv_cache_blocks(
 
 class TorchEngine(BatchingEngine[TorchScheduler]):
     """A real inference engine over a Hugging Face causal LM (Llama, Mistral, Qwen2/3 style, or
-    a LLaVA-style image-text model with such a language model: MULTIMODAL when aggregated):
+    a LLaVA-style image-text model with such a language model: MULTIMODAL, in every role):
     continuous batching, paged KV cache with prefix caching, LRU eviction, preemption by
     recompute, KV events, real sampling and logprobs.
 
@@ -216,7 +216,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._runner = ModelRunner(loaded, cache)
         if self._grammars is None:
             self._grammars = self._grammar_compiler(loaded.vocab_size)
-        if self._images is None and self._disagg.role is Role.AGGREGATED:
+        if self._images is None:
             self._images = loaded.image_encoder()
         images = self._images
         tiers = self._tiers
@@ -298,8 +298,9 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             return None
 
     def _capabilities(self) -> tuple[str, ...]:
-        """MULTIMODAL with a multimodal model on an aggregated worker (images are not carried
-        through remote prefill)."""
+        """MULTIMODAL with a multimodal model, in every role: a prefill worker computes the image
+        features and the KV, a decode worker takes the images too (its block hashes are salted
+        by them, and it prefills itself when the pull fails or the prompt is short)."""
         caps = (*super()._capabilities(), "EMBEDDINGS")
         caps += ("GUIDED_DECODING",) if self._grammars is not None else ()
         return caps + (("MULTIMODAL",) if self._images is not None else ())
