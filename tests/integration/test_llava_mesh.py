@@ -124,3 +124,77 @@ def test_bad_images_get_400(mesh: Mesh) -> None:
             ],
             max_tokens=2,
         )
+
+
+EMBED_TEXTS = ["hello world", "What is in this picture?", "a"]
+EMBED_TOL = 1e-5  # as tests/integration/test_torch_embeddings.py: float32 kernel noise
+
+
+def embedding_reference(llava: Llava, texts: list[str]) -> list[list[float]]:
+    """transformers' own LlavaModel (AutoModel, loaded separately) on the text's tokens, no
+    image: the last token's final state (no sentence-transformers config: last-token pooling),
+    L2-normalized."""
+    import torch
+    from transformers import AutoModel
+
+    model: Any = AutoModel.from_pretrained(llava.model_dir, dtype=torch.float32).eval()
+    tok = llava.processor.tokenizer
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = tok(text, return_tensors="pt").input_ids
+            hidden = model(input_ids=ids).last_hidden_state[0]
+            out.append(torch.nn.functional.normalize(hidden[-1], dim=0).tolist())
+    return out
+
+
+def test_text_embeddings_on_the_llava_model(mesh: Mesh, llava: Llava) -> None:
+    """/v1/embeddings on a LLaVA model embeds text (its language model's states), equal to
+    transformers'; an input holding the image token is refused (no images in embeddings)."""
+    expected = embedding_reference(llava, EMBED_TEXTS)
+    resp = mesh.client().embeddings.create(
+        model=MODEL, input=EMBED_TEXTS, encoding_format="float"
+    )
+    assert [d.index for d in resp.data] == [0, 1, 2]
+    for got, want in zip(resp.data, expected, strict=True):
+        assert len(got.embedding) == len(want)
+        assert max(abs(a - b) for a, b in zip(got.embedding, want, strict=True)) < EMBED_TOL
+    with pytest.raises(openai.BadRequestError, match="image token") as info:
+        mesh.client().embeddings.create(model=MODEL, input="look: <image> here")
+    assert info.value.param == "input"  # type: ignore[attr-defined]
+
+
+def test_kserve_grpc_infer_on_the_embedding_model(mesh: Mesh, llava: Llava) -> None:
+    """The `embedding` output of KServe v2 gRPC infer (the real tritonclient.grpc): a batch of
+    text_input and input_ids, as the OpenAI door computes them; an error is a gRPC status."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from tests.integration.test_kserve_up import kserve_grpc_address
+
+    expected = np.array(embedding_reference(llava, EMBED_TEXTS), dtype=np.float32)
+    client = grpcclient.InferenceServerClient(kserve_grpc_address(mesh))
+    try:
+        texts = grpcclient.InferInput("text_input", [len(EMBED_TEXTS)], "BYTES")
+        texts.set_data_from_numpy(np.array([t.encode() for t in EMBED_TEXTS], dtype=np.object_))
+        wanted = [grpcclient.InferRequestedOutput("embedding")]
+        got = client.infer(MODEL, [texts], outputs=wanted).as_numpy("embedding")
+        assert got.shape == expected.shape and got.dtype == np.float32
+        assert float(np.abs(got - expected).max()) < EMBED_TOL
+
+        ids = llava.processor.tokenizer(EMBED_TEXTS[1]).input_ids
+        tokens = grpcclient.InferInput("input_ids", [1, len(ids)], "INT64")
+        tokens.set_data_from_numpy(np.array([ids], dtype=np.int64))
+        by_ids = client.infer(MODEL, [tokens], outputs=wanted).as_numpy("embedding")
+        assert float(np.abs(by_ids[0] - expected[1]).max()) < EMBED_TOL
+
+        image = grpcclient.InferInput("input_ids", [1, 2], "INT64")
+        image.set_data_from_numpy(
+            np.array([[ids[0], llava.processor.image_token_id]], dtype=np.int64)
+        )
+        with pytest.raises(InferenceServerException, match="image token") as info:
+            client.infer(MODEL, [image], outputs=wanted)
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        client.close()

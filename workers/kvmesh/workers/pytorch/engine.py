@@ -363,15 +363,23 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
 
     async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         """Pooled final hidden states (kvmesh.workers.pytorch.embedding), computed on the
-        engine's executor thread between steps."""
+        engine's executor thread between steps. A multimodal model embeds text only (its
+        language model's states): an input holding its image token is InvalidRequest."""
         loaded, executor, sched = self._loaded, self._executor, self._scheduler
         if loaded is None or executor is None or sched is None:
             raise Unavailable("the torch engine has not been started")
         limit = sched.max_seq_len
+        image_token = self._images.image_token_id if self._images is not None else None
         for i, ids in enumerate(prompts):
             if len(ids) > limit:
                 raise RequestTooLarge(
                     f"input {i} has {len(ids)} tokens; the model's maximum is {limit}"
+                )
+            if image_token is not None and image_token in ids:
+                raise InvalidRequest(
+                    f"input {i} holds the image token (id {image_token}): embeddings on this "
+                    "model take text only, not images",
+                    param="input",
                 )
         head = self._embedding_head
         if head is None:
