@@ -152,9 +152,7 @@ def test_text_embeddings_on_the_llava_model(mesh: Mesh, llava: Llava) -> None:
     """/v1/embeddings on a LLaVA model embeds text (its language model's states), equal to
     transformers'; an input holding the image token is refused (no images in embeddings)."""
     expected = embedding_reference(llava, EMBED_TEXTS)
-    resp = mesh.client().embeddings.create(
-        model=MODEL, input=EMBED_TEXTS, encoding_format="float"
-    )
+    resp = mesh.client().embeddings.create(model=MODEL, input=EMBED_TEXTS, encoding_format="float")
     assert [d.index for d in resp.data] == [0, 1, 2]
     for got, want in zip(resp.data, expected, strict=True):
         assert len(got.embedding) == len(want)
