@@ -45,9 +45,16 @@ def test_a_stale_claim_is_taken_over_and_a_bound_port_is_skipped() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         taken = busy.getsockname()[1]
-        assert not ports._bindable("127.0.0.1", taken)
+        assert not ports._bindable(ports._address("127.0.0.1"), taken)
     port = free_port()
     assert not ports._claim(claims, port)  # fresh: refused
     old = time.time() - ports.CLAIM_S - 1
     os.utime(claims / str(port), (old, old))
     assert ports._claim(claims, port)  # stale: taken over
+
+
+def test_a_host_that_does_not_resolve_fails_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(OSError, match=r"cannot pick a port on 'no-such-host\.invalid'"):
+        free_port("no-such-host.invalid")
+    assert time.monotonic() - start < 10  # one lookup, not one per candidate port

@@ -348,13 +348,16 @@ class Supervisor:
         )
         # Ports 0 mean "a free one" for `up` as for the frontend; `up` picks them to print them.
         fe = args.frontend
-        self.frontend = replace(
-            fe,
-            model=model,
-            served_model_name=self.served,
-            http_port=fe.http_port or free_port(fe.http_host),
-            kserve_grpc_port=fe.kserve_grpc_port or free_port(fe.http_host),
-        )
+        try:
+            self.frontend = replace(
+                fe,
+                model=model,
+                served_model_name=self.served,
+                http_port=fe.http_port or free_port(fe.http_host),
+                kserve_grpc_port=fe.kserve_grpc_port or free_port(fe.http_host),
+            )
+        except OSError as e:
+            raise ConfigError(f"--http-host {fe.http_host}: {e}") from e
         self.mesh = replace(args.mesh, discovery=self.discovery)
         self.pki: DevPki | None = None
         if self.config.tls:

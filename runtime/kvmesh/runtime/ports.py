@@ -67,11 +67,20 @@ def _prune(claims: Path) -> None:
                 path.unlink()
 
 
-def _bindable(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def _address(host: str) -> tuple[socket.AddressFamily, str]:
+    """`host` resolved once (a name that does not resolve fails here, not once per try)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot pick a port on {host!r}: {e}") from e
+    return family, str(sockaddr[0])
+
+
+def _bindable(address: tuple[socket.AddressFamily, str], port: int) -> bool:
+    family, ip = address
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host, port))
+            s.bind((ip, port))
         except OSError:
             return False
     return True
@@ -85,11 +94,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket() as s:
             s.bind((host, 0))
             return int(s.getsockname()[1])
+    address = _address(host)
     claims = _claims()
     rng = random.SystemRandom()
     for _ in range(1000):
         port = rng.randrange(_LOWEST, top)
-        if _bindable(host, port) and _claim(claims, port):
+        if _bindable(address, port) and _claim(claims, port):
             if rng.random() < 0.02:
                 _prune(claims)
             return port
