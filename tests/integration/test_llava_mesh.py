@@ -2,12 +2,15 @@
 the official `openai` client): greedy output of a chat with a data-URI image equals
 transformers' generate() on the same model, processor output and image; the same image and
 prompt again hit the prefix cache (routed by the same salted block hashes the worker reports),
-another image with the same text does not past the image; bad images get 400s."""
+another image with the same text does not past the image; the same with disaggregated
+prefill/decode (images sent to the prefill worker, KV pulled by the decode worker over NIXL);
+bad images get 400s; text-only embeddings (OpenAI and KServe gRPC) equal transformers'."""
 
 from __future__ import annotations
 
 import base64
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -35,16 +38,14 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> Llava:
     return Llava(path, load_model(path, "cpu", TorchDType.FLOAT32))
 
 
-@pytest.fixture(scope="module")
-def mesh(llava: Llava, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = start_mesh(
-        tmp_path_factory.mktemp("up-llava"),
+def _start(llava: Llava, tmp: Path, *topology: str) -> Mesh:
+    return start_mesh(
+        tmp,
         "--engine",
         "torch",
         "--model",
         str(llava.model_dir),
-        "--workers",
-        "2",
+        *topology,
         "--device",
         "cpu",
         "--torch-num-gpu-blocks",
@@ -53,7 +54,27 @@ def mesh(llava: Llava, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mes
         str(BS),
         ready_timeout_s=120.0,
     )
+
+
+@pytest.fixture(scope="module")
+def mesh(llava: Llava, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    m = _start(llava, tmp_path_factory.mktemp("up-llava"), "--workers", "2")
     m.wait_workers(aggregated=2)
+    yield m
+    assert stop_mesh(m) == 0, m.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def disagg_mesh(llava: Llava, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """One prefill and one decode worker, every prompt prefilled remotely (KV over NIXL)."""
+    pytest.importorskip("nixl", reason="NIXL is not installed (pip install kvmesh[nixl])")
+    m = _start(
+        llava,
+        tmp_path_factory.mktemp("up-llava-disagg"),
+        *("--workers", "0", "--prefill-workers", "1", "--decode-workers", "1"),
+        *("--disagg-local-prefill-tokens", "0"),
+    )
+    m.wait_workers(prefill=1, decode=1)
     yield m
     assert stop_mesh(m) == 0, m.log.read_text()
 
@@ -82,9 +103,7 @@ def chat(mesh: Mesh, png: bytes, text: str = TEXT, system: str = SYSTEM) -> tupl
     return res.choices[0].message.content or "", cached
 
 
-def test_chat_with_an_image_equals_transformers_and_hits_the_cache(
-    mesh: Mesh, llava: Llava
-) -> None:
+def _chats_equal_transformers_and_hit_the_cache(mesh: Mesh, llava: Llava) -> None:
     tok = llava.processor.tokenizer
     prompt = llava.prompt(TEXT, [RED], SYSTEM)
     want_red = tok.decode(
@@ -105,6 +124,26 @@ def test_chat_with_an_image_equals_transformers_and_hits_the_cache(
     text, cached = chat(mesh, BLUE)
     assert text == want_blue
     assert cached in (0, before_image)
+
+
+def test_chat_with_an_image_equals_transformers_and_hits_the_cache(
+    mesh: Mesh, llava: Llava
+) -> None:
+    _chats_equal_transformers_and_hit_the_cache(mesh, llava)
+
+
+def test_disaggregated_chat_with_an_image_equals_transformers(
+    disagg_mesh: Mesh, llava: Llava
+) -> None:
+    """The gateway sends the images to the prefill worker (`PrefillRemote.media`), which computes
+    their features and the KV; the decode worker continues from the pulled KV. Output and prefix
+    caching (on the prefill worker, routed by the salted hashes) as aggregated."""
+    counters = ("kvmesh_remote_prefill_total", "kvmesh_local_prefill_total")
+    before = disagg_mesh.metrics(*counters)
+    _chats_equal_transformers_and_hit_the_cache(disagg_mesh, llava)
+    after = disagg_mesh.metrics(*counters)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert delta == {"kvmesh_remote_prefill_total": 3.0}, delta
 
 
 def test_bad_images_get_400(mesh: Mesh) -> None:
