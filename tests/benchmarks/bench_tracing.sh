@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-$PWD/.venv/bin/python}
 N=${N:-4000}; C=${C:-200}; ROUNDS=${ROUNDS:-3}; BASE=${BASE:-main}; MODES=${MODES:-"base off on"}
-free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+free_port() { "$PY" -c "from kvmesh.runtime.ports import free_port; print(free_port())"; }
 PORT=${PORT:-$(free_port)}; SINK_PORT=${SINK_PORT:-$(free_port)}
 WORK=$(mktemp -d /tmp/kvmesh-bench-tracing.XXXXXX)
 git archive "$BASE" | tar -x -C "$WORK"

@@ -312,6 +312,9 @@ class LoadInfo:
     """Draft tokens the model accepted (acceptance rate: accepted / draft)."""
     spec_emitted_tokens_total: int = 0
     """Tokens the verification chunks produced (tokens per step: emitted / steps)."""
+    spec_skipped_steps_total: int = 0
+    """Decode steps on which a request that could draft did not (adaptive drafting backing off
+    after low acceptance)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -517,6 +517,7 @@ def load_to_pb(load: LoadInfo, *, timestamp_ms: int, draining: bool) -> cpb.Load
         spec_draft_tokens_total=load.spec_draft_tokens_total,
         spec_accepted_tokens_total=load.spec_accepted_tokens_total,
         spec_emitted_tokens_total=load.spec_emitted_tokens_total,
+        spec_skipped_steps_total=load.spec_skipped_steps_total,
     )
 
 
@@ -558,6 +559,7 @@ def load_from_pb(m: cpb.LoadMetrics) -> LoadInfo:
         spec_draft_tokens_total=m.spec_draft_tokens_total,
         spec_accepted_tokens_total=m.spec_accepted_tokens_total,
         spec_emitted_tokens_total=m.spec_emitted_tokens_total,
+        spec_skipped_steps_total=m.spec_skipped_steps_total,
     )
 
 

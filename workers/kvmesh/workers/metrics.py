@@ -149,6 +149,9 @@ class WorkerCollector:
              load.spec_accepted_tokens_total),
             ("spec_decode_num_emitted_tokens", "Tokens the speculative verification chunks "
              "produced (accepted drafts + one model token each).", load.spec_emitted_tokens_total),
+            ("spec_decode_num_skipped_steps", "Decode steps a request that could draft did not "
+             "(adaptive drafting backing off after low acceptance).",
+             load.spec_skipped_steps_total),
         ):  # fmt: skip
             yield counter(name, doc, value)
         stats = self._stats

@@ -114,6 +114,24 @@ class TorchConfig:
     prompt_lookup_min: int = opt(
         1, "shortest n-gram the prompt-lookup drafter matches", flag="--torch-prompt-lookup-min"
     )
+    draft_model: str = opt(
+        "",
+        "speculative decoding: a smaller model directory with the same vocabulary that drafts "
+        "the tokens instead of prompt lookup (needs --torch-num-speculative-tokens)",
+        flag="--torch-draft-model",
+    )
+    spec_min_acceptance: float = opt(
+        0.2,
+        "speculative decoding: a request whose drafts' acceptance over its last 4 verified steps "
+        "falls below this stops drafting for a back-off; 0: always draft",
+        flag="--torch-spec-min-acceptance",
+    )
+    spec_backoff_steps: int = opt(
+        16,
+        "speculative decoding: decode steps a request skips drafting after low acceptance "
+        "(doubled at each consecutive failure, up to 8 times)",
+        flag="--torch-spec-backoff-steps",
+    )
 
     num_threads: int = opt(
         0,
@@ -147,3 +165,7 @@ class TorchConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.prompt_lookup_min < 1 or self.prompt_lookup_max < 1:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must be >= 1")
+        if not 0.0 <= self.spec_min_acceptance <= 1.0:
+            raise ValueError("spec_min_acceptance must be between 0 and 1")
+        if self.spec_backoff_steps < 1:
+            raise ValueError("spec_backoff_steps must be >= 1")

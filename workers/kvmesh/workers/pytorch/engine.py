@@ -62,13 +62,15 @@ from kvmesh.workers.batching.tiers import KvTierConfig, Lane, TierJob
 from kvmesh.workers.disagg.layout import block_pieces
 from kvmesh.workers.disagg.nixl_agent import NixlKvAgent, nixl_available
 from kvmesh.workers.pytorch.config import TorchConfig
+from kvmesh.workers.pytorch.draft import DraftModel, check_draft_vocab
 from kvmesh.workers.pytorch.embedding import EmbeddingHead, embed_prompts
 from kvmesh.workers.pytorch.guided import GrammarCompiler
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
 from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
 from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
-from kvmesh.workers.pytorch.scheduler import SeqOutput, TorchScheduler
+from kvmesh.workers.pytorch.sampler import Sampled
+from kvmesh.workers.pytorch.scheduler import ScheduledStep, SeqOutput, TorchScheduler
 from kvmesh.workers.pytorch.vision import ImageEncoder
 
 __all__ = ["TorchEngine", "kv_cache_blocks"]
@@ -82,6 +84,12 @@ _CUDA_MEMORY_FRACTION = 0.9
 
 def _barrier() -> None:
     """Runs on the executor thread: returns once the forward in flight has finished."""
+
+
+def _draft_then_run(draft: DraftModel, runner: ModelRunner, step: ScheduledStep) -> list[Sampled]:
+    """A step with a draft model (forward thread): the draft proposes, the model verifies."""
+    draft.propose(step.chunks)
+    return runner.execute(step.chunks)
 
 
 def kv_cache_blocks(
@@ -157,6 +165,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         self._lane_executors: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
         self._embedding_head: EmbeddingHead | None = None
         self._images: ImageEncoder | None = None
+        self._draft: DraftModel | None = None
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -214,6 +223,12 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         with torch.inference_mode():
             cache = PagedKvCache(spec, num_blocks, loaded.device)
         self._runner = ModelRunner(loaded, cache)
+        if cfg.draft_model:
+            if not cfg.num_speculative_tokens:
+                raise ValueError("--torch-draft-model needs --torch-num-speculative-tokens >= 1")
+            draft = load_model(cfg.draft_model, cfg.device, cfg.dtype)
+            check_draft_vocab(loaded, draft)
+            self._draft = DraftModel(draft, num_blocks, cfg.block_size)
         if self._grammars is None:
             self._grammars = self._grammar_compiler(loaded.vocab_size)
         if self._images is None:
@@ -332,6 +347,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         if sched is not None and self._events is not None and sched.pool.num_cached:
             self._events.publish(AllCleared())
         self._runner = None
+        self._draft = None
         self._scheduler = None
         if not self._shared_model:
             self._loaded = None
@@ -344,7 +360,11 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         runner, executor = self._runner, self._executor
         assert runner is not None and executor is not None
         loop = asyncio.get_running_loop()
-        self._forward = loop.run_in_executor(executor, runner.execute, step.chunks)
+        draft = self._draft
+        if draft is None or not step.chunks:
+            self._forward = loop.run_in_executor(executor, runner.execute, step.chunks)
+        else:
+            self._forward = loop.run_in_executor(executor, _draft_then_run, draft, runner, step)
         sampled = await asyncio.shield(self._forward)
         self._forward = None
         return sched.complete(step, sampled)

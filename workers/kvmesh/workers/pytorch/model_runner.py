@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +229,9 @@ class SeqChunk:
     images: RequestImages | None = None
     """The request's images, when the chunk covers some of their placeholders: their features
     replace those tokens' embeddings."""
+    draft_prefix: list[int] = field(default_factory=list)
+    """With a draft model: the known tokens before `start` whose draft-model KV is missing
+    (kvmesh.workers.pytorch.draft computes them first)."""
 
 
 @dataclass(slots=True)

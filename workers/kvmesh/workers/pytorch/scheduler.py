@@ -45,7 +45,7 @@ from kvmesh.workers.pytorch.guided import GrammarCompiler, GrammarState
 from kvmesh.workers.pytorch.lora import LoraAdapter
 from kvmesh.workers.pytorch.model_runner import SeqChunk
 from kvmesh.workers.pytorch.sampler import Sampled, SampleSpec
-from kvmesh.workers.pytorch.speculative import SpecStats, accept, propose_ngram
+from kvmesh.workers.pytorch.speculative import DraftGate, SpecStats, accept, propose_ngram
 from kvmesh.workers.pytorch.vision import ImageEncoder, RequestImages
 
 __all__ = ["ScheduledStep", "SeqOutput", "SeqStatus", "TorchScheduler"]
@@ -69,6 +69,8 @@ class _Seq(Seq):
         "adapter",
         "bias_ids",
         "bias_values",
+        "draft_len",
+        "gate",
         "generator",
         "grammar",
         "images",
@@ -87,6 +89,11 @@ class _Seq(Seq):
         self.suppress: tuple[int, ...] = ()
         self.grammar: GrammarState | None = None
         self.images: RequestImages | None = None
+        self.gate: DraftGate | None = None
+        """Speculative decoding: whether the request drafts (kvmesh.workers.pytorch.speculative)."""
+        self.draft_len = 0
+        """With a draft model: the leading positions whose draft-model KV is computed (it
+        catches up on the rest when the request drafts; kvmesh.workers.pytorch.draft)."""
         bias = sorted(request.sampling.logit_bias.items())
         self.bias_ids = [t for t, _ in bias]
         self.bias_values = [float(b) for _, b in bias]
@@ -227,7 +234,12 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             spec_draft_tokens_total=spec.draft_tokens,
             spec_accepted_tokens_total=spec.accepted_tokens,
             spec_emitted_tokens_total=spec.emitted_tokens,
+            spec_skipped_steps_total=spec.skipped_steps,
         )
+
+    def _preempt(self, seq: _Seq) -> None:
+        super()._preempt(seq)
+        seq.draft_len = 0  # its blocks may come back from the prefix cache without draft KV
 
     def _drafts(self, seq: _Seq) -> list[int]:
         """Speculative draft tokens for `seq` this step (see kvmesh.workers.pytorch.speculative:
@@ -249,6 +261,17 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         ):
             return []
         k = min(cfg.num_speculative_tokens, seq.max_len - len(seq.tokens) - 1)
+        if k <= 0:
+            return []
+        gate = seq.gate
+        if gate is None:
+            gate = seq.gate = DraftGate(cfg.spec_min_acceptance, cfg.spec_backoff_steps)
+        if not gate.allow():
+            self.spec.skipped_steps += 1
+            return []
+        if cfg.draft_model:
+            # placeholders: the draft model fills the chunk's tokens on the forward thread
+            return [seq.tokens[-1]] * k
         lo = cfg.prompt_lookup_min
         return propose_ngram(seq.tokens, k, lo, max(lo, cfg.prompt_lookup_max))
 
@@ -279,6 +302,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             step.sample[i] = True
         for seq, k in drafted.values():  # preempted, or left out of this step
             del seq.tokens[-k:]
+        draft_model = bool(self.config.draft_model)
         for seq, start, n, sample, k in zip(
             step.seqs, step.starts, step.counts, step.sample, step.drafts, strict=True
         ):
@@ -303,17 +327,22 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             images = seq.images
             if images is not None and not images.covers(start, start + n):
                 images = None
-            step.chunks.append(
-                SeqChunk(
-                    seq.tokens[start : start + n],
-                    start,
-                    list(seq.blocks),
-                    spec,
-                    seq.adapter,
-                    verify=k > 0,
-                    images=images,
-                )
+            chunk = SeqChunk(
+                seq.tokens[start : start + n],
+                start,
+                list(seq.blocks),
+                spec,
+                seq.adapter,
+                verify=k > 0,
+                images=images,
             )
+            if draft_model:
+                # KV past `start` is (re)computed now: the draft model's there is stale
+                seq.draft_len = min(seq.draft_len, start)
+                if k:
+                    chunk.draft_prefix = seq.tokens[seq.draft_len : start]
+                    seq.draft_len = start + k  # its forwards cover the last token and k - 1 drafts
+            step.chunks.append(chunk)
         self.num_computed_tokens += step.prefill_tokens + step.decode_tokens
         return step
 
@@ -335,15 +364,19 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
                 continue
             start = step.starts[i]
             base = start + 1  # where the drafts start in seq.tokens
-            greedy = step.chunks[i].greedy
+            chunk = step.chunks[i]
+            greedy = chunk.greedy
             if seq.status is not SeqStatus.RUNNING or seq.num_computed != start or not greedy:
                 del seq.tokens[base:]  # aborted while the forward ran
                 continue
-            emitted = accept(seq.tokens[base : base + k], greedy)
+            # the drafts as verified (a draft model wrote them into the chunk, not seq.tokens)
+            emitted = accept(chunk.token_ids[1 : 1 + k], greedy)
             spec = self.spec
             spec.steps += 1
             spec.draft_tokens += k
             spec.accepted_tokens += len(emitted) - 1
+            if seq.gate is not None:
+                seq.gate.record(k, len(emitted) - 1)
             for j, t in enumerate(emitted):  # a token that ends the request ends the chunk
                 pos = base + j
                 if pos + 1 >= seq.max_len or (t in seq.stop_ids and pos + 1 >= seq.min_len):

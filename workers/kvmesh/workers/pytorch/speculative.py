@@ -12,14 +12,26 @@ token after them (`accept`). So every step still emits at least one token, and t
 tokens are exactly the ones plain greedy decoding produces (up to float rounding between a
 one-token and a multi-token forward). Rejected drafts are dropped before the step completes:
 their KV slots are overwritten later and they never reach the prefix cache.
+
+Adaptive drafting (`DraftGate`, one per request): a request whose drafts the model rejected
+(acceptance below `spec_min_acceptance` over its last `GATE_WINDOW` verified steps) stops
+drafting for `spec_backoff_steps` decode steps, doubled at each consecutive failure up to
+`GATE_MAX_BACKOFF` times; then it drafts again and is judged afresh, so a request that turns
+repetitive later still gains. Skipping never changes the output, only which steps verify drafts.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["SpecStats", "accept", "propose_ngram"]
+__all__ = ["GATE_MAX_BACKOFF", "GATE_WINDOW", "DraftGate", "SpecStats", "accept", "propose_ngram"]
+
+GATE_WINDOW = 4
+"""Verified steps a request's acceptance is judged over (see DraftGate)."""
+GATE_MAX_BACKOFF = 8
+"""The longest back-off, in multiples of the configured one."""
 
 
 def propose_ngram(
@@ -55,6 +67,43 @@ def accept(drafts: Sequence[int], greedy: Sequence[int]) -> list[int]:
 
 
 @dataclass(slots=True)
+class DraftGate:
+    """Whether one request drafts this step, from its recent acceptance (see the module
+    docstring). `min_acceptance` 0 never skips."""
+
+    min_acceptance: float
+    backoff_steps: int
+    window: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=GATE_WINDOW))
+    """(drafted, accepted) of the request's last verified steps."""
+    skip: int = 0
+    """Decode steps left to run without drafts."""
+    backoff: int = 0
+    """The back-off the next failure starts from (0: none failed in a row)."""
+
+    def allow(self) -> bool:
+        """Called once per step the request could draft: False while it backs off."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """The outcome of one verified step."""
+        window = self.window
+        window.append((drafted, accepted))
+        if len(window) < GATE_WINDOW:
+            return
+        total = sum(d for d, _ in window)
+        if sum(a for _, a in window) >= self.min_acceptance * total:
+            self.backoff = 0
+            return
+        base = self.backoff_steps
+        self.backoff = min(2 * self.backoff, GATE_MAX_BACKOFF * base) if self.backoff else base
+        self.skip = self.backoff
+        window.clear()
+
+
+@dataclass(slots=True)
 class SpecStats:
     """Counters of speculative decoding (monotonic)."""
 
@@ -66,6 +115,8 @@ class SpecStats:
     """Draft tokens the model agreed with."""
     emitted_tokens: int = 0
     """Tokens the verification chunks produced (accepted drafts + one model token each)."""
+    skipped_steps: int = 0
+    """Decode steps a request that could draft did not, backing off after low acceptance."""
 
     @property
     def acceptance_rate(self) -> float:

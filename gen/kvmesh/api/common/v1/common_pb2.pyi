@@ -746,6 +746,7 @@ class LoadMetrics(_message.Message):
     SPEC_DRAFT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     SPEC_ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     SPEC_EMITTED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    SPEC_SKIPPED_STEPS_TOTAL_FIELD_NUMBER: _builtins.int
     num_running_requests: _builtins.int
     """Sequences scheduled in the running batch."""
     num_waiting_requests: _builtins.int
@@ -779,7 +780,11 @@ class LoadMetrics(_message.Message):
     spec_accepted_tokens_total: _builtins.int
     """... draft tokens the model accepted (acceptance rate: accepted / draft) ..."""
     spec_emitted_tokens_total: _builtins.int
-    """... and tokens the verification chunks produced (tokens per step: emitted / steps)."""
+    """... tokens the verification chunks produced (tokens per step: emitted / steps) ..."""
+    spec_skipped_steps_total: _builtins.int
+    """... and decode steps on which a request that could draft did not, backing off after low
+    acceptance (adaptive drafting).
+    """
     @_builtins.property
     def kv_tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTierMetrics]:
         """Per-tier cache counters: the device tier, then the host and disk tiers where the worker has
@@ -805,10 +810,11 @@ class LoadMetrics(_message.Message):
         spec_draft_tokens_total: _builtins.int = ...,
         spec_accepted_tokens_total: _builtins.int = ...,
         spec_emitted_tokens_total: _builtins.int = ...,
+        spec_skipped_steps_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_tiers", b"kv_tiers", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "spec_accepted_tokens_total", b"spec_accepted_tokens_total", "spec_draft_tokens_total", b"spec_draft_tokens_total", "spec_emitted_tokens_total", b"spec_emitted_tokens_total", "spec_steps_total", b"spec_steps_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "kv_active_blocks", b"kv_active_blocks", "kv_pinned_blocks", b"kv_pinned_blocks", "kv_tiers", b"kv_tiers", "kv_total_blocks", b"kv_total_blocks", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pending_prefill_tokens", b"pending_prefill_tokens", "preemptions_total", b"preemptions_total", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "requests_finished_total", b"requests_finished_total", "spec_accepted_tokens_total", b"spec_accepted_tokens_total", "spec_draft_tokens_total", b"spec_draft_tokens_total", "spec_emitted_tokens_total", b"spec_emitted_tokens_total", "spec_skipped_steps_total", b"spec_skipped_steps_total", "spec_steps_total", b"spec_steps_total", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
