@@ -164,3 +164,86 @@ async def test_remote_images_only_when_allowed(gw: Gateway, tmp_path: Path) -> N
     finally:
         await client.close()
         await runner.cleanup()
+
+
+async def test_image_placeholders_count_in_usage_and_count_tokens(tmp_path: Path) -> None:
+    """On a model with image placeholders (its card's image_token_id / tokens_per_image), each
+    image counts as the placeholder tokens it expands to: in the prompt the engine gets, in the
+    OpenAI usage's prompt_tokens, and in Anthropic's count_tokens (image blocks, base64 and url
+    sources, become the same images)."""
+    import dataclasses
+
+    import anthropic
+
+    from kvmesh.runtime.tinymodel import IMAGE_CHAT_TEMPLATE, IMAGE_TOKEN
+
+    path = create_tiny_model(
+        tmp_path / "llava-tok", extra_tokens=(IMAGE_TOKEN,), chat_template=IMAGE_CHAT_TEMPLATE
+    )
+    tok = Tokenizer.from_pretrained(path)
+    image_id = tok.encode(IMAGE_TOKEN, add_special_tokens=False)
+    assert len(image_id) == 1
+    per_image = 5
+    info = dataclasses.replace(
+        model_info(VISION, capabilities=("MULTIMODAL",)),
+        image_token_id=image_id[0],
+        tokens_per_image=per_image,
+    )
+    backend = WireBackend([info], tokens=tok.encode("Red."), eos_token_id=tok.eos_token_ids[-1])
+    service = OpenAIService(backend, {VISION: tok}, FrontendConfig(allow_remote_media=True))
+    files = web.Application()
+    files.router.add_get("/red.png", _png_response)
+    files_runner, files_port = await serve_http(files, "127.0.0.1", 0)
+    runner, port = await serve_http(build_app(service), "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}"
+    oa = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    an = anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0)
+    red, blue = png(), png(color=(0, 0, 255))
+    try:
+        resp = await oa.chat.completions.create(
+            model=VISION, messages=chat(data_uri(red), data_uri(blue)), max_tokens=3
+        )
+        prompt = backend.calls[-1].request.prompt
+        assert prompt.count(image_id[0]) == 2 * per_image
+        assert resp.usage is not None and resp.usage.prompt_tokens == len(prompt)
+        text_only = await oa.chat.completions.create(
+            model=VISION, messages=[{"role": "user", "content": "What is in the picture?"}],
+            max_tokens=1,
+        )  # fmt: skip
+        assert text_only.usage is not None
+        # the template's two <image> tokens became 2 * per_image placeholders
+        assert resp.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 * per_image
+
+        b64 = base64.b64encode(red).decode()
+        blocks: list[anthropic.types.ContentBlockParam] = [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+            {"type": "image", "source": {"type": "url", "url": f"http://127.0.0.1:{files_port}/red.png"}},
+            {"type": "text", "text": "What is in the picture?"},
+        ]  # fmt: skip
+        messages: list[anthropic.types.MessageParam] = [{"role": "user", "content": blocks}]
+        counted = await an.messages.count_tokens(model=VISION, messages=messages)
+        assert counted.input_tokens == len(prompt)
+        answer = await an.messages.create(model=VISION, max_tokens=3, messages=messages)
+        assert backend.calls[-1].request.prompt == prompt
+        assert [m.data for m in backend.calls[-1].request.media] == [red, red]
+        assert answer.usage.input_tokens == len(prompt)
+        with pytest.raises(anthropic.BadRequestError, match="cannot be decoded"):
+            bad = [{**blocks[0], "source": {**blocks[0]["source"], "data": "aGVsbG8="}}]  # type: ignore[typeddict-item]
+            await an.messages.count_tokens(
+                model=VISION,
+                messages=[{"role": "user", "content": bad}],  # type: ignore[typeddict-item]
+            )
+        with pytest.raises(anthropic.BadRequestError, match="user turns"):
+            await an.messages.count_tokens(
+                model=VISION,
+                messages=[*messages, {"role": "assistant", "content": blocks[:1]}],  # type: ignore[list-item]
+            )
+    finally:
+        await oa.close()
+        await an.close()
+        await runner.cleanup()
+        await files_runner.cleanup()
+
+
+async def _png_response(_request: web.Request) -> web.Response:
+    return web.Response(body=png(), content_type="image/png")

@@ -8,9 +8,11 @@ Anthropic `message` (unary) or its event stream (`message_start`, `content_block
 
 Mapping:
 - `system` (a string or text blocks) -> a system message; `messages` alternate user and
-  assistant turns of text blocks; an assistant's `tool_use` blocks become its `tool_calls`
-  (arguments: the `input` object as JSON text); a user's `tool_result` blocks become `tool`
-  messages (before the turn's text), answering the call with `tool_use_id`.
+  assistant turns of text blocks; a user's `image` blocks (`base64` or `url` source) become the
+  message's images, as OpenAI `image_url` parts (a data URI, or the URL under the gateway's
+  media rules; the model's engine must take images); an assistant's `tool_use` blocks become
+  its `tool_calls` (arguments: the `input` object as JSON text); a user's `tool_result` blocks
+  become `tool` messages (before the turn's text), answering the call with `tool_use_id`.
 - `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice` auto / any /
   tool / none -> auto / required / the named function / none;
   `disable_parallel_tool_use` -> parallel_tool_calls false.
@@ -73,10 +75,23 @@ class TextBlock(Struct, tag="text", tag_field="type"):
     text: str
 
 
-class ImageBlock(Struct, tag="image", tag_field="type"):
-    """An image (refused: this door takes text, tool_use and tool_result blocks)."""
+class Base64ImageSource(Struct, tag="base64", tag_field="type"):
+    """An image's bytes, base64-encoded."""
 
-    source: dict[str, Any]
+    media_type: str
+    data: str
+
+
+class UrlImageSource(Struct, tag="url", tag_field="type"):
+    """An image by URL (loaded as an OpenAI `image_url`: kvmesh.frontend.media's rules)."""
+
+    url: str
+
+
+class ImageBlock(Struct, tag="image", tag_field="type"):
+    """An image in a user turn (for models whose engine takes images: MULTIMODAL)."""
+
+    source: Base64ImageSource | UrlImageSource
 
 
 class ToolUseBlock(Struct, tag="tool_use", tag_field="type"):
@@ -163,7 +178,8 @@ class CreateMessageRequest(CountTokensRequest, kw_only=True):
 
 _REFUSALS: Refusals = {
     "messages": "'messages' must be a non-empty list of {role, content} objects with user or "
-    "assistant roles and text, tool_use or tool_result content blocks",
+    "assistant roles and text, image (base64 or url source), tool_use or tool_result content "
+    "blocks",
     "system": "'system' must be a string or a list of text blocks",
     "tools": "'tools' must be a list of {name, description, input_schema} objects",
     "tool_choice": "'tool_choice' must be an object with type auto, any, tool or none",
@@ -188,13 +204,20 @@ def _messages(system: _System, turns: Sequence[MessageParam]) -> list[ChatMessag
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         thinking: list[str] = []
+        images: list[str] = []
         for block in turn.content:
             if isinstance(block, TextBlock):
                 texts.append(block.text)
             elif isinstance(block, ImageBlock):
-                raise InvalidRequest(
-                    f"messages[{i}]: image content blocks are not supported by this gateway",
-                    param="messages",
+                if turn.role != "user":
+                    raise InvalidRequest(
+                        f"messages[{i}]: image blocks belong in user turns", param="messages"
+                    )
+                src = block.source
+                images.append(
+                    src.url
+                    if isinstance(src, UrlImageSource)
+                    else f"data:{src.media_type};base64,{src.data}"
                 )
             elif isinstance(block, ToolUseBlock):
                 if turn.role != "assistant":
@@ -221,13 +244,14 @@ def _messages(system: _System, turns: Sequence[MessageParam]) -> list[ChatMessag
                 out.append(ChatMessage("tool", result, tool_call_id=block.tool_use_id))
             else:
                 thinking.append(block.thinking)
-        if texts or calls or thinking:
+        if texts or calls or thinking or images:
             out.append(
                 ChatMessage(
                     turn.role,
                     "\n".join(texts) if texts or not calls else None,
                     tool_calls=calls or None,
                     reasoning_content="".join(thinking) if thinking else None,
+                    images=tuple(images),
                 )
             )
     return out

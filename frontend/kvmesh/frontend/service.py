@@ -468,22 +468,13 @@ class OpenAIService:
         """
         start = _perf()
         info, tok = await self._resolve(request.model)
-        urls = [url for m in request.messages for url in m.images]
-        media = await load_images(urls, self.config) if urls else ()
-        if media and MULTIMODAL not in info.capabilities:
-            raise InvalidRequest(
-                f"model `{request.model}` does not take images (its engine "
-                f"{info.engine or 'unknown'!r} does not advertise the MULTIMODAL capability)",
-                param="messages",
-            )
+        media = await self._chat_media(request, info)
         recording = trace is not None and trace.sampled and tracer().enabled
         began = time.time_ns() if recording else 0
         resolved = _perf()
         prompt = self._chat_text(request, tok)
         templated = _perf()
-        ids = await _encode(tok, info, prompt, add_special_tokens=False, param="messages")
-        if media and info.image_token_id is not None and info.tokens_per_image:
-            ids = expand_placeholders(ids, info.image_token_id, info.tokens_per_image, len(media))
+        ids = await self._chat_ids(prompt, info, tok, len(media))
         if recording:
             assert trace is not None
             _preprocessed(trace, began, templated - resolved, _perf() - templated, len(ids))
@@ -507,9 +498,36 @@ class OpenAIService:
         )
 
     async def count_chat_tokens(self, request: ChatCompletionRequest) -> int:
-        """The number of prompt tokens `request` would send (its rendered chat template)."""
-        _info, tok = await self._resolve(request.model)
-        return len(tok.encode(self._chat_text(request, tok), add_special_tokens=False))
+        """The number of prompt tokens `request` would send: its rendered chat template, each
+        image counted as the placeholder tokens it expands to (what usage reports)."""
+        info, tok = await self._resolve(request.model)
+        media = await self._chat_media(request, info)
+        return len(await self._chat_ids(self._chat_text(request, tok), info, tok, len(media)))
+
+    async def _chat_media(
+        self, request: ChatCompletionRequest, info: ModelInfo
+    ) -> tuple[MediaInput, ...]:
+        """The chat's images, loaded and checked (kvmesh.frontend.media); InvalidRequest when
+        the model's engine does not take images."""
+        urls = [url for m in request.messages for url in m.images]
+        media = await load_images(urls, self.config) if urls else ()
+        if media and MULTIMODAL not in info.capabilities:
+            raise InvalidRequest(
+                f"model `{request.model}` does not take images (its engine "
+                f"{info.engine or 'unknown'!r} does not advertise the MULTIMODAL capability)",
+                param="messages",
+            )
+        return media
+
+    @staticmethod
+    async def _chat_ids(prompt: str, info: ModelInfo, tok: Tokenizer, num_media: int) -> list[int]:
+        """The token ids of a rendered chat `prompt` with `num_media` images: on a model with
+        image placeholders (its card's `image_token_id`, `tokens_per_image`), each image token
+        the template rendered repeated `tokens_per_image` times, as the engine takes them."""
+        ids = await _encode(tok, info, prompt, add_special_tokens=False, param="messages")
+        if num_media and info.image_token_id is not None and info.tokens_per_image:
+            ids = expand_placeholders(ids, info.image_token_id, info.tokens_per_image, num_media)
+        return ids
 
     @staticmethod
     def _chat_text(request: ChatCompletionRequest, tok: Tokenizer) -> str:

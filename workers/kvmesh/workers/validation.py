@@ -143,7 +143,7 @@ def validate_wire_request(
 ) -> None:
     """Raise InvalidRequest for contract fields of `msg` that `info`'s engine cannot honour,
     before the message is converted: media inputs need the MULTIMODAL capability (the torch
-    engine's, with a multimodal model on an aggregated worker; `validate_request` checks the
+    engine's, with a multimodal model, in any role; `validate_request` checks the
     converted request again for in-process callers). Fields no engine implements at all are
     refused by kvmesh.runtime.wire when it converts the message."""
     if msg.media and "MULTIMODAL" not in info.capabilities:

@@ -375,6 +375,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
             request.stop,
             request.lora_name,
             request.priority,
+            media=request.media,
             trace=request.trace,
         )
         sink = FirstOutput()
@@ -479,7 +480,11 @@ class BatchingEngine(Engine, Generic[SchedT]):
             if received is not None and confirmed:
                 blocks = received.blocks
                 sched.commit_prefilled(
-                    blocks, received.hashes, received.num_had, request.prompt, request.lora_name
+                    blocks,
+                    received.hashes,
+                    received.num_had,
+                    sched.hash_ids(request),
+                    request.lora_name,
                 )
                 entry.kv_bytes = received.nbytes
             elif received is not None:
@@ -541,7 +546,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         ):
             log.warning("transfer %s does not fit this engine's KV layout", handle.transfer_id)
             return None
-        reserved = sched.reserve_prefilled(request.prompt, request.lora_name)
+        reserved = sched.reserve_prefilled(sched.hash_ids(request), request.lora_name)
         if reserved is None:
             log.warning("no room for the KV of transfer %s; recomputing", handle.transfer_id)
             return None

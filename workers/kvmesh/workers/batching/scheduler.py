@@ -860,13 +860,19 @@ class BatchScheduler(Generic[S, C]):
         hashes = self.prefix_hashes(token_ids, lora_name)
         return self.pool.match_prefix(hashes, len(hashes))
 
+    def hash_ids(self, request: EngineRequest) -> Sequence[int]:
+        """The token ids the block hashes of `request`'s prompt cover (what reserve_prefilled
+        and commit_prefilled take): the prompt itself; engines that salt some positions (the
+        torch engine's image placeholders) override it."""
+        return request.prompt
+
     def reserve_prefilled(
         self, prompt: Sequence[int], lora_name: str = ""
     ) -> tuple[list[int], list[int], int] | None:
-        """Take referenced blocks for a prompt whose KV comes from another worker: its cached
-        leading blocks, then fresh ones. Returns (blocks, full-block hashes, number of cached
-        leading blocks, which need no transfer), or None when the pool cannot take them now
-        (keeping the watermark free)."""
+        """Take referenced blocks for a prompt whose KV comes from another worker (`prompt`: its
+        hash_ids): its cached leading blocks, then fresh ones. Returns (blocks, full-block
+        hashes, number of cached leading blocks, which need no transfer), or None when the pool
+        cannot take them now (keeping the watermark free)."""
         pool = self.pool
         nb = -(-len(prompt) // self.block_size)
         hashes = self.prefix_hashes(prompt, lora_name)

@@ -113,7 +113,7 @@ def kv_cache_blocks(
 
 class TorchEngine(BatchingEngine[TorchScheduler]):
     """A real inference engine over a Hugging Face causal LM (Llama, Mistral, Qwen2/3 style, or
-    a LLaVA-style image-text model with such a language model: MULTIMODAL when aggregated):
+    a LLaVA-style image-text model with such a language model: MULTIMODAL, in every role):
     continuous batching, paged KV cache with prefix caching, LRU eviction, preemption by
     recompute, KV events, real sampling and logprobs.
 
@@ -231,7 +231,7 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             self._draft = DraftModel(draft, num_blocks, cfg.block_size)
         if self._grammars is None:
             self._grammars = self._grammar_compiler(loaded.vocab_size)
-        if self._images is None and self._disagg.role is Role.AGGREGATED:
+        if self._images is None:
             self._images = loaded.image_encoder()
         images = self._images
         tiers = self._tiers
@@ -313,8 +313,9 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
             return None
 
     def _capabilities(self) -> tuple[str, ...]:
-        """MULTIMODAL with a multimodal model on an aggregated worker (images are not carried
-        through remote prefill)."""
+        """MULTIMODAL with a multimodal model, in every role: a prefill worker computes the image
+        features and the KV, a decode worker takes the images too (its block hashes are salted
+        by them, and it prefills itself when the pull fails or the prompt is short)."""
         caps = (*super()._capabilities(), "EMBEDDINGS")
         caps += ("GUIDED_DECODING",) if self._grammars is not None else ()
         return caps + (("MULTIMODAL",) if self._images is not None else ())
@@ -382,15 +383,23 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
 
     async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         """Pooled final hidden states (kvmesh.workers.pytorch.embedding), computed on the
-        engine's executor thread between steps."""
+        engine's executor thread between steps. A multimodal model embeds text only (its
+        language model's states): an input holding its image token is InvalidRequest."""
         loaded, executor, sched = self._loaded, self._executor, self._scheduler
         if loaded is None or executor is None or sched is None:
             raise Unavailable("the torch engine has not been started")
         limit = sched.max_seq_len
+        image_token = self._images.image_token_id if self._images is not None else None
         for i, ids in enumerate(prompts):
             if len(ids) > limit:
                 raise RequestTooLarge(
                     f"input {i} has {len(ids)} tokens; the model's maximum is {limit}"
+                )
+            if image_token is not None and image_token in ids:
+                raise InvalidRequest(
+                    f"input {i} holds the image token (id {image_token}): embeddings on this "
+                    "model take text only, not images",
+                    param="input",
                 )
         head = self._embedding_head
         if head is None:

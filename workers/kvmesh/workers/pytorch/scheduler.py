@@ -188,6 +188,16 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
             prompt, images.image_token_id, len(request.media), images.tokens_per_image
         )
 
+    def hash_ids(self, request: EngineRequest) -> Sequence[int]:
+        """The prompt with the image placeholders of a request with media salted by the images
+        (kvmesh.runtime.multimodal), as the router hashes it; else the prompt."""
+        images = self.images
+        if not request.media or images is None:
+            return request.prompt
+        return salt_placeholders(
+            request.prompt, images.image_token_id, request.media, images.tokens_per_image
+        )
+
     def _new_seq(self, request: EngineRequest, arrival: int, now: float) -> _Seq:
         vocab = self.vocab_size
         seq = _Seq(request, arrival)
@@ -195,9 +205,7 @@ class TorchScheduler(BatchScheduler[_Seq, TorchConfig]):
         if request.media and images is not None:
             positions = self._placeholders(request)
             seq.images = RequestImages(images, positions, images.pixels(request.media))
-            seq.salted = salt_placeholders(
-                request.prompt, images.image_token_id, request.media, images.tokens_per_image
-            )
+            seq.salted = list(self.hash_ids(request))
         if request.lora_name:
             seq.adapter = self.loras.use(request.lora_name)
         stop_ids = set(request.stop.stop_token_ids)

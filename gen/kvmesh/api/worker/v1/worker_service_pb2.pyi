@@ -79,8 +79,10 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def media(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaInput]:
         """Non-text inputs referenced by the prompt's placeholder tokens. Empty: text only. Workers whose
-        model card lacks the MULTIMODAL capability (every kvmesh engine today) refuse a request with
-        media with INVALID_ARGUMENT.
+        model card lacks the MULTIMODAL capability (all but the torch engine serving a LLaVA-style
+        model) refuse a request with media with INVALID_ARGUMENT. A remote-prefilled request carries
+        its media too: the decode worker salts its block hashes by them, and needs them when it
+        prefills itself.
         """
 
     def __init__(
@@ -338,8 +340,9 @@ class PrefillRemoteRequest(_message.Message):
 
     @_builtins.property
     def media(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaInput]:
-        """Non-text inputs. Empty: text only. Refused with INVALID_ARGUMENT by workers without the
-        MULTIMODAL capability (as in GenerateRequest.media).
+        """Non-text inputs. Empty: text only. The prefill worker computes their features and the KV.
+        Refused with INVALID_ARGUMENT by workers without the MULTIMODAL capability (as in
+        GenerateRequest.media).
         """
 
     @_builtins.property
