@@ -514,9 +514,7 @@ class VllmEngine(StreamingAdapter[Any]):
         """AsyncLLM.encode of each prompt, concurrently (vLLM batches them)."""
         from kvmesh.workers.adapters import vllm_runtime
 
-        engine = self._engine
-        if engine is None or not self._running:
-            raise Unavailable("the vllm engine is not running")
+        engine = self._live_engine()
         if not self._pooling:
             raise Unimplemented(
                 "vLLM computes embeddings with its pooling runner: start an embedding worker "
@@ -552,10 +550,15 @@ class VllmEngine(StreamingAdapter[Any]):
 
     # -- LoRA ----------------------------------------------------------------------------------
 
-    def _lora_engine(self) -> AsyncLLMLike:
+    def _live_engine(self) -> AsyncLLMLike:
+        """The running AsyncLLM (Unavailable when it is not running)."""
         engine = self._engine
         if engine is None or not self._running:
             raise Unavailable("the vllm engine is not running")
+        return engine
+
+    def _lora_engine(self) -> AsyncLLMLike:
+        engine = self._live_engine()
         if not self._lora_enabled:
             raise Unimplemented(
                 "this vLLM engine runs without LoRA: start the worker with "
