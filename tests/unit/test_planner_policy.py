@@ -251,14 +251,43 @@ def test_surge_grows_an_overloaded_pool_between_intervals() -> None:
     d = planner.surge(12.0, obs(6 * cap, interval=2.0), {AGG: one})
     assert 5 <= d.targets[AGG] <= 6 and d.reasons[AGG].startswith("sla surge")
     grown = PoolState(AGG, target=d.targets[AGG], ready=1, starting=d.targets[AGG] - 1)
-    # the same load with those workers starting: not asked for again
-    assert planner.surge(14.0, obs(6 * cap, interval=2.0), {AGG: grown}).targets == {}
     # a calm window changes nothing (a surge never shrinks)
     assert planner.surge(16.0, obs(0.1 * cap, interval=2.0), {AGG: grown}).targets == {}
     # and what the surge asked for holds through the stabilization window (30 s)
     ready = PoolState(AGG, target=d.targets[AGG], ready=d.targets[AGG])
     assert planner.decide(20.0, obs(0.5 * cap), {AGG: ready}).targets[AGG] == d.targets[AGG]
     assert planner.decide(50.0, obs(0.5 * cap), {AGG: ready}).targets[AGG] == 1
+
+
+def test_surge_counts_starting_workers() -> None:
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    n = planner.decide(10.0, obs(6 * cap), {AGG: PoolState(AGG, 1, 1)}).targets[AGG]
+    assert 6 <= n <= 7
+    # the same steady load with those workers still starting: not asked for again
+    starting = PoolState(AGG, target=n, ready=1, starting=n - 1)
+    for t in (12.0, 14.0, 16.0, 18.0):
+        assert planner.surge(t, obs(6 * cap, interval=2.0), {AGG: starting}).targets == {}
+
+
+def test_surge_foresees_a_ramp_before_the_pool_is_outgrown() -> None:
+    # Start-up 10 s; the load climbs 0.1 worker's capacity per second from 1.5 workers' worth.
+    # No window yet exceeds what 3 workers serve, but the trend passes it before a worker
+    # asked now could serve: the trend-reading surge grows the pool; without the trend
+    # (the arrivals alone) nothing would.
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    cfg = config(worker_startup_s=10.0)
+    planner = Planner(cfg, PlannerPolicy.SLA, [AGG], PROFILE)
+    three = PoolState(AGG, 3, 3)
+    assert planner.decide(10.0, obs(1.5 * cap), {AGG: three}).targets[AGG] == 3
+    grew: dict[Role, int] = {}
+    t = 10.0
+    while not grew and t < 24.0:
+        t += 2.0
+        rate = (1.5 + 0.1 * (t - 11.0)) * cap
+        assert rate < 3 * cap  # the pool has not been outgrown
+        grew = planner.surge(t, obs(rate, interval=2.0), {AGG: three}).targets
+    assert grew and grew[AGG] > 3, "the trend should have grown the pool before it was outgrown"
 
 
 def test_surge_reads_queued_work_and_latency_but_not_noise() -> None:

@@ -52,11 +52,15 @@ class MetricNames:
     """Histogram of inter-token latency (one observation per gap)."""
     inflight: str
     """Gauge of requests in progress."""
+    cached_tokens: str = ""
+    """Histogram, one observation per finished request: its prompt tokens found in a prefix
+    cache (empty: the gateway does not export it, and the planner prices every prompt token)."""
     model_label: str = "model"
 
     @property
     def histograms(self) -> tuple[str, ...]:
-        return (self.prompt_tokens, self.output_tokens, self.ttft_seconds, self.itl_seconds)
+        names = (self.prompt_tokens, self.output_tokens, self.ttft_seconds, self.itl_seconds)
+        return (*names, self.cached_tokens) if self.cached_tokens else names
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -69,6 +73,7 @@ FRONTEND_METRICS = MetricNames(
     ttft_seconds="kvmesh_frontend_time_to_first_token_seconds",
     itl_seconds="kvmesh_frontend_inter_token_latency_seconds",
     inflight="kvmesh_frontend_inflight_requests",
+    cached_tokens="kvmesh_frontend_cached_tokens",
 )
 """What kvmesh's frontend exports (kvmesh.frontend.metrics)."""
 
@@ -186,11 +191,13 @@ def observation(
     ttft = delta(names.ttft_seconds)
     itl = delta(names.itl_seconds)
     tail = histogram_quantile(quantile, ttft.buckets)
+    cached = delta(names.cached_tokens).mean if names.cached_tokens else math.nan
     return Observation(
         interval_s=max(now.at - earlier.at, 1e-9),
         requests=round(prompt.count),
         isl_mean=prompt.mean,
         osl_mean=output.mean,
+        cached_mean=cached,
         first_tokens=round(ttft.count),
         ttft_ms=1e3 * ttft.mean,
         ttft_tail_ms=1e3 * tail,

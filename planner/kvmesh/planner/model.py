@@ -5,7 +5,9 @@ Aggregated worker, `rate` requests/s of `isl` prompt and `osl` output tokens (th
 vLLM's continuous batching with chunked prefill: a step that prefills also delays the decodes
 running with it):
 
-  * prefill busy fraction rho = rate * p, with p the profile's TTFT of one `isl` prompt alone;
+  * prefill busy fraction rho = rate * p, with p the profile's TTFT of one prompt of the
+    `isl - cached` tokens a request does not find in the prefix cache (a cached prefix costs no
+    prefill; its tokens still count as decode context);
   * TTFT = p + the mean wait of an M/D/1 queue, rho * p / (2 * (1 - rho));
   * ITL = d / (1 - rho): the decode step d (the profile's decode grid at the context
     isl + osl / 2 and the concurrency Little's law gives, rate * (TTFT + osl * ITL)) stretched
@@ -44,13 +46,15 @@ class WorkerModel:
     prefill: PrefillCurve | None
     decode: DecodeGrid | None
 
-    def latency(self, rate: float, isl: float, osl: float) -> Latency:
-        """Mean TTFT and ITL at `rate` requests/s per worker (see the module doc)."""
+    def latency(self, rate: float, isl: float, osl: float, cached: float = 0.0) -> Latency:
+        """Mean TTFT and ITL at `rate` requests/s per worker, requests of `isl` prompt tokens
+        (`cached` of them found in the prefix cache) and `osl` output tokens (see the module
+        doc)."""
         rate = max(rate, 0.0)
         ttft_ms = 0.0
         rho = 0.0
         if self.prefill is not None:
-            p = self.prefill.ttft_at(isl) / 1e3
+            p = self.prefill.ttft_at(max(1.0, isl - max(cached, 0.0))) / 1e3
             rho = rate * p
             if rho >= 1.0:
                 return _INFEASIBLE
@@ -67,12 +71,14 @@ class WorkerModel:
                 return _INFEASIBLE
         return Latency(ttft_ms, itl_ms)
 
-    def capacity(self, isl: float, osl: float, ttft_ms: float, itl_ms: float) -> float:
+    def capacity(
+        self, isl: float, osl: float, ttft_ms: float, itl_ms: float, cached: float = 0.0
+    ) -> float:
         """The highest rate (requests/s per worker) whose predicted TTFT and ITL stay within
         `ttft_ms` and `itl_ms` (0: not even one request at a time does)."""
 
         def ok(rate: float) -> bool:
-            lat = self.latency(rate, isl, osl)
+            lat = self.latency(rate, isl, osl, cached)
             return (self.prefill is None or lat.ttft_ms <= ttft_ms) and (
                 self.decode is None or lat.itl_ms <= itl_ms
             )

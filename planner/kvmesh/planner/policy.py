@@ -48,7 +48,12 @@ from typing import Protocol
 
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.model import WorkerModel
-from kvmesh.planner.predictors import MovingAveragePredictor, Predictor, make_predictor
+from kvmesh.planner.predictors import (
+    MovingAveragePredictor,
+    Predictor,
+    RateTrend,
+    make_predictor,
+)
 from kvmesh.planner.profile import PerfProfile
 from kvmesh.runtime.errors import InvalidRequest
 from kvmesh.runtime.types import Role
@@ -90,6 +95,8 @@ class Observation:
     """Prompt tokens per arrived request."""
     osl_mean: float = math.nan
     """Output tokens per request that finished."""
+    cached_mean: float = math.nan
+    """Prompt tokens per request that finished found in a prefix cache (NaN: not measured)."""
     first_tokens: int = 0
     """Requests whose first token came in the interval."""
     ttft_ms: float = math.nan
@@ -138,14 +145,14 @@ class Policy(Protocol):
     """Computes the size each pool wants now (before limits and stabilization)."""
 
     def desired(
-        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+        self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
     ) -> dict[Role, int]: ...
 
     def surge(
-        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+        self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
     ) -> dict[Role, int]:
-        """Between intervals: the size of each pool the load already outgrew (others left
-        out)."""
+        """Between intervals: the size of each pool the load outgrew or is about to outgrow
+        before a worker asked for now could serve (others left out)."""
         ...
 
 
@@ -183,20 +190,33 @@ class SlaPolicy:
         # would swing the capacity, so they are averaged over the last intervals.
         self.isl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
         self.osl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
+        self.hit: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
+        """Fraction of the prompt tokens found in a prefix cache."""
         self.seen_isl = False
         self.seen_osl = False
+        self.seen_hit = False
+        self.trend = RateTrend(config.worker_startup_s + interval)
+        """The arrival rate's recent trend over every window observed (intervals and surge
+        checks), looking back as far as a decision must look ahead."""
+        self._since_tick = (0, 0.0)
+        """Arrivals and seconds the surge checks saw since the last interval."""
         self.rate_error = 0.0
         """Exponentially weighted mean square of how far the one-interval rate predictions
         fell short (over-predictions count as 0)."""
         self._predicted_next: float | None = None
-        self.horizon = 1 + math.ceil(config.worker_startup_s / interval)
-        """Intervals ahead a worker asked for now will serve (start-up, then one interval)."""
+        self.horizon = 0.5 + (config.worker_startup_s + interval) / interval
+        """Intervals from the middle of the one just observed to the end of the interval a
+        worker asked for now serves first (after its start-up): the rate to size for."""
         self.ttft_factor = 1.0
         self.itl_factor = 1.0
         self.plans: dict[Role, _Plan] = {}
         """Per pool, what the last interval sized it with."""
 
-    def _observe(self, obs: Observation) -> None:
+    def _observe(self, now: float, obs: Observation) -> None:
+        count, seconds = self._since_tick
+        self._since_tick = (0, 0.0)
+        # the part of the interval no surge check saw
+        self.trend.add(now, obs.interval_s - seconds, obs.requests - count)
         if self._predicted_next is not None:
             under = max(0.0, obs.rate_rps - self._predicted_next)  # only too low hurts
             a = ERROR_SMOOTHING
@@ -208,19 +228,25 @@ class SlaPolicy:
         if math.isfinite(obs.osl_mean):
             self.osl.observe(obs.osl_mean)
             self.seen_osl = True
+        if math.isfinite(obs.cached_mean) and math.isfinite(obs.isl_mean) and obs.isl_mean > 0:
+            self.hit.observe(_clamp(obs.cached_mean / obs.isl_mean, 0.0, 1.0))
+            self.seen_hit = True
 
-    def _correct(self, obs: Observation, pools: Mapping[Role, PoolState], osl: float) -> None:
+    def _correct(
+        self, obs: Observation, pools: Mapping[Role, PoolState], osl: float, hit: float
+    ) -> None:
         """Move the corrections toward observed / expected at the observed load."""
         if obs.first_tokens < MIN_SAMPLES or not math.isfinite(obs.isl_mean):
             return
         osl = obs.osl_mean if math.isfinite(obs.osl_mean) else osl
+        cached = hit * obs.isl_mean
         lo, hi = FACTOR_LIMITS
         a = FACTOR_SMOOTHING
         for role, model in self.models.items():
             ready = pools[role].ready if role in pools else 0
             if ready < 1:
                 continue
-            expected = model.latency(obs.rate_rps / ready, obs.isl_mean, osl)
+            expected = model.latency(obs.rate_rps / ready, obs.isl_mean, osl, cached)
             if model.prefill is not None and math.isfinite(obs.ttft_tail_ms):
                 if 0 < expected.ttft_ms < math.inf:
                     f = _clamp(obs.ttft_tail_ms / expected.ttft_ms, lo, hi)
@@ -231,23 +257,25 @@ class SlaPolicy:
                     self.itl_factor = (1 - a) * self.itl_factor + a * f
 
     def desired(
-        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+        self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
     ) -> dict[Role, int]:
         cfg = self.config
-        self._observe(obs)
+        self._observe(now, obs)
         isl = self.isl.predict() if self.seen_isl else 0.0
         osl = max(1.0, self.osl.predict()) if self.seen_osl else 1.0
+        hit = self.hit.predict() if self.seen_hit else 0.0
+        cached = hit * isl
         self._predicted_next = self.rate.predict(1)
         # The load a worker asked for now will serve, plus the prediction's typical error.
         rate = max(self._predicted_next, self.rate.predict(self.horizon))
         rate += cfg.prediction_margin * math.sqrt(self.rate_error)
         decision.predicted_rps = rate
-        self._correct(obs, pools, osl)
+        self._correct(obs, pools, osl, hit)
         ttft_target = cfg.ttft_slo_ms / self.ttft_factor
         itl_target = cfg.itl_slo_ms * cfg.itl_headroom / self.itl_factor
         out: dict[Role, int] = {}
         for role, model in self.models.items():
-            cap = model.capacity(isl, osl, ttft_target, itl_target)
+            cap = model.capacity(isl, osl, ttft_target, itl_target, cached)
             decision.capacity_rps[role] = cap
             state = pools.get(role)
             if obs.requests == 0 and obs.inflight == 0:
@@ -260,7 +288,7 @@ class SlaPolicy:
                 continue
             # Queued work: requests in flight beyond what ready + starting workers hold at
             # this capacity, to be served within one interval.
-            lat = model.latency(cap, isl, osl)
+            lat = model.latency(cap, isl, osl, cached)
             hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
             self.plans[role] = _Plan(cap, hold)
             backlog = 0.0
@@ -270,17 +298,26 @@ class SlaPolicy:
             # at least one worker while anything waits (a pool at 0 with a request queued)
             out[role] = max(1, math.ceil(demand / cap - 1e-9))
             decision.reasons[role] = (
-                f"sla: {rate:.2f} req/s predicted (isl {isl:.0f}, osl {osl:.0f}), "
+                f"sla: {rate:.2f} req/s predicted (isl {isl:.0f}, {100 * hit:.0f} % cached, "
+                f"osl {osl:.0f}), "
                 f"backlog {backlog:.0f}, {cap:.2f} req/s per worker "
                 f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f})"
             )
         return out
 
     def surge(
-        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+        self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
     ) -> dict[Role, int]:
         cfg = self.config
         out: dict[Role, int] = {}
+        if obs.interval_s > 0:
+            self.trend.add(now, obs.interval_s, obs.requests)
+            count, seconds = self._since_tick
+            self._since_tick = (count + obs.requests, seconds + obs.interval_s)
+        # Foresight: the rate the recent trend reaches when a worker asked for now has started
+        # and the next check could ask again, counted only past its noise.
+        value, error = self.trend.forecast(now + cfg.worker_startup_s + cfg.surge_check_s)
+        foreseen = value - SURGE_Z * error if math.isfinite(value) else 0.0
         for role, model in self.models.items():
             state = pools.get(role)
             plan = self.plans.get(role)
@@ -310,15 +347,16 @@ class SlaPolicy:
             evident_rps = max(0.0, n - SURGE_Z * math.sqrt(n)) / obs.interval_s
             held = have * plan.hold
             queued = max(0.0, obs.inflight - held - SURGE_Z * math.sqrt(held))
-            demand = evident_rps + queued / cfg.adjustment_interval_s
+            demand = max(evident_rps, foreseen) + queued / cfg.adjustment_interval_s
             if plan.capacity_rps > 0:
                 load_need = math.ceil(demand / plan.capacity_rps - 1e-9)
                 if load_need > need:
                     need, why = (
                         load_need,
                         (
-                            f"{evident_rps:.2f} req/s arriving, {queued:.0f} queued beyond the "
-                            f"pool, {plan.capacity_rps:.2f} req/s per worker"
+                            f"{evident_rps:.2f} req/s arriving, {foreseen:.2f} req/s on the "
+                            f"trend in {cfg.worker_startup_s:g} s, {queued:.0f} queued beyond "
+                            f"the pool, {plan.capacity_rps:.2f} req/s per worker"
                         ),
                     )
             if need > have:
@@ -335,7 +373,7 @@ class QueuePolicy:
         self.roles = list(roles)
 
     def desired(
-        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+        self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
     ) -> dict[Role, int]:
         decision.predicted_rps = obs.rate_rps
         out: dict[Role, int] = {}
@@ -360,7 +398,7 @@ class QueuePolicy:
         return out
 
     def surge(
-        self, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
+        self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
     ) -> dict[Role, int]:
         return {}  # HPA acts on its own sync period only
 
@@ -393,7 +431,7 @@ class Planner:
         goes forward)."""
         cfg = self.config
         decision = Decision(targets={})
-        desired = self.policy.desired(obs, pools, decision)
+        desired = self.policy.desired(now, obs, pools, decision)
         if self._since is None:
             self._since = now
         window = cfg.stabilization_s
@@ -421,7 +459,7 @@ class Planner:
         the load already outgrew, grown (see the module doc); `targets` holds only those."""
         cfg = self.config
         decision = Decision(targets={})
-        grown = self.policy.surge(obs, pools, decision)
+        grown = self.policy.surge(now, obs, pools, decision)
         spare = math.inf
         if cfg.max_total_workers:
             total = sum(s.target for r, s in pools.items() if r in self._wanted)

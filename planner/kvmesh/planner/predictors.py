@@ -30,6 +30,7 @@ __all__ = [
     "Predictor",
     "PredictorKind",
     "ProphetPredictor",
+    "RateTrend",
     "make_predictor",
 ]
 
@@ -51,8 +52,10 @@ class Predictor(Protocol):
         """The value of the interval that just ended."""
         ...
 
-    def predict(self, steps: int = 1) -> float:
-        """The value expected `steps` intervals from now (0 before any observation)."""
+    def predict(self, steps: float = 1) -> float:
+        """The value expected `steps` intervals after the last one observed (0 before any
+        observation); a fraction of an interval is allowed (the optional fitted predictors
+        round it up)."""
         ...
 
 
@@ -65,7 +68,7 @@ class ConstantPredictor:
     def observe(self, value: float) -> None:
         self.last = value
 
-    def predict(self, steps: int = 1) -> float:
+    def predict(self, steps: float = 1) -> float:
         return max(0.0, self.last)
 
 
@@ -80,7 +83,7 @@ class MovingAveragePredictor:
     def observe(self, value: float) -> None:
         self.values.append(value)
 
-    def predict(self, steps: int = 1) -> float:
+    def predict(self, steps: float = 1) -> float:
         return max(0.0, sum(self.values) / len(self.values)) if self.values else 0.0
 
 
@@ -137,8 +140,48 @@ class KalmanPredictor:
         m = self.memory
         self.r = max((1 - m) * self.r + m * innovation * innovation, 1e-9 * (1 + value * value))
 
-    def predict(self, steps: int = 1) -> float:
+    def predict(self, steps: float = 1) -> float:
         return max(0.0, self.level + steps * self.slope)
+
+
+class RateTrend:
+    """The arrival rate's level and slope over the last `span_s` seconds, from request counts
+    over windows of any length (the planner's intervals and the surge checks between them):
+    a least-squares line through each window's rate at its midpoint, weighted by the window's
+    length (a Poisson count's rate has variance rate / length). `forecast(at)` extrapolates
+    the line to the time `at` and gives the standard error of that value (Poisson, at the
+    window's mean rate), so a caller can act on what the trend shows past its noise."""
+
+    MIN_WINDOWS = 3
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self.windows: deque[tuple[float, float, int]] = deque()
+        """(start, end, count), oldest first."""
+
+    def add(self, end: float, duration: float, count: int) -> None:
+        """`count` requests arrived over the `duration` seconds up to `end`."""
+        if duration <= 0:
+            return
+        self.windows.append((end - duration, end, max(0, count)))
+        while self.windows and self.windows[0][1] <= end - self.span_s:
+            self.windows.popleft()
+
+    def forecast(self, at: float) -> tuple[float, float]:
+        """(rate at `at`, its standard error); (NaN, inf) with fewer than 3 windows."""
+        ws = self.windows
+        if len(ws) < self.MIN_WINDOWS:
+            return math.nan, math.inf
+        length = sum(e - s for s, e, _ in ws)
+        mean = sum(c for _, _, c in ws) / length
+        centre = sum((s + e) / 2 * (e - s) for s, e, _ in ws) / length
+        sxx = sum((e - s) * ((s + e) / 2 - centre) ** 2 for s, e, _ in ws)
+        if sxx <= 0:
+            return mean, math.inf
+        slope = sum(c * ((s + e) / 2 - centre) for s, e, c in ws) / sxx
+        lever = at - centre
+        variance = max(mean, 1 / length) * (1 / length + lever * lever / sxx)
+        return max(0.0, mean + slope * lever), math.sqrt(variance)
 
 
 def _optional(module: str, extra: str) -> Any:
@@ -165,9 +208,10 @@ class ArimaPredictor:
         self.values.append(value)
         self._forecast = []
 
-    def predict(self, steps: int = 1) -> float:
+    def predict(self, steps: float = 1) -> float:
         if len(self.values) < self.min_points or len(set(self.values)) < 2:
             return max(0.0, self.values[-1]) if self.values else 0.0
+        steps = max(1, math.ceil(steps))
         if len(self._forecast) < steps:
             with self._warnings.catch_warnings():
                 self._warnings.simplefilter("ignore")  # convergence chatter on short series
@@ -196,7 +240,7 @@ class ProphetPredictor:
         self.values.append(value)
         self.count += 1
 
-    def predict(self, steps: int = 1) -> float:
+    def predict(self, steps: float = 1) -> float:
         if len(self.values) < self.min_points:
             return max(0.0, self.values[-1]) if self.values else 0.0
         pd = self._pandas
@@ -207,7 +251,7 @@ class ProphetPredictor:
         model = self._prophet()
         model.fit(pd.DataFrame({"ds": ds, "y": list(self.values)}))
         future = pd.DataFrame(
-            {"ds": pd.to_datetime([(self.count - 1 + steps) * self.interval_s], unit="s")}
+            {"ds": pd.to_datetime([(self.count - 1 + math.ceil(steps)) * self.interval_s], unit="s")}
         )
         return max(0.0, float(model.predict(future)["yhat"].iloc[0]))
 

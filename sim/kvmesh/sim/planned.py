@@ -4,7 +4,7 @@ virtual time.
 The pool starts at `--min-workers` (at least one). Every `--adjustment-interval-s` the planner
 (kvmesh.planner.policy.Planner, the code `kvmesh planner` runs) gets what a gateway's metrics
 would have shown over the interval (arrivals, mean prompt and output length, TTFT mean and
-quantile, mean ITL, requests in flight: `IntervalMeter`) and the pool's state, and returns a
+quantile, mean ITL, prompt tokens found in the prefix cache, requests in flight: `IntervalMeter`) and the pool's state, and returns a
 target:
 
   * growing: new workers are simulated mockers that serve only `--worker-startup-s` later (they
@@ -70,6 +70,7 @@ class IntervalMeter:
         self.prompt_tokens = 0
         self.finished = 0
         self.output_tokens = 0
+        self.cached_tokens = 0
         self.ttft_s: list[float] = []
         self.itl_from = itl_from
         """Gaps recorded in the timeline before this interval."""
@@ -81,9 +82,10 @@ class IntervalMeter:
     def first_token(self, ttft_s: float) -> None:
         self.ttft_s.append(ttft_s)
 
-    def finish(self, output_tokens: int) -> None:
+    def finish(self, output_tokens: int, cached_tokens: int) -> None:
         self.finished += 1
         self.output_tokens += output_tokens
+        self.cached_tokens += cached_tokens
 
     def observe(self, interval_s: float, inflight: int) -> Observation:
         """The interval's Observation; starts the next interval."""
@@ -95,6 +97,7 @@ class IntervalMeter:
             requests=self.arrived,
             isl_mean=self.prompt_tokens / self.arrived if self.arrived else math.nan,
             osl_mean=self.output_tokens / self.finished if self.finished else math.nan,
+            cached_mean=self.cached_tokens / self.finished if self.finished else math.nan,
             first_tokens=len(ttft),
             ttft_ms=1e3 * sum(ttft) / len(ttft) if ttft else math.nan,
             ttft_tail_ms=1e3 * _quantile(ttft, self.quantile) if ttft else math.nan,
@@ -298,7 +301,7 @@ class PlannedReplay(AggregatedReplay):
             if first:
                 meter.first_token(now - t.arrival[index])
             if out.finish_reason is not None:
-                meter.finish(t.ntok[index])
+                meter.finish(t.ntok[index], t.cached[index])
         if out.finish_reason is not None:
             if self.state[worker.index] is _State.DRAINING:
                 self._exit_if_idle(worker, now)
