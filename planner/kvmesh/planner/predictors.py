@@ -250,9 +250,8 @@ class ProphetPredictor:
         )
         model = self._prophet()
         model.fit(pd.DataFrame({"ds": ds, "y": list(self.values)}))
-        future = pd.DataFrame(
-            {"ds": pd.to_datetime([(self.count - 1 + math.ceil(steps)) * self.interval_s], unit="s")}
-        )
+        ahead = self.count - 1 + math.ceil(steps)
+        future = pd.DataFrame({"ds": pd.to_datetime([ahead * self.interval_s], unit="s")})
         return max(0.0, float(model.predict(future)["yhat"].iloc[0]))
 
 

@@ -4,8 +4,8 @@ virtual time.
 The pool starts at `--min-workers` (at least one). Every `--adjustment-interval-s` the planner
 (kvmesh.planner.policy.Planner, the code `kvmesh planner` runs) gets what a gateway's metrics
 would have shown over the interval (arrivals, mean prompt and output length, TTFT mean and
-quantile, mean ITL, prompt tokens found in the prefix cache, requests in flight: `IntervalMeter`) and the pool's state, and returns a
-target:
+quantile, mean ITL, prompt tokens found in the prefix cache, requests in flight:
+`IntervalMeter`) and the pool's state, and returns a target:
 
   * growing: new workers are simulated mockers that serve only `--worker-startup-s` later (they
     count as starting, and toward worker-hours, from the moment they are asked for);
