@@ -68,7 +68,7 @@ class OtlpReceiver:
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         tpb_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
-        self.port = server.add_insecure_port("127.0.0.1:0")
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
         server.start()
         self._server = server
         return self

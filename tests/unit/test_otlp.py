@@ -22,6 +22,10 @@ ATTRS = {
     "http.request.method": "POST",
     "gen_ai.usage.input_tokens": 1234567,
     "negative": -5,
+    "gen_ai.usage.output_tokens": 8,
+    "zero": 0,
+    "edge": 0x3FFF,
+    "over": 0x4000,
     "big": 2**62,
     "ratio": 0.125,
     "ok": True,
@@ -30,6 +34,8 @@ ATTRS = {
     "empty": "",
     "unicode": "prompt \u00e9\u4e2d",
     "long": "x" * 20000,
+    "just_cached": "y" * 96,
+    "not_cached": "y" * 97,
 }
 
 
@@ -70,11 +76,14 @@ def readable(r: SpanRecord, resource: Resource, scope: InstrumentationScope) -> 
 def test_the_encoding_is_the_sdks_field_for_field() -> None:
     resource = Resource.create({"service.name": "kvmesh-worker", "kvmesh.role": "decode"})
     scope = InstrumentationScope("kvmesh", "0.1.0")
-    ours = ExportTraceServiceRequest.FromString(
+    first, again = (
         encode_request(
             encode_resource(resource.attributes), encode_scope("kvmesh", "0.1.0"), records()
         )
+        for _ in range(2)  # the second from the encoder's caches of names and short strings
     )
+    assert first == again
+    ours = ExportTraceServiceRequest.FromString(first)
     sdk = encode_spans([readable(r, resource, scope) for r in records()])
     assert ours == sdk
     spans = ours.resource_spans[0].scope_spans[0].spans
