@@ -327,3 +327,51 @@ def test_surge_respects_limits_and_the_queue_baseline_has_none() -> None:
     queue.decide(10.0, obs(1.0, inflight=8), {AGG: PoolState(AGG, 1, 1)})
     big = obs(100.0, interval=2.0, inflight=5000)
     assert queue.surge(12.0, big, {AGG: PoolState(AGG, 1, 1)}).targets == {}
+
+
+def test_prefix_cached_prompt_tokens_are_not_priced_as_prefill() -> None:
+    model = WorkerModel(PREFILL, DECODE)
+    cold = model.capacity(8000, 100, 200.0, 18.0)
+    warm = model.capacity(8000, 100, 200.0, 18.0, cached=6000)
+    assert warm > 1.5 * cold  # 2000 new tokens to prefill instead of 8000
+    assert (
+        model.latency(1.0, 8000, 100, cached=6000).ttft_ms < model.latency(1.0, 8000, 100).ttft_ms
+    )
+
+    # the SLA policy reads the cached share from the observations: fewer workers for the same
+    # load when most of each prompt is found in the prefix cache
+    def size(**kw: float) -> int:
+        planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+        pool = PoolState(AGG, 1, 1)
+        o = Observation(interval_s=10.0, requests=round(10 * 4 * cold), isl_mean=8000.0,
+                        osl_mean=100.0, **kw)  # type: ignore[arg-type]  # fmt: skip
+        return planner.decide(10.0, o, {AGG: pool}).targets[AGG]
+
+    assert size(cached_mean=6000.0) < size()
+    assert size(cached_mean=math.nan) == size()
+
+
+def test_metrics_observation_reads_the_cached_prompt_tokens() -> None:
+    from kvmesh.planner.metrics import (
+        FRONTEND_METRICS,
+        HistogramValue,
+        MetricNames,
+        Snapshot,
+        observation,
+    )
+
+    names = FRONTEND_METRICS
+
+    def snap(at: float, n: float, cached_sum: float) -> Snapshot:
+        hist = {
+            names.prompt_tokens: HistogramValue([(math.inf, n)], 1000.0 * n, n),
+            names.cached_tokens: HistogramValue([(math.inf, n)], cached_sum, n),
+        }
+        return Snapshot(at, hist)
+
+    o = observation(snap(0.0, 10, 1000.0), snap(10.0, 30, 13000.0), names, 0.95)
+    assert o.requests == 20 and o.cached_mean == pytest.approx(600.0)
+    # a gateway that does not export it: not measured
+    bare = MetricNames(names.prompt_tokens, names.output_tokens, names.ttft_seconds,
+                       names.itl_seconds, names.inflight)  # fmt: skip
+    assert math.isnan(observation(snap(0.0, 10, 0.0), snap(10.0, 30, 5.0), bare, 0.95).cached_mean)
