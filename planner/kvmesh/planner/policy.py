@@ -8,9 +8,11 @@ Two policies compute the size each pool wants:
   * `SlaPolicy`: predicts the next intervals' request rate (`--predictor`, plus
     `--prediction-margin` times the running RMS of how far its past one-interval predictions
     fell short, so the margin grows while the load rises faster than predicted) and the mean prompt
-    and output lengths (averaged over the last intervals: they wander without a trend), reads
-    from the performance profile how many requests/s one worker serves within the targets
-    (kvmesh.planner.model), corrects that by what the pool
+    and output lengths and the share of prompt tokens found in a prefix cache (averaged over the
+    last intervals: they wander without a trend) at the end of the interval a worker asked for
+    now serves first (start-up plus one interval ahead), reads from the performance profile how
+    many requests/s one worker serves within the targets (kvmesh.planner.model; cached prompt
+    tokens cost no prefill), corrects that by what the pool
     showed (observed TTFT at `--ttft-quantile` / the model's TTFT at the observed load, observed
     mean ITL / the model's ITL, both smoothed), and adds the queued work: requests in flight
     beyond what the ready and starting workers hold at that capacity, to be served within
@@ -21,12 +23,17 @@ Two policies compute the size each pool wants:
     (in-flight requests per ready worker / `--queue-target`), unchanged within 10 %.
 
 Between intervals (`--surge-check-s`, sla only), `Planner.surge(now, observation, pools)` looks
-at the seconds since the last check and grows a pool at once when the load already outgrew it,
-instead of up to one interval later: when the arrivals plus the requests in flight beyond what
-the pool holds exceed what its ready and starting workers serve (at the capacity the last
-interval sized them with) by more than `SURGE_Z` Poisson standard deviations (a short window
-is noisy), to the workers that load needs; when the window's mean ITL is over what the pool is
-sized for (`--itl-headroom` x the target) or its TTFT tail over the target, by one worker.
+at the seconds since the last check and grows a pool at once when the load outgrew it or will
+before a worker asked for now could serve, instead of up to one interval later. Foresight:
+every window seen (the intervals, less what the checks saw of them, and the checks' windows)
+over the last start-up + one interval feeds `RateTrend`, a least-squares line of the arrival
+rate; the check takes the rate that line reaches at now + start-up + one check period, less
+`SURGE_Z` standard errors, or the window's own arrivals less `SURGE_Z` Poisson standard
+deviations (a short window is noisy) if higher. When that rate plus the requests in flight
+beyond what the pool holds exceed what its ready and starting workers serve (at the capacity
+the last interval sized them with), the pool grows to the workers that load needs; when the
+window's mean ITL is over what the pool is sized for (`--itl-headroom` x the target) or its
+TTFT tail over the target, by one worker.
 Starting workers count (a pool whose new workers are on the way is not asked for them again); a
 surge never shrinks a pool, and what it asked for enters the stabilization window below, so the
 next intervals do not take it back before the window has passed (the hysteresis both ways).
