@@ -9,8 +9,9 @@ with the exact command line of the issue's contract:
 
   * static pools of N workers, N going up until the pool meets the SLO for >= 95 % of the
     requests (the smallest such pool is the reference);
-  * the SLA planner (its defaults: Kalman predictor, surge checks every 2 s, the mocker's
-    profile measured in virtual time), min 1 worker, max 2x the first guess; and the same
+  * the SLA planner (its defaults: Kalman predictor, surge checks every 2 s reading the arrival
+    trend, the mocker's profile measured in virtual time), min 1 worker, max 2x the first
+    guess; and the same
     without its surge checks (`--surge-check-s 0`), to show what they change;
   * the reactive baseline (`--planner queue`, HPA/KEDA on in-flight requests per worker), with
     the target a load test would set: the requests one worker holds in flight at the SLO, per

@@ -375,3 +375,24 @@ def test_metrics_observation_reads_the_cached_prompt_tokens() -> None:
     bare = MetricNames(names.prompt_tokens, names.output_tokens, names.ttft_seconds,
                        names.itl_seconds, names.inflight)  # fmt: skip
     assert math.isnan(observation(snap(0.0, 10, 0.0), snap(10.0, 30, 5.0), bare, 0.95).cached_mean)
+
+
+def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:
+    from kvmesh.planner.predictors import RateTrend
+
+    trend = RateTrend(span_s=20.0)
+    assert math.isnan(trend.forecast(10.0)[0])  # nothing yet
+    # rate 10 + 2 t, counted over a 10 s interval and then 2 s checks
+    windows = [(10.0, 10.0), (12.0, 2.0), (14.0, 2.0), (16.0, 2.0), (18.0, 2.0)]
+    for end, length in windows:
+        mid = end - length / 2
+        trend.add(end, length, round((10 + 2 * mid) * length))
+    value, error = trend.forecast(30.0)
+    assert value == pytest.approx(70.0, rel=0.02) and 0 < error < 10
+    # the oldest window leaves once it is older than the span
+    trend.add(32.0, 2.0, 140)
+    assert trend.windows[0][0] >= 10.0
+    flat = RateTrend(span_s=20.0)
+    for k in range(1, 8):
+        flat.add(2.0 * k, 2.0, 20)
+    assert flat.forecast(30.0)[0] == pytest.approx(10.0)
