@@ -1,10 +1,12 @@
 """CPU cost of one request's spans, tracing on, in isolation: the six spans an aggregated chat
 request records (gateway: server, preprocess, route; worker: queue, prefill, decode) with their
 real names and attribute sets, started and ended through `kvmesh.runtime.telemetry` and exported
-over OTLP/gRPC to a sink in another process (tests/otlp_receiver.py). Reports this process's CPU
-(every thread: the request path and the exporter's) per request, on and off.
+over OTLP (gRPC, or http/protobuf) to a sink in another process (tests/otlp_receiver.py).
+Reports this process's CPU (every thread: the request path and the exporter's) per request, on
+and off.
 
-    python tests/benchmarks/bench_span_cost.py [--requests 20000] [--rounds 3]
+    python tests/benchmarks/bench_span_cost.py [--requests 20000] [--rounds 3] \
+        [--protocol http/protobuf]
 
 Run it from another checkout (`PYTHONPATH=<its dirs>`) to compare commits; the mesh-level
 number is tests/benchmarks/bench_tracing.sh.
@@ -134,12 +136,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--protocol", type=Protocol, default=Protocol.GRPC)
     args = parser.parse_args()
     # Spans come faster here than in any serving process: queue them all (none dropped).
     os.environ["OTEL_BSP_MAX_QUEUE_SIZE"] = str(6 * args.requests)
     port = free_port()
-    sink = subprocess.Popen([sys.executable, "-m", "tests.otlp_receiver", str(port)])
-    on_config = TracingConfig(otel_endpoint=f"http://127.0.0.1:{port}", otel_protocol=Protocol.GRPC)
+    http = ["--http"] if args.protocol is Protocol.HTTP_PROTOBUF else []
+    sink = subprocess.Popen([sys.executable, "-m", "tests.otlp_receiver", str(port), *http])
+    on_config = TracingConfig(otel_endpoint=f"http://127.0.0.1:{port}", otel_protocol=args.protocol)
     results: dict[str, list[float]] = {"off": [], "on": []}
     try:
         for _ in range(args.rounds):
@@ -154,7 +158,7 @@ def main() -> None:
     print(
         f"CPU per request (median of {args.rounds}): off {off:.1f} us, on {on:.1f} us, "
         f"spans cost {on - off:.1f} us/request (6 spans: {(on - off) / 6:.1f} us each); "
-        f"rounds on: {', '.join(f'{v:.1f}' for v in results['on'])}"
+        f"rounds on: {', '.join(f'{v:.1f}' for v in results['on'])}; {args.protocol.value}"
     )
 
 

@@ -1,5 +1,6 @@
 """kvmesh.runtime.otlp writes the same ExportTraceServiceRequest as the OpenTelemetry SDK's own
-encoder: every field of every span (ids, parent and its remoteness, trace state, kind, times,
+encoder (given the same spans as SDK ReadableSpans, which is also how older SDKs' HTTP exporter
+gets them): every field of every span (ids, parent and its remoteness, trace state, kind, times,
 attributes of every type, status), the resource and the scope."""
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
-from opentelemetry.trace.status import Status, StatusCode
 
-from kvmesh.runtime.otlp import SpanRecord, encode_request, encode_resource, encode_scope
+from kvmesh.runtime.otlp import (
+    SpanRecord,
+    encode_request,
+    encode_resource,
+    encode_scope,
+    readable_span,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -51,28 +55,6 @@ def records() -> list[SpanRecord]:
     ]  # fmt: skip
 
 
-def readable(r: SpanRecord, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
-    state = TraceState.from_header([r.tracestate]) if r.tracestate else None
-    flags = TraceFlags(r.flags)
-    parent = (
-        SpanContext(int(r.trace_id, 16), int(r.parent_id, 16), r.parent_remote, flags, state)
-        if r.parent_id
-        else None
-    )
-    return ReadableSpan(
-        name=r.name,
-        context=SpanContext(int(r.trace_id, 16), int(r.span_id, 16), False, flags, state),
-        parent=parent,
-        resource=resource,
-        attributes=r.attributes,
-        kind=SpanKind(r.kind),
-        instrumentation_scope=scope,
-        status=Status(StatusCode.ERROR, r.error or None) if r.error is not None else Status(),
-        start_time=r.start_ns,
-        end_time=r.end_ns,
-    )
-
-
 def test_the_encoding_is_the_sdks_field_for_field() -> None:
     resource = Resource.create({"service.name": "kvmesh-worker", "kvmesh.role": "decode"})
     scope = InstrumentationScope("kvmesh", "0.1.0")
@@ -84,7 +66,7 @@ def test_the_encoding_is_the_sdks_field_for_field() -> None:
     )
     assert first == again
     ours = ExportTraceServiceRequest.FromString(first)
-    sdk = encode_spans([readable(r, resource, scope) for r in records()])
+    sdk = encode_spans([readable_span(r, resource, scope) for r in records()])
     assert ours == sdk
     spans = ours.resource_spans[0].scope_spans[0].spans
     assert [s.name for s in spans] == ["POST /v1/chat/completions", "route", "kv_transfer"]
