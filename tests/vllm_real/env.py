@@ -51,10 +51,40 @@ SKIP_REASON = (
 )
 
 
+def plugin_dist() -> Path:
+    """A folder holding a `.dist-info` that declares kvmesh's vLLM general plugin (pyproject's
+    entry point; kvmesh.workers.adapters.vllm_plugin): kvmesh runs from this checkout, not
+    installed, so vLLM's processes find its plugin through this folder on PYTHONPATH."""
+    import atexit
+    import tempfile
+    import tomllib
+
+    global _PLUGIN_DIST
+    if _PLUGIN_DIST is None:
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        plugins = project["entry-points"][PLUGIN_GROUP]
+        root = Path(tempfile.mkdtemp(prefix="kvmesh-vllm-plugin-"))
+        atexit.register(shutil.rmtree, root, True)
+        info = root / "kvmesh_vllm_plugin-0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: kvmesh-vllm-plugin\nVersion: 0\n"
+        )
+        lines = [f"[{PLUGIN_GROUP}]", *(f"{k} = {v}" for k, v in plugins.items())]
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        _PLUGIN_DIST = root
+    return _PLUGIN_DIST
+
+
+_PLUGIN_DIST: Path | None = None
+PLUGIN_GROUP = "vllm.general_plugins"
+
+
 def worker_env() -> dict[str, str]:
-    """Environment for kvmesh processes started from the tier: kvmesh from this checkout."""
+    """Environment for kvmesh processes started from the tier: kvmesh from this checkout (and
+    its vLLM plugin: plugin_dist)."""
     env = dict(os.environ)
-    paths = [str(REPO / p) for p in PORTIONS]
+    paths = [str(REPO / p) for p in PORTIONS] + [str(plugin_dist())]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
