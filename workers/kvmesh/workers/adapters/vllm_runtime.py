@@ -147,7 +147,8 @@ def image_placeholders(vllm_config: Any) -> tuple[int, int] | None:
     tower resized to one input size); None for any other model (text only, or images whose
     placeholder count depends on their size), and when vLLM runs it text-only."""
     model = vllm_config.model_config
-    if not model.is_multimodal_model or getattr(model, "runner_type", "generate") != "generate":
+    multimodal = getattr(model, "is_multimodal_model", False)
+    if not multimodal or getattr(model, "runner_type", "generate") != "generate":
         return None
     hf = model.hf_config
     if getattr(hf, "model_type", None) != "llava":
