@@ -93,6 +93,13 @@ async def eventually(check: Callable[[], bool], within_s: float = 5.0) -> None:
 
 @pytest.fixture
 async def adapter() -> AsyncIterator[tuple[VllmEngine, vllm_fake.FakeAsyncLLM]]:
+    async with running() as pair:
+        yield pair
+
+
+@contextlib.asynccontextmanager
+async def running() -> AsyncIterator[tuple[VllmEngine, vllm_fake.FakeAsyncLLM]]:
+    """A started VllmEngine over a FakeAsyncLLM, and the fake."""
     build = vllm_fake.factory()
     eng = VllmEngine(
         VllmConfig(), model_path="/models/m", served_model_name="m", engine_factory=build
@@ -841,15 +848,8 @@ async def llava(
     vllm_runtime.image_placeholders reads from a real LLaVA config; the real-engine tier runs
     the real one: tests/vllm_real/test_vllm_llava.py)."""
     monkeypatch.setattr(vllm_runtime, "image_placeholders", lambda cfg: (IMG, PER_IMAGE))
-    build = vllm_fake.factory()
-    eng = VllmEngine(VllmConfig(), model_path="/m", served_model_name="m", engine_factory=build)
-    await eng.start()
-    fake: vllm_fake.FakeAsyncLLM = build.last  # type: ignore[attr-defined]
-    try:
-        yield eng, fake
-    finally:
-        await eng.stop()
-        await fake.aclose()
+    async with running() as pair:
+        yield pair
 
 
 def test_text_models_do_not_take_images() -> None:

