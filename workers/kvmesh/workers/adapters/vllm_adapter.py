@@ -208,19 +208,22 @@ class VllmDecoder(OutputDecoder[Any]):
         self.last_token: int | None = None
         rp = request.remote_prefill
         self._expect_first = rp.first_token_id if rp is not None and skip else None
+        self._check_prompt = bool(request.media)
+        """vLLM expands a request's images itself: its first output's prompt is checked."""
 
     def feed(self, item: Any) -> EngineOutput | None:
         if item.num_cached_tokens:
             self.cached_tokens = max(self.cached_tokens, int(item.num_cached_tokens))
         if item.prompt_token_ids:
             self.prompt_tokens = len(item.prompt_token_ids)
-            if self.request.media and list(item.prompt_token_ids) != list(self.request.prompt):
+            if self._check_prompt and list(item.prompt_token_ids) != list(self.request.prompt):
                 raise Unavailable(
                     f"vLLM expanded the images of request {self.request.request_id} into "
                     f"another prompt ({len(item.prompt_token_ids)} tokens) than the gateway's "
                     f"({len(self.request.prompt)}): its placeholders per image differ from the "
                     "model card's tokens_per_image"
                 )
+            self._check_prompt = False
         params = getattr(item, "kv_transfer_params", None)
         if params is not None:
             self.kv_transfer_params = dict(params)
