@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvmesh.router.kv_policy import KvPolicyKind, TtftPredictor, cost_score
+from kvmesh.router.kv_policy import KvPolicyFlags, KvPolicyKind, TtftPredictor, cost_score
 from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler, LoadSample
 from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 from kvmesh.runtime.timing import PolynomialTiming, TableTiming
@@ -83,7 +83,7 @@ def cache(sched: KvScheduler, worker: str, tokens: list[int]) -> None:
 
 
 def make(n: int = 2, **cfg: float) -> KvScheduler:
-    """A ttft-policy scheduler (the default policy is still the linear cost)."""
+    """A ttft-policy scheduler (the default policy)."""
     config = KvRouterConfig(policy=KvPolicyKind.TTFT, **cfg)  # type: ignore[arg-type]
     sched = KvScheduler(config, router_id="r")
     for i in range(n):
@@ -92,7 +92,7 @@ def make(n: int = 2, **cfg: float) -> KvScheduler:
 
 
 def test_ttft_scores_are_predicted_ms() -> None:
-    assert KvRouterConfig().policy is KvPolicyKind.COST  # ttft is opt-in (README)
+    assert KvRouterConfig().policy is KvPolicyKind.TTFT is KvPolicyFlags().router_policy
     sched = make()
     assert sched.config.policy is KvPolicyKind.TTFT
     prompt = list(range(1600))

@@ -50,6 +50,7 @@ from kvmesh.runtime.timing import PolynomialTiming, TimingModel
 __all__ = [
     "DEFAULT_ITL_PENALTY_CAP_MS",
     "DEFAULT_ITL_WEIGHT",
+    "DEFAULT_POLICY",
     "KvPolicyFlags",
     "KvPolicyKind",
     "TtftPrediction",
@@ -69,11 +70,16 @@ class KvPolicyKind(enum.Enum):
     """How KvScheduler scores workers."""
 
     TTFT = "ttft"
-    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in:
-    cross-validation over the routing matrix prefers it, but two router replicas can choose
-    differently under it for short prompts (README, routing matrix)."""
+    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor): the default
+    (DEFAULT_POLICY); near-ties are decided by state every router replica shares
+    (KvScheduler._choose_agreed)."""
     COST = "cost"
-    """The linear cost over blocks to prefill and blocks decoding (cost_score): the default."""
+    """The linear cost over blocks to prefill and blocks decoding (cost_score)."""
+
+
+DEFAULT_POLICY = KvPolicyKind.TTFT
+"""The KV router's default policy (live and in `kvmesh replay`), chosen by cross-validation over
+the routing matrix (tests/benchmarks/routing_matrix.py --cv)."""
 
 
 @dataclass
@@ -82,7 +88,7 @@ class KvPolicyFlags:
     `kvmesh replay` (ReplayConfig)."""
 
     router_policy: KvPolicyKind = opt(
-        KvPolicyKind.COST,
+        DEFAULT_POLICY,
         "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
         "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
     )

@@ -64,11 +64,14 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from xxhash import xxh3_64_intdigest
+
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.indexer import ApproxIndex, InflightIndex
 from kvmesh.router.kv_policy import (
     DEFAULT_ITL_PENALTY_CAP_MS,
     DEFAULT_ITL_WEIGHT,
+    DEFAULT_POLICY,
     KvPolicyKind,
     TtftPredictor,
     cost_score,
@@ -116,7 +119,7 @@ class KvRouterConfig:
     instead of being corrected away."""
     seed: int = 0
     """Seed of tie-breaking and sampling."""
-    policy: KvPolicyKind = KvPolicyKind.COST
+    policy: KvPolicyKind = DEFAULT_POLICY
     """How workers are scored (kvmesh.router.kv_policy): predicted TTFT, or the linear cost."""
     itl_weight: float = DEFAULT_ITL_WEIGHT
     """ttft: weight of the ITL penalty: the request's expected output tokens times the ms of
@@ -345,6 +348,9 @@ class KvScheduler:
         self.predictor = TtftPredictor(
             load_timing(self.config.timing_profile), chunk_tokens=self.config.chunk_tokens
         )
+        self.agree_ms = self.predictor.timing.decode_ms(0.0)
+        """ttft: predictions closer than this (ms) are near-ties decided by shared state
+        (`_choose_agreed`)."""
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -490,9 +496,10 @@ class KvScheduler:
                 overlaps[wid] = found[2].get(wid, 0)
         if cfg.policy is KvPolicyKind.TTFT:
             costs = self._ttft_scores(ready, overlaps, n_tokens, now, expected_output_tokens)
+            chosen = self._choose_agreed(costs, overlaps, by_size, token_ids)
         else:
             costs = self._cost_scores(ready, overlaps, n_tokens, now)
-        chosen = self._choose(costs)
+            chosen = self._choose(costs)
         load = self._workers[chosen]
         hashes = by_size[load.block_size][0]
         return Selection(
@@ -597,6 +604,40 @@ class KvScheduler:
             least = min(sizes)
             best = [i for i, n in zip(best, sizes, strict=True) if n == least]
         return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _choose_agreed(
+        self,
+        costs: dict[str, float],
+        overlaps: Mapping[str, float],
+        by_size: Mapping[int, tuple[list[int], Mapping[str, float], dict[str, int]]],
+        token_ids: Sequence[int],
+    ) -> str:
+        """KvPolicyKind.TTFT's choice, made so that router replicas agree: candidates predicted
+        within `agree_ms` of the best (one decode step of an idle engine: what one booking in
+        transit between replicas, or their private completion-rate and output estimates, move
+        a prediction by) are near-ties, decided by state every replica shares: the most cached
+        prompt blocks (the KV index), then the fewest cached blocks in all (new prefixes spread
+        over the fleet), then rendezvous hashing of the prompt (its last full block's hash) with
+        the worker id. With temperature > 0: sampled as in `_choose`."""
+        if len(costs) == 1 or self.config.temperature > 0:
+            return self._choose(costs)
+        lo = min(costs.values())
+        limit = lo + self.agree_ms + 1e-9 * max(1.0, abs(lo))
+        near = [i for i, v in costs.items() if v <= limit]
+        if len(near) > 1:
+            most = max(overlaps[i] for i in near)
+            near = [i for i in near if overlaps[i] == most]
+        if len(near) > 1:
+            sizes = [self._cached_blocks(i) for i in near]
+            least = min(sizes)
+            near = [i for i, n in zip(near, sizes, strict=True) if n == least]
+        if len(near) == 1:
+            return near[0]
+        hashes = next(iter(by_size.values()))[0] if by_size else []
+        if not hashes and token_ids:  # shorter than a block: the prompt as one block
+            hashes = block_hashes(token_ids, len(token_ids))
+        key = hashes[-1] if hashes else 0
+        return max(near, key=lambda i: xxh3_64_intdigest(i.encode(), seed=key))
 
     def _cached_blocks(self, worker_id: str) -> int:
         load = self._workers[worker_id]
