@@ -612,21 +612,27 @@ class KvScheduler:
         by_size: Mapping[int, tuple[list[int], Mapping[str, float], dict[str, int]]],
         token_ids: Sequence[int],
     ) -> str:
-        """KvPolicyKind.TTFT's choice, made so that router replicas agree: candidates predicted
-        within `agree_ms` of the best (one decode step of an idle engine: what one booking in
-        transit between replicas, or their private completion-rate and output estimates, move
-        a prediction by) are near-ties, decided by state every replica shares: the most cached
-        prompt blocks (the KV index), then the fewest cached blocks in all (new prefixes spread
-        over the fleet), then rendezvous hashing of the prompt (its last full block's hash) with
-        the worker id. With temperature > 0: sampled as in `_choose`."""
+        """KvPolicyKind.TTFT's choice, made so that router replicas agree where it matters, on
+        the worker that holds the prompt's prefix. Candidates predicted within `agree_ms` of the
+        best (one decode step of an idle engine: about what one booking in transit between
+        replicas, or their private completion-rate and output estimates, move a prediction by)
+        are near-ties; among them the most cached prompt blocks win (the KV index, which every
+        replica shares), then the lowest prediction. Exact ties (an idle fleet) go to the fewest
+        cached blocks in all (new prefixes spread over the fleet), then to rendezvous hashing of
+        the prompt (its last full block's hash) with the worker id, never to a replica's own
+        random draw. With temperature > 0: sampled as in `_choose`."""
         if len(costs) == 1 or self.config.temperature > 0:
             return self._choose(costs)
         lo = min(costs.values())
-        limit = lo + self.agree_ms + 1e-9 * max(1.0, abs(lo))
+        limit = lo + self.agree_ms
         near = [i for i, v in costs.items() if v <= limit]
         if len(near) > 1:
             most = max(overlaps[i] for i in near)
             near = [i for i in near if overlaps[i] == most]
+        if len(near) > 1:
+            lo = min(costs[i] for i in near)
+            tol = 1e-9 * max(1.0, abs(lo))
+            near = [i for i in near if costs[i] - lo <= tol]
         if len(near) > 1:
             sizes = [self._cached_blocks(i) for i in near]
             least = min(sizes)
