@@ -183,11 +183,42 @@ class TtftPredictor:
         (0: no limit), the request waits for the excess to end first, one every
         1 / `completion_rate` s (requests ending per second, measured; 0: estimated as the
         ITL times `output_tokens`, the mean output, over the running requests)."""
+        ttft = self.ttft_ms(
+            new_tokens,
+            queued_prefill_tokens,
+            decode_tokens,
+            kv_capacity_tokens,
+            requests,
+            max_num_seqs,
+            completion_rate,
+            output_tokens,
+        )
         capacity = kv_capacity_tokens if kv_capacity_tokens > 0 else math.inf
-        decoding = max(0.0, decode_tokens)
-        step_decode_ms = self.timing.decode_ms(decoding / capacity) if decoding > 0 else 0.0
-        new = max(1.0, new_tokens)
-        ttft = self.prefill_ms(max(0.0, queued_prefill_tokens) + new, step_decode_ms)
+        itl = self.timing.decode_ms((max(0.0, decode_tokens) + prompt_tokens) / capacity)
+        return TtftPrediction(ttft, itl)
+
+    def ttft_ms(
+        self,
+        new_tokens: float,
+        queued_prefill_tokens: float,
+        decode_tokens: float,
+        kv_capacity_tokens: float,
+        requests: float = 0.0,
+        max_num_seqs: int = 0,
+        completion_rate: float = 0.0,
+        output_tokens: float = 0.0,
+    ) -> float:
+        """The TTFT of `predict` alone (what the router scores by when the ITL penalty is off);
+        positional, it is on the routing path."""
+        decoding = decode_tokens if decode_tokens > 0 else 0.0
+        if decoding:
+            capacity = kv_capacity_tokens if kv_capacity_tokens > 0 else math.inf
+            step_decode_ms = self.timing.decode_ms(decoding / capacity)
+        else:
+            step_decode_ms = 0.0
+        new = new_tokens if new_tokens > 1.0 else 1.0
+        queued = queued_prefill_tokens if queued_prefill_tokens > 0 else 0.0
+        ttft = self.prefill_ms(queued + new, step_decode_ms)
         excess = requests + 1 - max_num_seqs
         if max_num_seqs and excess > 0:
             if completion_rate > 0:
@@ -196,5 +227,4 @@ class TtftPredictor:
                 itl = max(step_decode_ms, self.timing.decode_ms(0.0))
                 interval_ms = itl * max(1.0, output_tokens) / max(1.0, min(requests, max_num_seqs))
             ttft = max(ttft, excess * interval_ms + self.prefill_ms(new, step_decode_ms))
-        itl = self.timing.decode_ms((decoding + prompt_tokens) / capacity)
-        return TtftPrediction(ttft, itl)
+        return ttft

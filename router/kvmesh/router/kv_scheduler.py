@@ -73,6 +73,7 @@ from kvmesh.router.kv_policy import (
     DEFAULT_ITL_WEIGHT,
     DEFAULT_POLICY,
     KvPolicyKind,
+    TtftPrediction,
     TtftPredictor,
     cost_score,
     itl_penalized,
@@ -248,6 +249,16 @@ class WorkerLoad:
         if self.fresh(now, max_age_s):
             return max(0.0, self.booked_decode + self.decode_offset)
         return float(self.booked_decode)
+
+    def view(self, now: float, max_age_s: float) -> tuple[float, float, float]:
+        """(prefill_blocks, decode_blocks, requests) at once (one freshness check)."""
+        if self.sample is not None and now - self.sample_at <= max_age_s:
+            return (
+                max(0.0, self.booked_prefill + self.prefill_offset),
+                max(0.0, self.booked_decode + self.decode_offset),
+                max(0.0, self.booked_requests + self.requests_offset),
+            )
+        return float(self.booked_prefill), float(self.booked_decode), float(self.booked_requests)
 
     def requests(self, now: float, max_age_s: float) -> float:
         """Predicted requests on the worker, running or waiting (corrected by fresh metrics)."""
@@ -541,35 +552,55 @@ class KvScheduler:
         (kvmesh.router.kv_policy)."""
         cfg = self.config
         max_age = cfg.load_max_age_s
-        predict = self.predictor.predict
+        views = [(w, *w.view(now, max_age)) for w in ready]
         # Completion rates measured per worker are noisy (a second holds a few completions);
         # a request slot frees at about the same rate everywhere, so use the fleet's rate per
-        # busy slot, times the worker's busy slots.
-        rates = busy = 0.0
-        for w in ready:
-            if w.completion_rate > 0:
-                rates += w.completion_rate
-                busy += max(1.0, min(w.requests(now, max_age), w.max_num_seqs or math.inf))
-        per_slot = rates / busy if busy else 0.0
-        preds = {}
-        for w in ready:
-            bs = w.block_size
-            n = w.requests(now, max_age)
-            preds[w.worker_id] = predict(
-                new_tokens=n_tokens - overlaps[w.worker_id] * bs,
-                queued_prefill_tokens=w.prefill_blocks(now, max_age) * bs,
-                decode_tokens=w.decode_blocks(now, max_age) * bs,
-                prompt_tokens=n_tokens,
-                kv_capacity_tokens=w.kv_total_blocks * bs,
-                requests=n,
-                max_num_seqs=w.max_num_seqs,
-                completion_rate=per_slot * max(1.0, min(n, w.max_num_seqs or math.inf)),
-                output_tokens=self._output_mean,
-            )
+        # busy slot, times the worker's busy slots (only where the slots are full).
+        per_slot = 0.0
+        if any(w.max_num_seqs and n + 1 > w.max_num_seqs for w, _, _, n in views):
+            rates = busy = 0.0
+            for w, _, _, n in views:
+                if w.completion_rate > 0:
+                    rates += w.completion_rate
+                    busy += max(1.0, min(n, w.max_num_seqs or math.inf))
+            per_slot = rates / busy if busy else 0.0
         weight = cfg.itl_weight * (output_tokens if output_tokens > 0 else self._output_mean)
         cap = cfg.itl_penalty_cap_ms
-        if not weight or not cap:
-            return {wid: p.ttft_ms for wid, p in preds.items()}
+        penalty = bool(weight and cap)
+        predictor = self.predictor
+        ttft_ms = predictor.ttft_ms
+        out_mean = self._output_mean
+        costs: dict[str, float] = {}
+        preds: dict[str, TtftPrediction] = {}
+        for w, prefill, decode, n in views:
+            bs = w.block_size
+            slots = w.max_num_seqs
+            args = (
+                n_tokens - overlaps[w.worker_id] * bs,
+                prefill * bs,
+                decode * bs,
+                w.kv_total_blocks * bs,
+                n,
+                slots,
+                per_slot * max(1.0, min(n, slots or math.inf)) if per_slot else 0.0,
+                out_mean,
+            )
+            if penalty:
+                preds[w.worker_id] = predictor.predict(
+                    new_tokens=args[0],
+                    queued_prefill_tokens=args[1],
+                    decode_tokens=args[2],
+                    prompt_tokens=n_tokens,
+                    kv_capacity_tokens=args[3],
+                    requests=n,
+                    max_num_seqs=slots,
+                    completion_rate=args[6],
+                    output_tokens=out_mean,
+                )
+            else:
+                costs[w.worker_id] = ttft_ms(*args)
+        if not penalty:
+            return costs
         best_itl = min(p.itl_ms for p in preds.values())
         return {
             w.worker_id: itl_penalized(
@@ -577,9 +608,9 @@ class KvScheduler:
                 best_itl_ms=best_itl,
                 weight=weight,
                 cap_ms=cap,
-                slots_used=w.requests(now, max_age) / w.max_num_seqs if w.max_num_seqs else 1.0,
+                slots_used=n / w.max_num_seqs if w.max_num_seqs else 1.0,
             )
-            for w in ready
+            for w, _, _, n in views
         }
 
     def _choose(self, costs: dict[str, float]) -> str:
