@@ -68,7 +68,7 @@ class OtlpReceiver:
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         tpb_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
-        self.port = server.add_insecure_port("127.0.0.1:0")
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
         server.start()
         self._server = server
         return self
@@ -149,7 +149,7 @@ class OtlpHttpReceiver(OtlpReceiver):
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.port = int(server.server_address[1])
         threading.Thread(target=server.serve_forever, daemon=True).start()
         self._server = server
@@ -162,29 +162,44 @@ class OtlpHttpReceiver(OtlpReceiver):
 
 
 def main() -> None:
-    """`python -m tests.otlp_receiver PORT`: an OTLP/gRPC sink for benchmarks (counts spans,
-    keeps none; prints the count when stopped)."""
+    """`python -m tests.otlp_receiver PORT [--http]`: an OTLP sink for benchmarks, gRPC (or
+    http/protobuf), counting spans and keeping none; prints the count when stopped."""
     import signal
     import sys
 
     count = [0]
 
-    class Servicer(tpb_grpc.TraceServiceServicer):
-        def Export(
-            self, request: tpb.ExportTraceServiceRequest, context: Any
-        ) -> tpb.ExportTraceServiceResponse:
-            count[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            return tpb.ExportTraceServiceResponse()
+    def add(request: tpb.ExportTraceServiceRequest) -> None:
+        count[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    tpb_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
-    server.add_insecure_port(f"127.0.0.1:{int(sys.argv[1])}")
-    server.start()
+    port = int(sys.argv[1])
+    if "--http" in sys.argv[2:]:
+        sink = OtlpHttpReceiver(port=port)
+        sink._add = add  # type: ignore[method-assign]  # count, keep nothing
+        sink.start()
+        stop_sink = sink.stop
+    else:
+
+        class Servicer(tpb_grpc.TraceServiceServicer):
+            def Export(
+                self, request: tpb.ExportTraceServiceRequest, context: Any
+            ) -> tpb.ExportTraceServiceResponse:
+                add(request)
+                return tpb.ExportTraceServiceResponse()
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        tpb_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+
+        def stop_sink() -> None:
+            server.stop(0)
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
-    server.stop(0)
+    stop_sink()
     print(f"otlp receiver: {count[0]} spans", flush=True)
 
 

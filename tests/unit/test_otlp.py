@@ -1,5 +1,6 @@
 """kvmesh.runtime.otlp writes the same ExportTraceServiceRequest as the OpenTelemetry SDK's own
-encoder: every field of every span (ids, parent and its remoteness, trace state, kind, times,
+encoder (given the same spans as SDK ReadableSpans, which is also how older SDKs' HTTP exporter
+gets them): every field of every span (ids, parent and its remoteness, trace state, kind, times,
 attributes of every type, status), the resource and the scope."""
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
-from opentelemetry.trace.status import Status, StatusCode
 
-from kvmesh.runtime.otlp import SpanRecord, encode_request, encode_resource, encode_scope
+from kvmesh.runtime.otlp import (
+    SpanRecord,
+    encode_request,
+    encode_resource,
+    encode_scope,
+    readable_span,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -22,6 +26,10 @@ ATTRS = {
     "http.request.method": "POST",
     "gen_ai.usage.input_tokens": 1234567,
     "negative": -5,
+    "gen_ai.usage.output_tokens": 8,
+    "zero": 0,
+    "edge": 0x3FFF,
+    "over": 0x4000,
     "big": 2**62,
     "ratio": 0.125,
     "ok": True,
@@ -30,6 +38,8 @@ ATTRS = {
     "empty": "",
     "unicode": "prompt \u00e9\u4e2d",
     "long": "x" * 20000,
+    "just_cached": "y" * 96,
+    "not_cached": "y" * 97,
 }
 
 
@@ -45,37 +55,18 @@ def records() -> list[SpanRecord]:
     ]  # fmt: skip
 
 
-def readable(r: SpanRecord, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
-    state = TraceState.from_header([r.tracestate]) if r.tracestate else None
-    flags = TraceFlags(r.flags)
-    parent = (
-        SpanContext(int(r.trace_id, 16), int(r.parent_id, 16), r.parent_remote, flags, state)
-        if r.parent_id
-        else None
-    )
-    return ReadableSpan(
-        name=r.name,
-        context=SpanContext(int(r.trace_id, 16), int(r.span_id, 16), False, flags, state),
-        parent=parent,
-        resource=resource,
-        attributes=r.attributes,
-        kind=SpanKind(r.kind),
-        instrumentation_scope=scope,
-        status=Status(StatusCode.ERROR, r.error or None) if r.error is not None else Status(),
-        start_time=r.start_ns,
-        end_time=r.end_ns,
-    )
-
-
 def test_the_encoding_is_the_sdks_field_for_field() -> None:
     resource = Resource.create({"service.name": "kvmesh-worker", "kvmesh.role": "decode"})
     scope = InstrumentationScope("kvmesh", "0.1.0")
-    ours = ExportTraceServiceRequest.FromString(
+    first, again = (
         encode_request(
             encode_resource(resource.attributes), encode_scope("kvmesh", "0.1.0"), records()
         )
+        for _ in range(2)  # the second from the encoder's caches of names and short strings
     )
-    sdk = encode_spans([readable(r, resource, scope) for r in records()])
+    assert first == again
+    ours = ExportTraceServiceRequest.FromString(first)
+    sdk = encode_spans([readable_span(r, resource, scope) for r in records()])
     assert ours == sdk
     spans = ours.resource_spans[0].scope_spans[0].spans
     assert [s.name for s in spans] == ["POST /v1/chat/completions", "route", "kv_transfer"]

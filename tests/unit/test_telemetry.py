@@ -6,10 +6,12 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 from collections.abc import Iterator
 
 import pytest
 
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.process import GlobalConfig, JsonFormatter, LogFormat
 from kvmesh.runtime.telemetry import (
     LOG_CONTEXT,
@@ -97,6 +99,26 @@ def test_spans_reach_a_grpc_receiver_with_parents_resource_and_status(
     assert res["service.name"] == "kvmesh-worker"
     assert res["kvmesh.role"] == "decode" and res["kvmesh.worker_id"] == "w-1"
     assert len(res["service.instance.id"]) == 32
+
+
+def test_spans_queued_while_the_collector_is_down_reach_it_once_it_is_up() -> None:
+    # The exporter sends kvmesh's own encoding through its own stub; the SDK rebuilds the
+    # client after UNAVAILABLE, and the rebuilt one must still be that stub.
+    port = free_port()
+    config = TracingConfig(otel_endpoint=f"http://127.0.0.1:{port}", otel_protocol=Protocol.GRPC)
+    t = setup_tracing(config, "frontend")
+    assert CLIENT is not None
+    t.start("route", CLIENT, remote=True, attributes={"kvmesh.route.worker_id": "w-1"}).end()
+    flushing = threading.Thread(target=t.flush, kwargs={"timeout_s": 20.0})
+    flushing.start()
+    threading.Event().wait(0.3)  # the first export attempt fails: nothing listens yet
+    receiver = OtlpReceiver(port=port).start()
+    try:
+        (span,) = receiver.wait_for(CLIENT.trace_id, {"route"})
+        assert span.attributes == {"kvmesh.route.worker_id": "w-1"}
+    finally:
+        flushing.join()
+        receiver.stop()
 
 
 def test_http_protobuf_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -241,10 +241,18 @@ class Tracer:
         self._sampler = sampler
         self._parent_based = True
         """A remote parent's sampled flag decides (the sampler need not be asked)."""
-        if self.enabled:
-            from opentelemetry.sdk.trace.sampling import ParentBased
+        self._roots_sampled = True
+        """Every new trace is sampled (the sampler need not be asked: the default,
+        `parentbased_always_on`, and `always_on`)."""
+        if self.enabled and sampler is not None:
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
-            self._parent_based = sampler is None or isinstance(sampler, ParentBased)
+            self._parent_based = isinstance(sampler, ParentBased)
+            description = sampler.get_description()
+            self._roots_sampled = description == ALWAYS_ON.get_description() or (
+                self._parent_based
+                and description.startswith(f"ParentBased{{root:{ALWAYS_ON.get_description()},")
+            )
 
     def start(
         self,
@@ -265,7 +273,11 @@ class Tracer:
         """
         if parent is None:
             context = TraceContext.new()
-            if self.enabled and not self._sample(None, context.trace_id, name, kind):
+            if (
+                self.enabled
+                and not self._roots_sampled
+                and not self._sample(None, context.trace_id, name, kind)
+            ):
                 context = TraceContext(context.trace_id, context.span_id, 0)
         else:
             context = parent.child()

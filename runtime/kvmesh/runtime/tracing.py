@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["TRACEPARENT", "TRACESTATE", "TraceContext"]
 
@@ -43,6 +43,9 @@ _TS_VALUE = re.compile(r"^[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3
 
 def _is_hex(value: str, length: int) -> bool:
     return len(value) == length and _HEX.issuperset(value)
+
+
+_tuple_new = tuple.__new__
 
 
 def _new_trace_id() -> str:
@@ -80,13 +83,13 @@ def _clean_tracestate(raw: str | None) -> str:
     return out if len(out) <= _MAX_TRACESTATE_LEN else ""
 
 
-@dataclass(frozen=True, slots=True)
-class TraceContext:
-    """One span's identity in a W3C trace.
+class TraceContext(NamedTuple):
+    """One span's identity in a W3C trace (immutable; a named tuple because a new one is made
+    at every hop of every request, traced or not, and a tuple is the cheapest to make).
 
-    Invariants (enforced by the constructors below, not by `__init__`): `trace_id` is 32
-    lowercase hex digits, not all zero; `span_id` is 16 lowercase hex digits, not all zero;
-    `flags` fits in a byte; `tracestate` is a valid, normalised tracestate or "".
+    Invariants (enforced by the constructors below, not by the class's own constructor):
+    `trace_id` is 32 lowercase hex digits, not all zero; `span_id` is 16 lowercase hex digits,
+    not all zero; `flags` fits in a byte; `tracestate` is a valid, normalised tracestate or "".
     """
 
     trace_id: str
@@ -103,7 +106,7 @@ class TraceContext:
 
     def child(self) -> TraceContext:
         """A context for a span whose parent is this one: same trace, new span id."""
-        return TraceContext(self.trace_id, _new_span_id(), self.flags, self.tracestate)
+        return _tuple_new(TraceContext, (self[0], _new_span_id(), self[2], self[3]))
 
     @property
     def sampled(self) -> bool:
