@@ -32,10 +32,11 @@ unknown), `w` the `itl_weight`, `best itl` the lowest over the candidates, and `
 fraction of the worker's request slots taken (requests running or waiting / max_num_seqs,
 capped at 1; 1 when the engine does not say): decode speed matters to everyone's TTFT when
 request slots run short, because then a new request waits for running ones to finish, which
-they do at the pace of the decode steps. The lowest score wins (ties and temperature sampling:
-KvScheduler._choose). The penalty is relative to the best candidate, so it adds nothing when the
-fleet decodes evenly; it fades out on workers with free slots, and it is capped, so a worker's
-TTFT advantage is never traded away whole for ITL.
+they do at the pace of the decode steps. The lowest score wins (near-ties, ties and temperature
+sampling: KvScheduler._choose_agreed, which makes router replicas agree). The penalty is
+relative to the best candidate, so it adds nothing when the fleet decodes evenly; it fades out
+on workers with free slots, and it is capped, so a worker's TTFT advantage is never traded away
+whole for ITL.
 """
 
 from __future__ import annotations

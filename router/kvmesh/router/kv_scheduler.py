@@ -28,7 +28,10 @@ exact, bookings are shared as numbers), so replicas that see the same bookings d
 
 The lowest cost wins; among equal costs the worker holding the fewest cached blocks wins (new
 prefixes spread over the fleet rather than evicting one worker's), then a random one (seeded),
-so an idle fleet is never simply sent to its first worker. With temperature > 0 the choice is
+so an idle fleet is never simply sent to its first worker. The ttft policy (the default) decides
+near-ties by state every replica shares instead (`_choose_agreed`: most cached prompt blocks
+within one idle decode step of the best prediction; exact ties by rendezvous hashing of the
+prompt), so replicas agree on the worker holding a prefix. With temperature > 0 the choice is
 sampled from softmax(-normalized cost / T) instead (Dynamo's `router_temperature`). Workers
 over a busy threshold (KV usage fraction, waiting requests, draining; from fresh load metrics)
 are skipped; if all are, `Unavailable` (HTTP 503).
