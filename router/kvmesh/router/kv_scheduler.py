@@ -659,14 +659,18 @@ class KvScheduler:
             return self._choose(costs)
         lo = min(costs.values())
         limit = lo + self.agree_ms
-        near = [i for i, v in costs.items() if v <= limit]
-        if len(near) > 1:
-            most = max(overlaps[i] for i in near)
-            near = [i for i in near if overlaps[i] == most]
-        if len(near) > 1:
-            lo = min(costs[i] for i in near)
-            tol = 1e-9 * max(1.0, abs(lo))
-            near = [i for i in near if costs[i] - lo <= tol]
+        tol = 1e-9 * max(1.0, abs(lo))
+        most = -math.inf
+        best = math.inf
+        near: list[str] = []
+        for wid, v in costs.items():  # one pass: most cached, then lowest, within the margin
+            if v > limit:
+                continue
+            o = overlaps[wid]
+            if o > most or (o == most and v < best - tol):
+                most, best, near = o, v, [wid]
+            elif o == most and v - best <= tol:
+                near.append(wid)
         if len(near) > 1:
             sizes = [self._cached_blocks(i) for i in near]
             least = min(sizes)
