@@ -218,8 +218,11 @@ class TtftPredictor:
         else:
             step_decode_ms = 0.0
         new = new_tokens if new_tokens > 1.0 else 1.0
-        queued = queued_prefill_tokens if queued_prefill_tokens > 0 else 0.0
-        ttft = self.prefill_ms(queued + new, step_decode_ms)
+        work = new + queued_prefill_tokens if queued_prefill_tokens > 0 else new
+        if work <= self.chunk_tokens:  # one step (prefill_ms, inlined: the common case)
+            ttft = self.timing.prefill_ms(math.ceil(work)) + step_decode_ms
+        else:
+            ttft = self.prefill_ms(work, step_decode_ms)
         excess = requests + 1 - max_num_seqs
         if max_num_seqs and excess > 0:
             if completion_rate > 0:

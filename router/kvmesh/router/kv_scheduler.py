@@ -555,12 +555,17 @@ class KvScheduler:
         (kvmesh.router.kv_policy)."""
         cfg = self.config
         max_age = cfg.load_max_age_s
-        views = [(w, *w.view(now, max_age)) for w in ready]
+        views = []
+        full = False
+        for w in ready:
+            view = w.view(now, max_age)
+            views.append((w, *view))
+            full = full or 0 < w.max_num_seqs < view[2] + 1
         # Completion rates measured per worker are noisy (a second holds a few completions);
         # a request slot frees at about the same rate everywhere, so use the fleet's rate per
         # busy slot, times the worker's busy slots (only where the slots are full).
         per_slot = 0.0
-        if any(w.max_num_seqs and n + 1 > w.max_num_seqs for w, _, _, n in views):
+        if full:
             rates = busy = 0.0
             for w, _, _, n in views:
                 if w.completion_rate > 0:
