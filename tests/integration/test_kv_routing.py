@@ -19,7 +19,7 @@ from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.kv_router import KvRouter
-from kvmesh.router.kv_scheduler import KvRouterConfig
+from kvmesh.router.kv_scheduler import KvRouterConfig, LoadEvent
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router
@@ -228,6 +228,13 @@ async def test_two_router_replicas_share_load_and_agree(
         # The service streams bookings starting with the active ones.
         channel = insecure_channel(servers[0].address)
         stub = rpb_grpc.RouterServiceStub(channel)
+        # A dry run answers like a route but books nothing: no load, no event for the peers.
+        events: list[LoadEvent] = []
+        a.scheduler.add_listener(events.append)
+        dry = await stub.Route(rpb.RouteRequest(token_ids=prompt(1, 4), dry_run=True))
+        a.scheduler.remove_listener(events.append)
+        assert dry.overlap_blocks == 6 and dry.worker_id in a.scheduler.workers()
+        assert events == [] and a.scheduler.num_bookings() == 0
         await a.route("tiny", prompt(0, 3), "open")
         call = stub.SubscribeLoadEvents(rpb.SubscribeLoadEventsRequest(subscriber_id="test"))
         first = await asyncio.wait_for(anext(aiter(call)), 5)

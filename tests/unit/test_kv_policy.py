@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvmesh.router.kv_policy import KvPolicyKind, TtftPredictor, cost_score
+from kvmesh.router.kv_policy import KvPolicyFlags, KvPolicyKind, TtftPredictor, cost_score
 from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler, LoadSample
 from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 from kvmesh.runtime.timing import PolynomialTiming, TableTiming
@@ -83,7 +83,7 @@ def cache(sched: KvScheduler, worker: str, tokens: list[int]) -> None:
 
 
 def make(n: int = 2, **cfg: float) -> KvScheduler:
-    """A ttft-policy scheduler (the default policy is still the linear cost)."""
+    """A ttft-policy scheduler (the default policy)."""
     config = KvRouterConfig(policy=KvPolicyKind.TTFT, **cfg)  # type: ignore[arg-type]
     sched = KvScheduler(config, router_id="r")
     for i in range(n):
@@ -92,7 +92,7 @@ def make(n: int = 2, **cfg: float) -> KvScheduler:
 
 
 def test_ttft_scores_are_predicted_ms() -> None:
-    assert KvRouterConfig().policy is KvPolicyKind.COST  # ttft is opt-in (README)
+    assert KvRouterConfig().policy is KvPolicyKind.TTFT is KvPolicyFlags().router_policy
     sched = make()
     assert sched.config.policy is KvPolicyKind.TTFT
     prompt = list(range(1600))
@@ -100,6 +100,37 @@ def test_ttft_scores_are_predicted_ms() -> None:
     sel = sched.select(prompt, 0.0)
     assert sel.worker_id == "w1" and sel.overlap_blocks == 80
     assert sel.costs == pytest.approx({"w0": POLY.prefill_ms(1600), "w1": POLY.prefill_ms(320)})
+
+
+def test_replicas_agree_on_near_ties_whatever_their_private_state() -> None:
+    """Two replicas with the same KV index, but one holding a peer's booking the other already
+    freed (in transit) and different seeds and output estimates: predictions that differ by
+    less than one idle decode step are near-ties, decided by shared state alike."""
+    a, b = make(4, seed=1), make(4, seed=2)
+    short = list(range(144))  # 8 blocks cached on w2 + one of its own
+    for s in (a, b):
+        cache(s, "w2", short[:128])
+    sel = a.select(short, 0.0, candidates=["w2"])
+    a.book("peer", sel, 0.0, expected_output_tokens=500)  # a phantom on a only
+    costs = a.select(short, 0.0).costs
+    assert costs["w2"] > min(costs.values()), "the phantom makes w2 look slower on a"
+    assert costs["w2"] - min(costs.values()) < a.agree_ms == POLY.decode_ms(0.0)
+    assert a.select(short, 0.0).worker_id == b.select(short, 0.0).worker_id == "w2"
+    # A miss on an idle fleet: no seed decides, the prompt does (rendezvous hashing), and
+    # different prompts spread over the workers.
+    c, d = make(4, seed=3), make(4, seed=4)
+    picks = {c.select(list(range(k, k + 40)), 0.0).worker_id for k in range(1000, 1400, 10)}
+    assert picks == {"w0", "w1", "w2", "w3"}
+    for k in range(1000, 1400, 10):
+        prompt = list(range(k, k + 40))
+        assert c.select(prompt, 0.0).worker_id == d.select(prompt, 0.0).worker_id
+        assert c.select(prompt[:7], 0.0).worker_id == d.select(prompt[:7], 0.0).worker_id
+    # Beyond the margin the prediction decides: a queue ahead outweighs the cached prefix.
+    for i in range(3):
+        sel = a.select(list(range(9000 + 9000 * i, 9000 + 9000 * i + 8000)), 0.0,
+                       candidates=["w2"])  # fmt: skip
+        a.book(f"big{i}", sel, 0.0)
+    assert a.select(short, 0.0).worker_id != "w2"
 
 
 def test_a_queue_ahead_outweighs_the_cached_prefix() -> None:

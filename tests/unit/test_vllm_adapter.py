@@ -12,6 +12,8 @@ needs a GPU; its method signatures are checked against AsyncLLM's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -51,6 +53,7 @@ from kvmesh.runtime.types import (
     FinishReason,
     GuidedDecoding,
     GuidedKind,
+    MediaInput,
     RemotePrefill,
     Role,
     StopParams,
@@ -90,6 +93,13 @@ async def eventually(check: Callable[[], bool], within_s: float = 5.0) -> None:
 
 @pytest.fixture
 async def adapter() -> AsyncIterator[tuple[VllmEngine, vllm_fake.FakeAsyncLLM]]:
+    async with running() as pair:
+        yield pair
+
+
+@contextlib.asynccontextmanager
+async def running() -> AsyncIterator[tuple[VllmEngine, vllm_fake.FakeAsyncLLM]]:
+    """A started VllmEngine over a FakeAsyncLLM, and the fake."""
     build = vllm_fake.factory()
     eng = VllmEngine(
         VllmConfig(), model_path="/models/m", served_model_name="m", engine_factory=build
@@ -571,6 +581,12 @@ def _stored(hashes: list[Any], parent: Any, tokens: list[int], **kw: Any) -> Blo
 
 @pytest.fixture
 async def published(tmp_path: Path) -> AsyncIterator[tuple[VllmEngine, ZmqEventPublisher]]:
+    async with publishing(tmp_path) as pair:
+        yield pair
+
+
+@contextlib.asynccontextmanager
+async def publishing(tmp_path: Path) -> AsyncIterator[tuple[VllmEngine, ZmqEventPublisher]]:
     """A VllmEngine fed by a real ZmqEventPublisher on its KV event endpoints."""
     build = vllm_fake.factory()
     eng = VllmEngine(
@@ -806,3 +822,111 @@ async def test_decode_continues_with_kv_transfer_params(adapter: Any) -> None:
     bad.remote_prefill = RemotePrefill(first_token_id=1, engine_params_json="{nope")
     with pytest.raises(InvalidRequest):
         await anext(eng.generate(bad))
+
+
+# --- images (MULTIMODAL) --------------------------------------------------------------------
+
+IMG, PER_IMAGE = 900, 4
+"""The image token and placeholders per image the tests' LLaVA-like model card carries."""
+
+
+def _png(color: tuple[int, int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (5, 3), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+async def llava(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[VllmEngine, vllm_fake.FakeAsyncLLM]]:
+    """The adapter over a fake engine whose model vLLM would serve images for (what
+    vllm_runtime.image_placeholders reads from a real LLaVA config; the real-engine tier runs
+    the real one: tests/vllm_real/test_vllm_llava.py)."""
+    monkeypatch.setattr(vllm_runtime, "image_placeholders", lambda cfg: (IMG, PER_IMAGE))
+    async with running() as pair:
+        yield pair
+
+
+def test_text_models_do_not_take_images() -> None:
+    """image_placeholders of a model vLLM does not serve images for (the fake's text model)."""
+    cfg = vllm_fake.factory()(vllm_runtime.build_engine_args({"model": "/m"}), []).vllm_config
+    assert vllm_runtime.image_placeholders(cfg) is None
+
+
+async def test_images_go_to_vllm_as_multi_modal_data_with_collapsed_placeholders(
+    llava: Any,
+) -> None:
+    from kvmesh.runtime.multimodal import media_hash
+    from kvmesh.workers.adapters.vllm_adapter import media_uuid
+
+    eng, fake = llava
+    info = eng.info
+    assert "MULTIMODAL" in info.capabilities
+    assert (info.image_token_id, info.tokens_per_image) == (IMG, PER_IMAGE)
+    red, blue = MediaInput("image/png", _png((200, 0, 0))), MediaInput("image/png", _png((0, 0, 9)))
+    prompt = [1, 2, *[IMG] * PER_IMAGE, 3, *[IMG] * PER_IMAGE, IMG, 4]  # a plain IMG after them
+    req = dataclasses.replace(request("mm", prompt), media=(red, blue))
+    # The fake engine does not expand placeholders as vLLM does: the adapter notices that the
+    # prompt vLLM ran is not the gateway's.
+    with pytest.raises(Unavailable, match="tokens_per_image"):
+        await collect(eng, req)
+    sent = fake.requests["mm"][0]
+    assert sent["prompt_token_ids"] == [1, 2, IMG, 3, IMG, IMG, 4]
+    images = sent["multi_modal_data"]["image"]
+    assert [(im.mode, im.size) for im in images] == [("RGB", (5, 3))] * 2
+    assert images[0].getpixel((0, 0)) == (200, 0, 0)
+    assert sent["multi_modal_uuids"] == {"image": [media_uuid(media_hash(m)) for m in (red, blue)]}
+
+
+async def test_images_without_their_placeholders_or_undecodable_are_refused(llava: Any) -> None:
+    eng, _ = llava
+    red = MediaInput("image/png", _png((200, 0, 0)))
+    split = [1, *[IMG] * (PER_IMAGE - 1), 5, IMG, 2]
+    cases = [
+        ([1, IMG, 2], (red,), "image placeholder"),  # too few
+        (split, (red,), "consecutive"),
+        ([1, *[IMG] * PER_IMAGE], (MediaInput("image/png", b"not a png"),), "decodable"),
+    ]
+    for prompt, media, match in cases:
+        req = dataclasses.replace(request("bad", prompt), media=media)
+        with pytest.raises(InvalidRequest, match=match) as err:
+            await collect(eng, req)
+        assert err.value.param == "media"
+    assert eng.num_in_flight == 0
+
+
+async def test_image_blocks_are_published_with_salted_placeholders(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM's extra keys of kvmesh's images ([uuid, offset in the block]) -> the salted ids the
+    router hashes for the same request (kvmesh.runtime.multimodal); keys of images vLLM named
+    itself stay withheld (test_blocks_the_router_cannot_reproduce_are_withheld)."""
+    from kvmesh.runtime.multimodal import media_hash, salt_placeholders
+    from kvmesh.workers.adapters.vllm_adapter import media_uuid
+
+    monkeypatch.setattr(vllm_runtime, "image_placeholders", lambda cfg: (IMG, PER_IMAGE))
+    async with publishing(tmp_path) as (eng, pub):
+        red = MediaInput("image/png", _png((200, 0, 0)))
+        uuid = media_uuid(media_hash(red))
+        tokens = [1, 2, IMG, IMG, IMG, IMG, 7, 8, 9, 9, 9, 9]  # image at 2..5, blocks of 4
+        hashes = [bytes([i]) * 32 for i in (1, 2, 3)]
+        # Each block's image and where it starts relative to the block (-2: two tokens before).
+        keys = [((uuid, 2),), ((uuid, -2),), None]
+        pub.publish(
+            KVEventBatch(ts=time.time(), events=[_stored(hashes, None, tokens, extra_keys=keys)])
+        )
+        log: KvEventLog = eng.kv_events
+        await eventually(lambda: len(log.cached()) == 3)
+        want = salt_placeholders(tokens, IMG, [red], PER_IMAGE)
+        h = [engine_hash(x) for x in hashes]
+        assert log.cached() == {
+            h[0]: (None, tuple(want[0:4]), ""),
+            h[1]: (h[0], tuple(want[4:8]), ""),
+            h[2]: (h[1], tuple(want[8:12]), ""),
+        }
+        assert want[2:6] != tokens[2:6]

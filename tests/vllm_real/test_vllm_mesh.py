@@ -17,6 +17,7 @@ client and by an in-process KV router subscribed to the same workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import urllib.error
@@ -225,12 +226,20 @@ def test_prefix_sharing_chats_are_served_from_the_holders_cache(mesh: Mesh) -> N
 @pytest_asyncio.fixture
 async def router(mesh: Mesh, registry: Path) -> AsyncIterator[tuple[WorkerPool, KvRouter]]:
     """An in-process KV router following both vLLM workers' KV events."""
+    async with following(registry, 2) as pair:
+        yield pair
+
+
+@contextlib.asynccontextmanager
+async def following(registry: Path, workers: int) -> AsyncIterator[tuple[WorkerPool, KvRouter]]:
+    """An in-process KV router following the KV events of the `workers` workers registered in
+    `registry`."""
     pool = WorkerPool(FileDiscovery(registry, poll_s=0.05))
     kv = KvRouter(pool, KvRouterConfig(seed=1))
     await pool.start()
     try:
-        await pool.wait_for(2, timeout_s=60)
-        await until(lambda: len(kv.subscriber.followed()) == 2)
+        await pool.wait_for(workers, timeout_s=60)
+        await until(lambda: len(kv.subscriber.followed()) == workers)
         yield pool, kv
     finally:
         await kv.close()

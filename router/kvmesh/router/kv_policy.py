@@ -32,10 +32,11 @@ unknown), `w` the `itl_weight`, `best itl` the lowest over the candidates, and `
 fraction of the worker's request slots taken (requests running or waiting / max_num_seqs,
 capped at 1; 1 when the engine does not say): decode speed matters to everyone's TTFT when
 request slots run short, because then a new request waits for running ones to finish, which
-they do at the pace of the decode steps. The lowest score wins (ties and temperature sampling:
-KvScheduler._choose). The penalty is relative to the best candidate, so it adds nothing when the
-fleet decodes evenly; it fades out on workers with free slots, and it is capped, so a worker's
-TTFT advantage is never traded away whole for ITL.
+they do at the pace of the decode steps. The lowest score wins (near-ties, ties and temperature
+sampling: KvScheduler._choose_agreed, which makes router replicas agree). The penalty is
+relative to the best candidate, so it adds nothing when the fleet decodes evenly; it fades out
+on workers with free slots, and it is capped, so a worker's TTFT advantage is never traded away
+whole for ITL.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from kvmesh.runtime.timing import PolynomialTiming, TimingModel
 __all__ = [
     "DEFAULT_ITL_PENALTY_CAP_MS",
     "DEFAULT_ITL_WEIGHT",
+    "DEFAULT_POLICY",
     "KvPolicyFlags",
     "KvPolicyKind",
     "TtftPrediction",
@@ -69,11 +71,16 @@ class KvPolicyKind(enum.Enum):
     """How KvScheduler scores workers."""
 
     TTFT = "ttft"
-    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor); opt-in:
-    cross-validation over the routing matrix prefers it, but two router replicas can choose
-    differently under it for short prompts (README, routing matrix)."""
+    """Predicted time to first token plus a bounded ITL penalty (TtftPredictor): the default
+    (DEFAULT_POLICY); near-ties are decided by state every router replica shares
+    (KvScheduler._choose_agreed)."""
     COST = "cost"
-    """The linear cost over blocks to prefill and blocks decoding (cost_score): the default."""
+    """The linear cost over blocks to prefill and blocks decoding (cost_score)."""
+
+
+DEFAULT_POLICY = KvPolicyKind.TTFT
+"""The KV router's default policy (live and in `kvmesh replay`), chosen by cross-validation over
+the routing matrix (tests/benchmarks/routing_matrix.py --cv)."""
 
 
 @dataclass
@@ -82,7 +89,7 @@ class KvPolicyFlags:
     `kvmesh replay` (ReplayConfig)."""
 
     router_policy: KvPolicyKind = opt(
-        KvPolicyKind.COST,
+        DEFAULT_POLICY,
         "kv: how workers are scored; ttft: predicted time to first token (+ a bounded ITL "
         "penalty), cost: the linear cost over blocks to prefill and blocks decoding",
     )
@@ -177,11 +184,45 @@ class TtftPredictor:
         (0: no limit), the request waits for the excess to end first, one every
         1 / `completion_rate` s (requests ending per second, measured; 0: estimated as the
         ITL times `output_tokens`, the mean output, over the running requests)."""
+        ttft = self.ttft_ms(
+            new_tokens,
+            queued_prefill_tokens,
+            decode_tokens,
+            kv_capacity_tokens,
+            requests,
+            max_num_seqs,
+            completion_rate,
+            output_tokens,
+        )
         capacity = kv_capacity_tokens if kv_capacity_tokens > 0 else math.inf
-        decoding = max(0.0, decode_tokens)
-        step_decode_ms = self.timing.decode_ms(decoding / capacity) if decoding > 0 else 0.0
-        new = max(1.0, new_tokens)
-        ttft = self.prefill_ms(max(0.0, queued_prefill_tokens) + new, step_decode_ms)
+        itl = self.timing.decode_ms((max(0.0, decode_tokens) + prompt_tokens) / capacity)
+        return TtftPrediction(ttft, itl)
+
+    def ttft_ms(
+        self,
+        new_tokens: float,
+        queued_prefill_tokens: float,
+        decode_tokens: float,
+        kv_capacity_tokens: float,
+        requests: float = 0.0,
+        max_num_seqs: int = 0,
+        completion_rate: float = 0.0,
+        output_tokens: float = 0.0,
+    ) -> float:
+        """The TTFT of `predict` alone (what the router scores by when the ITL penalty is off);
+        positional, it is on the routing path."""
+        decoding = decode_tokens if decode_tokens > 0 else 0.0
+        if decoding:
+            capacity = kv_capacity_tokens if kv_capacity_tokens > 0 else math.inf
+            step_decode_ms = self.timing.decode_ms(decoding / capacity)
+        else:
+            step_decode_ms = 0.0
+        new = new_tokens if new_tokens > 1.0 else 1.0
+        work = new + queued_prefill_tokens if queued_prefill_tokens > 0 else new
+        if work <= self.chunk_tokens:  # one step (prefill_ms, inlined: the common case)
+            ttft = self.timing.prefill_ms(math.ceil(work)) + step_decode_ms
+        else:
+            ttft = self.prefill_ms(work, step_decode_ms)
         excess = requests + 1 - max_num_seqs
         if max_num_seqs and excess > 0:
             if completion_rate > 0:
@@ -190,5 +231,4 @@ class TtftPredictor:
                 itl = max(step_decode_ms, self.timing.decode_ms(0.0))
                 interval_ms = itl * max(1.0, output_tokens) / max(1.0, min(requests, max_num_seqs))
             ttft = max(ttft, excess * interval_ms + self.prefill_ms(new, step_decode_ms))
-        itl = self.timing.decode_ms((decoding + prompt_tokens) / capacity)
-        return TtftPrediction(ttft, itl)
+        return ttft

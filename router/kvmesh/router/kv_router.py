@@ -109,6 +109,7 @@ class KvRouter:
         exclude: Collection[str] = (),
         role: Role | None = None,
         expected_output_tokens: int = 0,
+        dry_run: bool = False,
     ) -> RouteDecision:
         t0 = time.perf_counter()
         handles = pick_candidates(self.pool, model, exclude, role, lora_name)
@@ -122,6 +123,14 @@ class KvRouter:
             lora_name=lora_name,
             expected_output_tokens=expected_output_tokens,
         )
+        if dry_run:
+            return RouteDecision(
+                by_id[selection.worker_id],
+                selection.overlap_blocks,
+                selection.prompt_blocks,
+                cost=selection.cost,
+                policy=RouterMode.KV.value,
+            )
         sched.book(request_id, selection, now, expected_output_tokens=expected_output_tokens)
         chosen = by_id[selection.worker_id]
         previous = self._booked.pop(request_id, None)

@@ -28,7 +28,10 @@ exact, bookings are shared as numbers), so replicas that see the same bookings d
 
 The lowest cost wins; among equal costs the worker holding the fewest cached blocks wins (new
 prefixes spread over the fleet rather than evicting one worker's), then a random one (seeded),
-so an idle fleet is never simply sent to its first worker. With temperature > 0 the choice is
+so an idle fleet is never simply sent to its first worker. The ttft policy (the default) decides
+near-ties by state every replica shares instead (`_choose_agreed`: most cached prompt blocks
+within one idle decode step of the best prediction; exact ties by rendezvous hashing of the
+prompt), so replicas agree on the worker holding a prefix. With temperature > 0 the choice is
 sampled from softmax(-normalized cost / T) instead (Dynamo's `router_temperature`). Workers
 over a busy threshold (KV usage fraction, waiting requests, draining; from fresh load metrics)
 are skipped; if all are, `Unavailable` (HTTP 503).
@@ -64,12 +67,16 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from xxhash import xxh3_64_intdigest
+
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.indexer import ApproxIndex, InflightIndex
 from kvmesh.router.kv_policy import (
     DEFAULT_ITL_PENALTY_CAP_MS,
     DEFAULT_ITL_WEIGHT,
+    DEFAULT_POLICY,
     KvPolicyKind,
+    TtftPrediction,
     TtftPredictor,
     cost_score,
     itl_penalized,
@@ -116,7 +123,7 @@ class KvRouterConfig:
     instead of being corrected away."""
     seed: int = 0
     """Seed of tie-breaking and sampling."""
-    policy: KvPolicyKind = KvPolicyKind.COST
+    policy: KvPolicyKind = DEFAULT_POLICY
     """How workers are scored (kvmesh.router.kv_policy): predicted TTFT, or the linear cost."""
     itl_weight: float = DEFAULT_ITL_WEIGHT
     """ttft: weight of the ITL penalty: the request's expected output tokens times the ms of
@@ -246,6 +253,16 @@ class WorkerLoad:
             return max(0.0, self.booked_decode + self.decode_offset)
         return float(self.booked_decode)
 
+    def view(self, now: float, max_age_s: float) -> tuple[float, float, float]:
+        """(prefill_blocks, decode_blocks, requests) at once (one freshness check)."""
+        if self.sample is not None and now - self.sample_at <= max_age_s:
+            return (
+                max(0.0, self.booked_prefill + self.prefill_offset),
+                max(0.0, self.booked_decode + self.decode_offset),
+                max(0.0, self.booked_requests + self.requests_offset),
+            )
+        return float(self.booked_prefill), float(self.booked_decode), float(self.booked_requests)
+
     def requests(self, now: float, max_age_s: float) -> float:
         """Predicted requests on the worker, running or waiting (corrected by fresh metrics)."""
         if self.fresh(now, max_age_s):
@@ -345,6 +362,9 @@ class KvScheduler:
         self.predictor = TtftPredictor(
             load_timing(self.config.timing_profile), chunk_tokens=self.config.chunk_tokens
         )
+        self.agree_ms = self.predictor.timing.decode_ms(0.0)
+        """ttft: predictions closer than this (ms) are near-ties decided by shared state
+        (`_choose_agreed`)."""
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -490,9 +510,10 @@ class KvScheduler:
                 overlaps[wid] = found[2].get(wid, 0)
         if cfg.policy is KvPolicyKind.TTFT:
             costs = self._ttft_scores(ready, overlaps, n_tokens, now, expected_output_tokens)
+            chosen = self._choose_agreed(costs, overlaps, by_size, token_ids)
         else:
             costs = self._cost_scores(ready, overlaps, n_tokens, now)
-        chosen = self._choose(costs)
+            chosen = self._choose(costs)
         load = self._workers[chosen]
         hashes = by_size[load.block_size][0]
         return Selection(
@@ -534,35 +555,60 @@ class KvScheduler:
         (kvmesh.router.kv_policy)."""
         cfg = self.config
         max_age = cfg.load_max_age_s
-        predict = self.predictor.predict
+        views = []
+        full = False
+        for w in ready:
+            view = w.view(now, max_age)
+            views.append((w, *view))
+            full = full or 0 < w.max_num_seqs < view[2] + 1
         # Completion rates measured per worker are noisy (a second holds a few completions);
         # a request slot frees at about the same rate everywhere, so use the fleet's rate per
-        # busy slot, times the worker's busy slots.
-        rates = busy = 0.0
-        for w in ready:
-            if w.completion_rate > 0:
-                rates += w.completion_rate
-                busy += max(1.0, min(w.requests(now, max_age), w.max_num_seqs or math.inf))
-        per_slot = rates / busy if busy else 0.0
-        preds = {}
-        for w in ready:
-            bs = w.block_size
-            n = w.requests(now, max_age)
-            preds[w.worker_id] = predict(
-                new_tokens=n_tokens - overlaps[w.worker_id] * bs,
-                queued_prefill_tokens=w.prefill_blocks(now, max_age) * bs,
-                decode_tokens=w.decode_blocks(now, max_age) * bs,
-                prompt_tokens=n_tokens,
-                kv_capacity_tokens=w.kv_total_blocks * bs,
-                requests=n,
-                max_num_seqs=w.max_num_seqs,
-                completion_rate=per_slot * max(1.0, min(n, w.max_num_seqs or math.inf)),
-                output_tokens=self._output_mean,
-            )
+        # busy slot, times the worker's busy slots (only where the slots are full).
+        per_slot = 0.0
+        if full:
+            rates = busy = 0.0
+            for w, _, _, n in views:
+                if w.completion_rate > 0:
+                    rates += w.completion_rate
+                    busy += max(1.0, min(n, w.max_num_seqs or math.inf))
+            per_slot = rates / busy if busy else 0.0
         weight = cfg.itl_weight * (output_tokens if output_tokens > 0 else self._output_mean)
         cap = cfg.itl_penalty_cap_ms
-        if not weight or not cap:
-            return {wid: p.ttft_ms for wid, p in preds.items()}
+        penalty = bool(weight and cap)
+        predictor = self.predictor
+        ttft_ms = predictor.ttft_ms
+        out_mean = self._output_mean
+        costs: dict[str, float] = {}
+        preds: dict[str, TtftPrediction] = {}
+        for w, prefill, decode, n in views:
+            bs = w.block_size
+            slots = w.max_num_seqs
+            args = (
+                n_tokens - overlaps[w.worker_id] * bs,
+                prefill * bs,
+                decode * bs,
+                w.kv_total_blocks * bs,
+                n,
+                slots,
+                per_slot * max(1.0, min(n, slots or math.inf)) if per_slot else 0.0,
+                out_mean,
+            )
+            if penalty:
+                preds[w.worker_id] = predictor.predict(
+                    new_tokens=args[0],
+                    queued_prefill_tokens=args[1],
+                    decode_tokens=args[2],
+                    prompt_tokens=n_tokens,
+                    kv_capacity_tokens=args[3],
+                    requests=n,
+                    max_num_seqs=slots,
+                    completion_rate=args[6],
+                    output_tokens=out_mean,
+                )
+            else:
+                costs[w.worker_id] = ttft_ms(*args)
+        if not penalty:
+            return costs
         best_itl = min(p.itl_ms for p in preds.values())
         return {
             w.worker_id: itl_penalized(
@@ -570,9 +616,9 @@ class KvScheduler:
                 best_itl_ms=best_itl,
                 weight=weight,
                 cap_ms=cap,
-                slots_used=w.requests(now, max_age) / w.max_num_seqs if w.max_num_seqs else 1.0,
+                slots_used=n / w.max_num_seqs if w.max_num_seqs else 1.0,
             )
-            for w in ready
+            for w, _, _, n in views
         }
 
     def _choose(self, costs: dict[str, float]) -> str:
@@ -597,6 +643,50 @@ class KvScheduler:
             least = min(sizes)
             best = [i for i, n in zip(best, sizes, strict=True) if n == least]
         return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _choose_agreed(
+        self,
+        costs: dict[str, float],
+        overlaps: Mapping[str, float],
+        by_size: Mapping[int, tuple[list[int], Mapping[str, float], dict[str, int]]],
+        token_ids: Sequence[int],
+    ) -> str:
+        """KvPolicyKind.TTFT's choice, made so that router replicas agree where it matters, on
+        the worker that holds the prompt's prefix. Candidates predicted within `agree_ms` of the
+        best (one decode step of an idle engine: about what one booking in transit between
+        replicas, or their private completion-rate and output estimates, move a prediction by)
+        are near-ties; among them the most cached prompt blocks win (the KV index, which every
+        replica shares), then the lowest prediction. Exact ties (an idle fleet) go to the fewest
+        cached blocks in all (new prefixes spread over the fleet), then to rendezvous hashing of
+        the prompt (its last full block's hash) with the worker id, never to a replica's own
+        random draw. With temperature > 0: sampled as in `_choose`."""
+        if len(costs) == 1 or self.config.temperature > 0:
+            return self._choose(costs)
+        lo = min(costs.values())
+        limit = lo + self.agree_ms
+        tol = 1e-9 * max(1.0, abs(lo))
+        most = -math.inf
+        best = math.inf
+        near: list[str] = []
+        for wid, v in costs.items():  # one pass: most cached, then lowest, within the margin
+            if v > limit:
+                continue
+            o = overlaps[wid]
+            if o > most or (o == most and v < best - tol):
+                most, best, near = o, v, [wid]
+            elif o == most and v - best <= tol:
+                near.append(wid)
+        if len(near) > 1:
+            sizes = [self._cached_blocks(i) for i in near]
+            least = min(sizes)
+            near = [i for i, n in zip(near, sizes, strict=True) if n == least]
+        if len(near) == 1:
+            return near[0]
+        hashes = next(iter(by_size.values()))[0] if by_size else []
+        if not hashes and token_ids:  # shorter than a block: the prompt as one block
+            hashes = block_hashes(token_ids, len(token_ids))
+        key = hashes[-1] if hashes else 0
+        return max(near, key=lambda i: xxh3_64_intdigest(i.encode(), seed=key))
 
     def _cached_blocks(self, worker_id: str) -> int:
         load = self._workers[worker_id]

@@ -186,12 +186,14 @@ class Router(Protocol):
         exclude: Collection[str] = (),
         role: Role | None = None,
         expected_output_tokens: int = 0,
+        dry_run: bool = False,
     ) -> RouteDecision:
         """Pick a worker for the request and book it. Raises NotFound / Unavailable.
 
         `role`: the pool to pick from (None: aggregated workers, or decode workers if there are
         none). `expected_output_tokens`: for load prediction (0: unknown). Routing the same
-        `request_id` again (a retry with `exclude`) replaces its booking.
+        `request_id` again (a retry with `exclude`) replaces its booking. `dry_run`: choose
+        only: book nothing (no load, no event to peer router replicas).
         """
         ...
 
@@ -268,6 +270,7 @@ class SimpleRouter:
         exclude: Collection[str] = (),
         role: Role | None = None,
         expected_output_tokens: int = 0,
+        dry_run: bool = False,
     ) -> RouteDecision:
         t0 = time.perf_counter()
         workers = self.candidates(model, exclude, role, lora_name)
@@ -275,6 +278,8 @@ class SimpleRouter:
             self.mode, [w.inflight for w in workers], self._cursor.get(model, 0), self._rng
         )
         chosen = workers[index]
+        if dry_run:
+            return RouteDecision(chosen, policy=self.mode.value)
         self.finished(request_id)  # a retry replaces its booking
         chosen.inflight += 1
         self._booked[request_id] = chosen

@@ -77,9 +77,8 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):
             exclude=request.exclude_worker_ids,
             role=_ROLE_FROM_PB.get(request.role),
             expected_output_tokens=request.expected_output_tokens,
+            dry_run=request.dry_run,
         )
-        if request.dry_run:
-            self.router.finished(request_id)
         return rpb.RouteResponse(
             worker_id=decision.worker.worker_id,
             address=decision.worker.address,
@@ -221,6 +220,7 @@ class RemoteRouter:
         exclude: Collection[str] = (),
         role: Role | None = None,
         expected_output_tokens: int = 0,
+        dry_run: bool = False,
     ) -> RouteDecision:
         try:
             resp = await self._stub.Route(
@@ -232,6 +232,7 @@ class RemoteRouter:
                     role=cpb.WORKER_ROLE_UNSPECIFIED if role is None else _ROLE_TO_PB[role],
                     exclude_worker_ids=exclude,
                     expected_output_tokens=expected_output_tokens,
+                    dry_run=dry_run,
                 ),
                 timeout=5.0,
             )

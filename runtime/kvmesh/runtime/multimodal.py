@@ -28,7 +28,9 @@ plain token.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
+from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
@@ -37,9 +39,11 @@ from kvmesh.runtime.types import MediaInput
 
 __all__ = [
     "SALT_BIT",
+    "decode_images",
     "expand_placeholders",
     "media_hash",
     "placeholder_positions",
+    "salt_id",
     "salt_placeholders",
 ]
 
@@ -92,9 +96,31 @@ def salt_placeholders(
         seed = media_hash(image)
         base = k * tokens_per_image
         for j in range(tokens_per_image):
-            salt = xxh3_64_intdigest(j.to_bytes(4, "little"), seed) >> 33
-            out[positions[base + j]] = SALT_BIT | salt
+            out[positions[base + j]] = salt_id(seed, j)
     return out
+
+
+def salt_id(seed: int, j: int) -> int:
+    """The salted id of the `j`-th placeholder of the image whose media_hash is `seed`."""
+    return SALT_BIT | (xxh3_64_intdigest(j.to_bytes(4, "little"), seed) >> 33)
+
+
+def decode_images(media: Sequence[MediaInput]) -> list[Any]:
+    """`media` decoded with Pillow, as RGB PIL images. InvalidRequest names an image that cannot
+    be decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    decoded: list[Any] = []
+    for i, m in enumerate(media):
+        try:
+            with Image.open(io.BytesIO(m.data)) as img:
+                decoded.append(img.convert("RGB"))
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise InvalidRequest(
+                f"media[{i}] ({m.mime_type or 'no MIME type'}) is not a decodable image: {exc}",
+                param="media",
+            ) from None
+    return decoded
 
 
 def expand_placeholders(

@@ -14,6 +14,15 @@ A thin layer over vLLM's own async API:
   * embeddings (vLLM's pooling runner: `"runner": "pooling"` in the engine args, which then
     only embeds): `AsyncLLM.encode` with PoolingParams(task="embed"), vLLM's pooler (a causal
     LM's default: last token, normalized);
+  * images (MULTIMODAL, LLaVA models: vllm_runtime.image_placeholders): the gateway's prompt
+    holds `tokens_per_image` placeholders per image; vLLM's multimodal processor expands each
+    image token of a token prompt itself (vLLM 0.32 always does), so the adapter hands it the
+    prompt with each image's run collapsed to one image token, the images as PIL
+    `multi_modal_data` and, as each image's uuid, `kvmesh-media-<media_hash>`; vLLM's expanded
+    prompt is checked to equal the gateway's. vLLM salts its block hashes with the uuid and
+    publishes it in the blocks' extra keys with the image's offset, from which the adapter
+    rebuilds the salted placeholder ids the router hashes (kvmesh.runtime.multimodal), so the
+    router's index stays exact for image blocks;
   * load: a stat logger passed to AsyncLLM receives vLLM's SchedulerStats every step;
   * LoRA (with `enable_lora` in the engine args): each request naming an adapter carries a
     LoRARequest (name, kvmesh-assigned id, path), so vLLM loads it from disk when its own
@@ -53,6 +62,12 @@ from kvmesh.runtime.errors import (
     RequestTooLarge,
     Unavailable,
     Unimplemented,
+)
+from kvmesh.runtime.multimodal import (
+    decode_images,
+    media_hash,
+    placeholder_positions,
+    salt_id,
 )
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -174,7 +189,8 @@ class _VllmCall:
     """What `_open` passes to AsyncLLM.generate."""
 
     prompt: Any
-    """A token EngineInput (vllm_runtime.tokens_prompt)."""
+    """A token EngineInput (vllm_runtime.tokens_prompt), or with images a token prompt with
+    multi_modal_data (vllm_runtime.media_prompt)."""
     params: Any
     lora: Any = None
     priority: int = 0
@@ -192,12 +208,22 @@ class VllmDecoder(OutputDecoder[Any]):
         self.last_token: int | None = None
         rp = request.remote_prefill
         self._expect_first = rp.first_token_id if rp is not None and skip else None
+        self._check_prompt = bool(request.media)
+        """vLLM expands a request's images itself: its first output's prompt is checked."""
 
     def feed(self, item: Any) -> EngineOutput | None:
         if item.num_cached_tokens:
             self.cached_tokens = max(self.cached_tokens, int(item.num_cached_tokens))
         if item.prompt_token_ids:
             self.prompt_tokens = len(item.prompt_token_ids)
+            if self._check_prompt and list(item.prompt_token_ids) != list(self.request.prompt):
+                raise Unavailable(
+                    f"vLLM expanded the images of request {self.request.request_id} into "
+                    f"another prompt ({len(item.prompt_token_ids)} tokens) than the gateway's "
+                    f"({len(self.request.prompt)}): its placeholders per image differ from the "
+                    "model card's tokens_per_image"
+                )
+            self._check_prompt = False
         params = getattr(item, "kv_transfer_params", None)
         if params is not None:
             self.kv_transfer_params = dict(params)
@@ -394,6 +420,12 @@ class VllmEngine(StreamingAdapter[Any]):
         info.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._pooling = getattr(cfg.model_config, "runner_type", "generate") == "pooling"
         caps = ["EMBEDDINGS"] if self._pooling else ["LOGPROBS", "GUIDED_DECODING"]
+        images = vllm_runtime.image_placeholders(cfg)
+        if images is not None and info.role is Role.AGGREGATED:
+            # Disaggregated roles: images would need passing to both sides and vLLM's connector
+            # to skip the vision tower on the decode side; untested, so refused there.
+            caps.append("MULTIMODAL")
+            info.image_token_id, info.tokens_per_image = images
         if self._events is not None:
             caps.append("KV_EVENTS")
             self._translator = KvEventTranslator(self._events, block_size)
@@ -435,7 +467,10 @@ class VllmEngine(StreamingAdapter[Any]):
         from kvmesh.workers.adapters import vllm_runtime
 
         kwargs, structured = sampling_kwargs(request)
-        call = _VllmCall(vllm_runtime.tokens_prompt(list(request.prompt)), None)
+        if request.media:
+            call = _VllmCall(self._media_prompt(request), None)
+        else:
+            call = _VllmCall(vllm_runtime.tokens_prompt(list(request.prompt)), None)
         extra_args: dict[str, Any] = {}
         rp = request.remote_prefill
         if rp is not None:  # continue a remote prefill: vLLM pulls the KV via its connector
@@ -471,6 +506,33 @@ class VllmEngine(StreamingAdapter[Any]):
             call.lora = vllm_runtime.build_lora_request(request.lora_name, lora_id, path)
         call.priority = request.priority
         return call
+
+    def _media_prompt(self, request: EngineRequest) -> Any:
+        """vLLM's prompt for a request with images (see the module docstring). InvalidRequest
+        (param `media`) for a prompt without the images' placeholder runs, or an image that
+        does not decode."""
+        from kvmesh.workers.adapters import vllm_runtime
+
+        info = self._info
+        image_id, per_image = info.image_token_id, info.tokens_per_image
+        if image_id is None or not per_image:  # validate_request refuses media before this
+            raise InvalidRequest("this model takes no images", param="media")
+        prompt = list(request.prompt)
+        positions = placeholder_positions(prompt, image_id, len(request.media), per_image)
+        drop: set[int] = set()
+        for k in range(len(request.media)):
+            run = positions[k * per_image : (k + 1) * per_image]
+            if run[-1] - run[0] != per_image - 1:
+                raise InvalidRequest(
+                    f"the placeholders of image {k} are not {per_image} consecutive image "
+                    f"tokens (id {image_id})",
+                    param="media",
+                )
+            drop.update(run[1:])
+        collapsed = [t for i, t in enumerate(prompt) if i not in drop]
+        images = decode_images(request.media)
+        uuids = [media_uuid(media_hash(m)) for m in request.media]
+        return vllm_runtime.media_prompt(collapsed, images, uuids)
 
     async def _open(self, request: EngineRequest, prepared: _VllmCall) -> AsyncIterator[Any]:
         engine = self._engine
@@ -674,7 +736,9 @@ class VllmEngine(StreamingAdapter[Any]):
                 tier = vllm_medium_tier(ev.medium)
                 if tier is None or ev.group_idx not in (None, 0):
                     continue
-                chain = _vllm_chain(ev, tr.block_size)
+                chain = _vllm_chain(
+                    ev, tr.block_size, self._info.image_token_id, self._info.tokens_per_image
+                )
                 if chain is not None:
                     tr.stored(chain, tier)
             elif isinstance(ev, VllmRemoved):
@@ -789,8 +853,62 @@ def _engine_params(text: str) -> dict[str, Any]:
     return value
 
 
-def _vllm_chain(ev: Any, block_size: int) -> StoredChain | None:
-    """A vLLM BlockStored as a StoredChain (None, with a warning, when malformed)."""
+MEDIA_UUID_PREFIX = "kvmesh-media-"
+
+
+def media_uuid(seed: int) -> str:
+    """The uuid vLLM is given for an image whose media_hash is `seed` (its identifier in vLLM's
+    block hashes and KV events)."""
+    return f"{MEDIA_UUID_PREFIX}{seed:016x}"
+
+
+def _media_seed(key: Any) -> tuple[int, int] | None:
+    """(media_hash, offset in the block) of an image's extra key in a vLLM BlockStored
+    (`[identifier, offset]`), None when the key is not one of kvmesh's images."""
+    if not isinstance(key, (list, tuple)) or len(key) != 2:
+        return None
+    identifier, offset = key
+    if not isinstance(identifier, str) or not isinstance(offset, int):
+        return None
+    if not identifier.startswith(MEDIA_UUID_PREFIX):
+        return None
+    try:
+        return int(identifier[len(MEDIA_UUID_PREFIX) :], 16), offset
+    except ValueError:
+        return None
+
+
+def _salted_block(
+    tokens: list[int], keys: list[Any], image_token_id: int | None, tokens_per_image: int
+) -> list[int] | None:
+    """The token ids the router hashes for a block whose vLLM hash also covers the images of
+    `keys` (its extra keys less the LoRA name): each image's placeholders in the block replaced
+    by their salted ids (kvmesh.runtime.multimodal). None when a key is not one of kvmesh's
+    images or does not match image tokens in the block: the block stays opaque."""
+    if image_token_id is None or not tokens_per_image or not keys:
+        return None
+    out = list(tokens)
+    for key in keys:
+        parsed = _media_seed(key)
+        if parsed is None:
+            return None
+        seed, offset = parsed
+        lo, hi = max(offset, 0), min(offset + tokens_per_image, len(out))
+        if lo >= hi:
+            return None
+        for i in range(lo, hi):
+            if tokens[i] != image_token_id:
+                return None
+            out[i] = salt_id(seed, i - offset)
+    return out
+
+
+def _vllm_chain(
+    ev: Any, block_size: int, image_token_id: int | None = None, tokens_per_image: int = 0
+) -> StoredChain | None:
+    """A vLLM BlockStored as a StoredChain (None, with a warning, when malformed). Blocks
+    holding kvmesh's images (see `media_uuid`) get their placeholders salted as the router
+    salts a request's."""
     n = len(ev.block_hashes)
     size = ev.block_size
     if size < 1 or len(ev.token_ids) != n * size:
@@ -803,13 +921,21 @@ def _vllm_chain(ev: Any, block_size: int) -> StoredChain | None:
         return None
     lora = ev.lora_name or ""
     opaque: list[bool] = []
-    if ev.extra_keys:
-        for keys in ev.extra_keys:
-            # The only extra key a kvmesh router reproduces is the LoRA name (kept in lora_name).
-            plain = keys is None or (bool(lora) and list(keys) == [lora])
-            opaque.append(not plain)
-        opaque += [False] * (n - len(opaque))
     tokens = [ev.token_ids[i * size : (i + 1) * size] for i in range(n)]
+    if ev.extra_keys:
+        for i, keys in enumerate(ev.extra_keys[:n]):
+            # Extra keys a kvmesh router reproduces: the LoRA name (first, kept in lora_name)
+            # and kvmesh's images (their placeholders salted in the block's tokens).
+            rest = list(keys) if keys is not None else []
+            if lora and rest[:1] == [lora]:
+                rest = rest[1:]
+            if rest:
+                salted = _salted_block(list(tokens[i]), rest, image_token_id, tokens_per_image)
+                if salted is not None:
+                    tokens[i] = salted
+                    rest = []
+            opaque.append(bool(rest))
+        opaque += [False] * (n - len(opaque))
     if size != block_size:  # e.g. a hybrid model's other group: not what the router hashes
         opaque = [True] * n
     return StoredChain(

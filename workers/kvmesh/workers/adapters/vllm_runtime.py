@@ -20,6 +20,7 @@ from typing import Any
 import vllm
 from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.pooling_params import PoolingParams
@@ -37,6 +38,10 @@ except ImportError:  # pragma: no cover - older vLLM
 PARAMS_ERRORS: tuple[type[Exception], ...] = (*CLIENT_ERRORS, TypeError)
 """What building SamplingParams raises for values vLLM refuses."""
 
+from kvmesh.workers.adapters import vllm_plugin  # noqa: E402 (after vLLM: its own imports)
+
+vllm_plugin.register()  # this process loads model classes too (vLLM's others load the plugin)
+
 __all__ = [
     "CLIENT_ERRORS",
     "PARAMS_ERRORS",
@@ -51,7 +56,9 @@ __all__ = [
     "check_version",
     "cpu_attention_problem",
     "create_async_llm",
+    "image_placeholders",
     "is_cpu_platform",
+    "media_prompt",
     "stat_logger_factory",
     "tokens_prompt",
 ]
@@ -119,6 +126,47 @@ def tokens_prompt(token_ids: list[int]) -> Any:
     `{"prompt_token_ids": ...}` prompt makes vLLM render it on a thread pool first, a thread
     hop per request in front of the first token.)"""
     return tokens_input(token_ids)
+
+
+def media_prompt(token_ids: list[int], images: list[Any], uuids: list[str]) -> Any:
+    """The prompt for AsyncLLM.generate of a token prompt with images: vLLM's multimodal
+    processor inserts each image's placeholders in place of the image token that stands for it
+    (so `token_ids` holds one image token per image, not the expanded run), preprocesses
+    `images` (PIL) and names each by its uuid (its processor cache key and, in block hashes and
+    KV events, the image's identifier)."""
+    return TokensPrompt(
+        prompt_token_ids=token_ids,
+        multi_modal_data={"image": images},
+        multi_modal_uuids={"image": uuids},
+    )
+
+
+def image_placeholders(vllm_config: Any) -> tuple[int, int] | None:
+    """(image token id, placeholder tokens per image) of a model whose images vLLM serves with
+    a fixed number of placeholders each (LLaVA: `LlavaForConditionalGeneration`, a CLIP-style
+    tower resized to one input size); None for any other model (text only, or images whose
+    placeholder count depends on their size), and when vLLM runs it text-only."""
+    model = vllm_config.model_config
+    multimodal = getattr(model, "is_multimodal_model", False)
+    if not multimodal or getattr(model, "runner_type", "generate") != "generate":
+        return None
+    hf = model.hf_config
+    if getattr(hf, "model_type", None) != "llava":
+        return None
+    mm = model.multimodal_config
+    if mm is not None and (mm.language_model_only or mm.get_limit_per_prompt("image") == 0):
+        return None
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    info: Any = MULTIMODAL_REGISTRY.get_processing_info(model)
+    sizes = {info.get_num_image_tokens(image_width=w, image_height=h) for w, h in _PROBE_SIZES}
+    if len(sizes) != 1:
+        return None
+    return int(hf.image_token_index), int(sizes.pop())
+
+
+_PROBE_SIZES = ((16, 16), (640, 480), (37, 1000))
+"""Image sizes image_placeholders asks vLLM about (a fixed count answers alike for all)."""
 
 
 _CONFIG_FIELDS: dict[str, Callable[..., Any]] = {

@@ -13,7 +13,6 @@ transformers' LLaVA does, so the KV cache holds the same keys and values; decodi
 
 from __future__ import annotations
 
-import io
 from bisect import bisect_left
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvmesh.runtime.errors import InvalidRequest
+from kvmesh.runtime.multimodal import decode_images
 from kvmesh.runtime.types import MediaInput
 
 __all__ = ["ImageEncoder", "RequestImages"]
@@ -56,18 +55,7 @@ class ImageEncoder:
     def pixels(self, media: Sequence[MediaInput], *, images: Sequence[Any] = ()) -> torch.Tensor:
         """Preprocessed pixel values of `media` (decoded with Pillow) or of PIL `images`.
         InvalidRequest names an image that cannot be decoded."""
-        from PIL import Image, UnidentifiedImageError
-
-        decoded = list(images)
-        for i, m in enumerate(media):
-            try:
-                with Image.open(io.BytesIO(m.data)) as img:
-                    decoded.append(img.convert("RGB"))
-            except (UnidentifiedImageError, OSError, ValueError) as exc:
-                raise InvalidRequest(
-                    f"media[{i}] ({m.mime_type or 'no MIME type'}) is not a decodable image: {exc}",
-                    param="media",
-                ) from None
+        decoded = [*images, *decode_images(media)]
         out = self._processor(images=decoded, return_tensors="pt")
         pixels: torch.Tensor = out["pixel_values"]
         return pixels

@@ -76,7 +76,7 @@ def create_tiny_weights(model_dir: str | Path, seed: int = 0) -> Path:
             value = torch.empty(shape).normal_(0.0, 1.0, generator=gen)
         else:
             value = torch.empty(shape).normal_(0.0, shape[-1] ** -0.5, generator=gen)
-        tensors[name] = value.to(dtype).contiguous()
+        tensors[_checkpoint_name(name) if multimodal else name] = value.to(dtype).contiguous()
     path = root / WEIGHTS_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -84,25 +84,43 @@ def create_tiny_weights(model_dir: str | Path, seed: int = 0) -> Path:
     return path
 
 
+_LLAVA_TOWER = "model.vision_tower."
+
+
+def _checkpoint_name(name: str) -> str:
+    """A LLaVA parameter's name in the checkpoint layout published LLaVA models use (the CLIP
+    tower's weights under `vision_model.`, as CLIPVisionModel holds them): transformers 5 maps it
+    back to its own module tree when loading, and vLLM's LLaVA loader reads only this layout."""
+    if name.startswith(_LLAVA_TOWER):
+        return f"{_LLAVA_TOWER}vision_model.{name[len(_LLAVA_TOWER) :]}"
+    return name
+
+
 TINY_LLAVA_IMAGE_SIZE = 16
 """The tiny LLaVA's vision input side (pixels): 4x4 patches of 4 pixels, so 16 image tokens."""
 
 
-def create_tiny_llava(model_dir: str | Path, seed: int = 0) -> Path:
+def create_tiny_llava(model_dir: str | Path, seed: int = 0, *, head_dim: int | None = None) -> Path:
     """Write a tiny LLaVA-style model directory at `model_dir` (see the module docstring) and
     return it: the tiny Llama tokenizer with an `<image>` special token and a chat template that
     renders image parts as `<image>`, a LlavaConfig (vision: CLIP, 2 layers, 16-pixel images in
     4-pixel patches; feature layer -2 without its CLS token: 16 tokens per image; text: the tiny
     Llama), preprocessor_config.json (CLIPImageProcessor), processor_config.json
     (LlavaProcessor) and deterministic random weights. Deterministic and offline; an existing
-    complete directory is left as it is.
+    complete directory (of the same `head_dim`) is left as it is.
+
+    `head_dim`: the language model's attention head size (the tiny Llama's 16 unless given;
+    vLLM's CPU attention needs 32 or more, tests/vllm_real builds it with 32).
     """
     from kvmesh.runtime.tinymodel import IMAGE_CHAT_TEMPLATE, IMAGE_TOKEN, create_tiny_model
 
     root = Path(model_dir)
     config_path = root / "config.json"
     if has_weights(root) and config_path.is_file():
-        if json.loads(config_path.read_text()).get("model_type") == "llava":
+        existing = json.loads(config_path.read_text())
+        if existing.get("model_type") == "llava" and (
+            head_dim is None or existing["text_config"].get("head_dim") == head_dim
+        ):
             return root
     create_tiny_model(
         root,
@@ -111,11 +129,16 @@ def create_tiny_llava(model_dir: str | Path, seed: int = 0) -> Path:
         chat_template=IMAGE_CHAT_TEMPLATE,
     )
     text = json.loads(config_path.read_text())
-    if text.get("model_type") != "llava":
+    if text.get("model_type") == "llava" and head_dim is not None:  # another head size
+        text["text_config"]["head_dim"] = head_dim
+        _write_json(root, "config.json", text)
+    elif text.get("model_type") != "llava":
         tokenizer = json.loads((root / "tokenizer.json").read_text())
         image_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == IMAGE_TOKEN)
         text.pop("architectures", None)
         text.pop("_name_or_path", None)
+        if head_dim is not None:
+            text["head_dim"] = head_dim
         side, patch = TINY_LLAVA_IMAGE_SIZE, 4
         config = {
             "_name_or_path": "tiny-llava",
@@ -169,8 +192,13 @@ def create_tiny_llava(model_dir: str | Path, seed: int = 0) -> Path:
             ("processor_config.json", processor),
             ("config.json", config),
         ):
-            tmp = root / f".{name}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(obj, indent=2) + "\n")
-            os.replace(tmp, root / name)
+            _write_json(root, name, obj)
     create_tiny_weights(root, seed)
     return root
+
+
+def _write_json(root: Path, name: str, obj: Any) -> None:
+    """Write `root`/`name` atomically."""
+    tmp = root / f".{name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, root / name)

