@@ -75,7 +75,7 @@ if ! command -v ip >/dev/null; then
 fi
 
 step "pytest (includes tests/deploy: every manifest under deploy/ built and validated offline)"
-"$VENV/bin/python" -m pytest -q "$@"
+"$VENV/bin/python" -m pytest -q --durations=15 "$@"
 
 if [ "${KVMESH_SKIP_VLLM_REAL:-0}" = 1 ]; then
   step "real-vLLM tier skipped (KVMESH_SKIP_VLLM_REAL=1)"

@@ -21,6 +21,7 @@ REQUESTS = 1000
 CONCURRENCY = 100
 
 
+@pytest.mark.timeout(300)  # about 96 s here (disaggregated), bounded by its own 240 s wait
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["aggregated", "disaggregated"])
 async def test_a_thousand_random_cancellations_leave_nothing_behind(
     tiny_model: Path, tmp_path: Path, disaggregated: bool
