@@ -168,12 +168,17 @@ _STRINGS_MAX = 4096
 _STRINGS_VALUE_MAX = 96
 
 
-def _attribute(key: str, value: Any) -> bytes:
-    """A KeyValue."""
+def _key(key: str) -> bytes:
+    """A KeyValue's key field (encoded once per key)."""
     encoded = _KEYS.get(key)
     if encoded is None:
         encoded = _KEYS[key] = _field(_KV_KEY, key.encode())
-    return encoded + _field(_KV_VALUE, _any(value))
+    return encoded
+
+
+def _attribute(key: str, value: Any) -> bytes:
+    """A KeyValue."""
+    return _key(key) + _field(_KV_VALUE, _any(value))
 
 
 def _span_attribute(key: str, value: Any) -> bytes:
@@ -186,10 +191,7 @@ def _span_attribute(key: str, value: Any) -> bytes:
             cached = _STRINGS[key, value] = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
         return cached
     if type(value) is int and 0 <= value < 0x4000:
-        kv = _KEYS.get(key)
-        if kv is None:
-            kv = _KEYS[key] = _field(_KV_KEY, key.encode())
-        kv += _KV_VALUE + _SMALL[len(_SMALL[value]) + 1] + _ANY_INT + _SMALL[value]
+        kv = _key(key) + _KV_VALUE + _SMALL[len(_SMALL[value]) + 1] + _ANY_INT + _SMALL[value]
         return _SPAN_ATTRIBUTE + _len(len(kv)) + kv
     return _field(_SPAN_ATTRIBUTE, _attribute(key, value))
 
