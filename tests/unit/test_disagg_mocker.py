@@ -153,9 +153,16 @@ async def test_concurrent_requests_and_a_prefix_cached_on_the_decode_side(
     assert [g[0] for g in got] == [w[0] for w in want]
     # A longer prompt sharing the 40-token prompt's blocks: only the new blocks move.
     longer = [*PROMPTS[-1], 5, 6, 7, 8, 9]
+    stats = pair.d.stats
+    assert stats is not None
+    before = stats.external_prefix_query_tokens, stats.external_prefix_hit_tokens
     _, last = await pair.run(request("l", longer))
     block_bytes = pair.d.config.kv_block_bytes
     assert last.kv_transfer_bytes == 2 * block_bytes  # blocks 11 (full) and 12 (partial)
+    # The worker's metrics: the 5 tokens past the 10 cached blocks came from the prefill side.
+    after = stats.external_prefix_query_tokens, stats.external_prefix_hit_tokens
+    assert (after[0] - before[0], after[1] - before[1]) == (5, 5)
+    assert stats.kv_transfer_failures == 0
     baseline(pair.p, pair.d)
 
 
@@ -222,6 +229,9 @@ async def test_a_failing_release_falls_back_to_recompute(agg: MockerEngine) -> N
         tokens, last = await collect(d, dataclasses.replace(req, remote_prefill=result.remote))
         # Unconfirmed KV is never used: the decode side recomputes and frees what it received.
         assert last.remote_prefill_fallback and last.kv_transfer_bytes == 0
+        assert d.stats is not None and d.stats.kv_transfer_failures == 1
+        assert d.stats.external_prefix_hit_tokens == 0
+        assert d.stats.external_prefix_query_tokens == len(req.prompt)
         assert [result.remote.first_token_id, *tokens] == (await collect(agg, req))[0]
         baseline(d)
         assert await p.release_kv(handle.transfer_id) is True  # still pinned: never released

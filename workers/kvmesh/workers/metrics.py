@@ -13,8 +13,12 @@ Served by every worker on `--metrics-port` (kvmesh.runtime.metrics.MetricsServer
   `prefix_cache_queries_total` / `prefix_cache_hits_total`
   (prompt tokens looked up / found in the prefix cache), `prompt_tokens_total`,
   `generation_tokens_total`, `request_success_total{finished_reason}`,
-  `kv_transfer_bytes_total` (KV pulled by a decode worker);
-- histograms (engines with a request timeline, `EngineStats`: the mocker and the torch engine):
+  `kv_transfer_bytes_total` (KV pulled by a decode worker), `kv_transfer_failures_total`
+  (pulls whose KV could not be used: the prompt was recomputed),
+  `external_prefix_cache_queries_total` / `external_prefix_cache_hits_total` (prompt tokens
+  looked up in / taken from the KV connector instead of computed: on a decode worker, the
+  KV pulled from the prefill worker; vLLM's connector prefix cache);
+- histograms (engines that keep `EngineStats`: the mocker, the torch engine, vLLM):
   `time_to_first_token_seconds`, `inter_token_latency_seconds` (one observation per token gap,
   recorded per request as its mean), `e2e_request_latency_seconds`,
   `request_queue_time_seconds`, `request_prefill_time_seconds`, `request_decode_time_seconds`,
@@ -54,11 +58,14 @@ class EngineStats:
     __slots__ = (
         "decode",
         "e2e",
+        "external_prefix_hit_tokens",
+        "external_prefix_query_tokens",
         "finished",
         "generation_tokens",
         "itl",
         "kv_transfer",
         "kv_transfer_bytes",
+        "kv_transfer_failures",
         "prefill",
         "prefix_hit_tokens",
         "prefix_query_tokens",
@@ -80,6 +87,14 @@ class EngineStats:
         """First token (or, continuing a remote prefill, admission) to the last."""
         self.kv_transfer = Histogram(LATENCY_BUCKETS)
         self.kv_transfer_bytes = 0
+        """Prompt KV bytes pulled from prefill workers (decode side)."""
+        self.kv_transfer_failures = 0
+        """KV pulls whose KV could not be used (the prompt was recomputed)."""
+        self.external_prefix_query_tokens = 0
+        """Prompt tokens looked up in the KV connector (vLLM's connector prefix cache)."""
+        self.external_prefix_hit_tokens = 0
+        """Prompt tokens taken from the KV connector instead of computed (on a decode worker:
+        the prompt KV pulled from the prefill worker)."""
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_query_tokens = 0
@@ -177,10 +192,18 @@ class WorkerCollector:
         for reason in FinishReason:
             success.add_metric([*labels, reason.value], stats.finished.get(reason, 0))
         yield success
-        yield counter(
-            "kv_transfer_bytes", "Prompt KV bytes pulled from prefill workers.",
-            stats.kv_transfer_bytes,
-        )  # fmt: skip
+        for name, doc, value in (
+            ("kv_transfer_bytes", "Prompt KV bytes pulled from prefill workers.",
+             stats.kv_transfer_bytes),
+            ("kv_transfer_failures", "KV pulls whose KV could not be used (the prompt was "
+             "recomputed).", stats.kv_transfer_failures),
+            ("external_prefix_cache_queries", "Prompt tokens looked up in the KV connector.",
+             stats.external_prefix_query_tokens),
+            ("external_prefix_cache_hits", "Prompt tokens taken from the KV connector instead "
+             "of computed (a decode worker: KV pulled from the prefill worker).",
+             stats.external_prefix_hit_tokens),
+        ):  # fmt: skip
+            yield counter(name, doc, value)
         specs = (
             ("time_to_first_token_seconds", "Arrival at the engine to the first token.", "ttft"),
             ("inter_token_latency_seconds", "Time between consecutive tokens.", "itl"),

@@ -92,6 +92,7 @@ from kvmesh.workers.adapters.zmq_endpoints import (
 )
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import DisaggSettings
+from kvmesh.workers.metrics import EngineStats
 from kvmesh.workers.validation import validate_request
 
 if TYPE_CHECKING:
@@ -102,6 +103,14 @@ __all__ = ["AsyncLLMLike", "VllmDecoder", "VllmEngine", "sampling_kwargs"]
 log = logging.getLogger(__name__)
 
 KV_EVENTS_TOPIC = "kvmesh"
+
+_VLLM_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+}
+"""vLLM's finish reasons (str of its FinishReason) counted in request_success_total; its
+"error" and "repetition" have no kvmesh reason and are not counted."""
 
 STRUCTURED_OUTPUTS_BACKEND = "guidance"
 """vLLM's structured outputs backend unless the engine args name one (`structured_outputs_config`
@@ -312,14 +321,10 @@ class VllmEngine(StreamingAdapter[Any]):
         self._hits = 0
         self._queries = 0
         self._preemptions = 0
-        self.kv_connector_hit_tokens = 0
-        """Prompt tokens vLLM's scheduler took from its KV connector instead of computing them
-        (its connector prefix-cache hits: on a decode worker, the KV pulled from the prefill
-        worker)."""
-        self.kv_transfer_bytes = 0
-        """Bytes the KV connector reports moved (NixlConnector: its completed reads)."""
-        self.kv_transfer_failures = 0
-        """Failed transfers the KV connector reports (vLLM then recomputes the prompt)."""
+        self._stats = EngineStats()
+        self.stats = self._stats
+        """The worker's metrics, from vLLM's own stat logger (_on_stats): its request timeline,
+        token counts, prefix cache and KV connector numbers."""
         self.kv_events_endpoint: str | None = None
         """Where vLLM publishes KV events (None: events are off)."""
         self.kv_events_replay_endpoint: str | None = None
@@ -677,9 +682,10 @@ class VllmEngine(StreamingAdapter[Any]):
     # -- load ----------------------------------------------------------------------------------
 
     def _on_stats(self, scheduler: Any, iteration: Any) -> None:
-        """vLLM's per-step stats (SchedulerStats, IterationStats) -> engine_load."""
+        """vLLM's per-step stats (SchedulerStats, IterationStats) -> engine_load and stats."""
         if iteration is not None:
             self._preemptions += int(getattr(iteration, "num_preempted_reqs", 0) or 0)
+            self._on_iteration_stats(iteration)
         if scheduler is None:
             self.engine_load.preemptions_total = self._preemptions
             return
@@ -690,6 +696,8 @@ class VllmEngine(StreamingAdapter[Any]):
                 self._hits = self._queries = 0
             self._hits += int(prefix.hits)
             self._queries += int(prefix.queries)
+            self._stats.prefix_hit_tokens += int(prefix.hits)
+            self._stats.prefix_query_tokens += int(prefix.queries)
         total = self._info.kv_total_blocks
         self.engine_load = LoadInfo(
             num_running=int(scheduler.num_running_reqs),
@@ -700,16 +708,39 @@ class VllmEngine(StreamingAdapter[Any]):
             preemptions_total=self._preemptions,
         )
 
+    def _on_iteration_stats(self, iteration: Any) -> None:
+        """vLLM's IterationStats of one step: its token counts, first-token and inter-token
+        latencies, and the timeline of each request that finished (FinishedRequestStats)."""
+        stats = self._stats
+        stats.generation_tokens += int(iteration.num_generation_tokens)
+        for ttft in iteration.time_to_first_tokens_iter:
+            stats.ttft.observe(float(ttft))
+        for itl in iteration.inter_token_latencies_iter:
+            stats.itl.observe(float(itl))
+        for done in iteration.finished_requests:
+            stats.prompt_tokens += int(done.num_prompt_tokens)
+            reason = _VLLM_FINISH_REASONS.get(str(done.finish_reason))
+            if reason is not None:
+                stats.finished[reason] = stats.finished.get(reason, 0) + 1
+            stats.e2e.observe(float(done.e2e_latency))
+            stats.queue.observe(float(done.queued_time))
+            stats.prefill.observe(float(done.prefill_time))
+            stats.decode.observe(float(done.decode_time))
+
     def _on_connector_stats(self, scheduler: Any) -> None:
         """vLLM's KV connector numbers of one step (SchedulerStats.connector_prefix_cache_stats,
         and kv_connector_stats: NixlConnector's lists of per-transfer values)."""
+        stats = self._stats
         hits = getattr(scheduler, "connector_prefix_cache_stats", None)
         if hits is not None:
-            self.kv_connector_hit_tokens += int(hits.hits)
+            stats.external_prefix_hit_tokens += int(hits.hits)
+            stats.external_prefix_query_tokens += int(hits.queries)
         moved = getattr(scheduler, "kv_connector_stats", None)
         if isinstance(moved, dict):
-            self.kv_transfer_bytes += sum(int(b) for b in moved.get("bytes_transferred", ()))
-            self.kv_transfer_failures += len(moved.get("num_failed_transfers", ()))
+            stats.kv_transfer_bytes += sum(int(b) for b in moved.get("bytes_transferred", ()))
+            stats.kv_transfer_failures += len(moved.get("num_failed_transfers", ()))
+            for seconds in moved.get("transfer_duration", ()):
+                stats.kv_transfer.observe(float(seconds))
 
     # -- KV events -----------------------------------------------------------------------------
 

@@ -495,7 +495,10 @@ class BatchingEngine(Engine, Generic[SchedT]):
                 )
                 pool.release(received.blocks)
             entry.fallback = blocks is None
-            self._transferred(entry, handle, received, blocks is not None, started)
+            looked_up = len(request.prompt)
+            if received is not None:
+                looked_up -= min(looked_up, received.num_had * sched.block_size)
+            self._transferred(entry, handle, received, blocks is not None, started, looked_up)
         rid = request.request_id
         if self._requests.get(rid) is not entry or self._scheduler is not sched:
             if blocks is not None:
@@ -758,13 +761,21 @@ class BatchingEngine(Engine, Generic[SchedT]):
         received: _Received | None,
         used: bool,
         started: float,
+        looked_up: int,
     ) -> None:
-        """Record a decode-side KV pull (metrics; the kv_transfer span when sampled)."""
+        """Record a decode-side KV pull (metrics; the kv_transfer span when sampled).
+        `looked_up`: prompt tokens not cached here, which the pull was to bring (vLLM's
+        connector prefix-cache queries; its hits when the pulled KV is used)."""
         now = self._clock.now()
         nbytes = received.nbytes if received is not None else 0
         stats = self._stats
         stats.kv_transfer.observe(now - started)
         stats.kv_transfer_bytes += nbytes
+        stats.external_prefix_query_tokens += looked_up
+        if used:
+            stats.external_prefix_hit_tokens += looked_up
+        else:
+            stats.kv_transfer_failures += 1
         trace = entry.trace
         if trace is None or not trace.sampled or not tracer().enabled:
             return
