@@ -38,9 +38,9 @@ with warnings.catch_warnings():
         ZmqEventPublisher,
     )
     from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import FinishReason as VllmFinishReason
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError
-    from vllm.v1.engine import FinishReason as VllmFinishReason
     from vllm.v1.metrics.stats import (
         FinishedRequestStats,
         IterationStats,
