@@ -358,6 +358,11 @@ def test_disaggregated_roles_get_a_kv_connector() -> None:
     args = vllm_runtime.build_engine_args(eng.engine_kwargs())
     assert args.kv_transfer_config.kv_connector == "NixlConnector"
     assert args.kv_transfer_config.kv_role == "kv_both"
+    # The worker's pin timeout is how long vLLM's prefill side keeps KV nobody read.
+    assert args.kv_transfer_config.kv_connector_extra_config == {"kv_lease_duration": 30}
+    eng.configure_disaggregation(DisaggSettings(role=Role.PREFILL, pin_timeout_s=299.5))
+    args = vllm_runtime.build_engine_args(eng.engine_kwargs())
+    assert args.kv_transfer_config.get_from_extra_config("kv_lease_duration", 0) == 300
     mine = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     eng = VllmEngine(
         VllmConfig(vllm_engine_args=json.dumps({"kv_transfer_config": mine})),

@@ -97,6 +97,8 @@ def mesh(
         "1",
         "--disagg-local-prefill-tokens",
         "0",  # every prompt prefills remotely
+        "--kv-pin-timeout-s",
+        "300",  # vLLM's lease on the prefilled KV: a loaded machine may start the pull late
         "--metrics-targets",
         str(targets),
         startup_timeout_s=480,  # two CPU engines starting side by side

@@ -50,6 +50,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -377,6 +378,12 @@ class VllmEngine(StreamingAdapter[Any]):
             kwargs["kv_transfer_config"] = {
                 "kv_connector": self.config.vllm_kv_connector,
                 "kv_role": "kv_both",
+                # NixlConnector: how long a prefill engine keeps a request's KV for a decode
+                # engine that has not started reading it (vLLM's default: 30 s) is the
+                # worker's --kv-pin-timeout-s, as on kvmesh's own engines.
+                "kv_connector_extra_config": {
+                    "kv_lease_duration": max(1, math.ceil(self._disagg.pin_timeout_s))
+                },
             }
         if self.config.vllm_lora_modules:
             kwargs.setdefault("enable_lora", True)
