@@ -440,7 +440,7 @@ class KvScheduler:
                 young_requests += 1
         # predicted = measured + what the measurement cannot show yet
         measured_prefill = -(-sample.pending_prefill_tokens // load.block_size)
-        prefill_offset = measured_prefill - (load.booked_prefill - young_prefill)
+        prefill_offset: float = measured_prefill - (load.booked_prefill - young_prefill)
         if prefill_offset < 0:
             # An engine that counts a step's tokens as computed when the step starts (the
             # mocker: it steps, then waits out the step's duration) leaves out the prefill of
