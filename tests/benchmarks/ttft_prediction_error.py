@@ -21,8 +21,8 @@ import argparse
 import math
 import statistics
 import sys
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -43,22 +43,8 @@ class RecordingPolicy(KvPolicy):
         super().__init__(config.kv_router(), worker_ids, config.mocker)
         self.predicted_ms: dict[str, float] = {}
 
-    def route(
-        self,
-        request_id: str,
-        prompt: list[int],
-        now: float,
-        *,
-        candidates: Sequence[int] | None = None,
-        expected_output_tokens: int = 0,
-    ) -> Route:
-        r = super().route(
-            request_id,
-            prompt,
-            now,
-            candidates=candidates,
-            expected_output_tokens=expected_output_tokens,
-        )
+    def route(self, request_id: str, *args: Any, **kwargs: Any) -> Route:
+        r = super().route(request_id, *args, **kwargs)
         self.predicted_ms[request_id] = r.score
         return r
 
