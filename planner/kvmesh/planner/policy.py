@@ -98,6 +98,8 @@ class Observation:
     interval_s: float
     requests: int
     """Requests that arrived."""
+    finished: int = 0
+    """Requests that finished."""
     isl_mean: float = math.nan
     """Prompt tokens per arrived request."""
     osl_mean: float = math.nan
@@ -112,6 +114,9 @@ class Observation:
     """Their TTFT at the planner's `ttft_quantile`."""
     itl_ms: float = math.nan
     """Mean gap between consecutive tokens emitted in the interval."""
+    itl_tail_ms: float = math.nan
+    """The requests that finished, each's own mean ITL ((last token - first token) / (tokens -
+    1)), at the planner's `itl_quantile` (NaN: not measured)."""
     inflight: int = 0
     """Requests in flight at the end (arrived, not finished)."""
 
@@ -171,6 +176,8 @@ class _Plan:
     """Requests/s one worker serves within the targets."""
     hold: float
     """Requests one worker holds in flight at that rate."""
+    itl_ms: float
+    """The mean ITL (per gap, as observed) the pool was sized to run at, at most."""
 
 
 def _clamp(value: float, lo: float, hi: float) -> float:
@@ -197,11 +204,12 @@ class SlaPolicy:
         # would swing the capacity, so they are averaged over the last intervals.
         self.isl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
         self.osl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
-        self.hit: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
-        """Fraction of the prompt tokens found in a prefix cache."""
+        self.cache_tokens: deque[tuple[float, float]] = deque(maxlen=LENGTH_WINDOW)
+        """Per interval, the finished requests' prompt tokens found in a prefix cache and their
+        prompt tokens (the interval's mean prompt for each): the cached share over the last
+        intervals, weighted by prompt tokens (a quiet interval's few requests move it little)."""
         self.seen_isl = False
         self.seen_osl = False
-        self.seen_hit = False
         self.trend = RateTrend(config.worker_startup_s + interval)
         """The arrival rate's recent trend over every window observed (intervals and surge
         checks), looking back as far as a decision must look ahead."""
@@ -216,6 +224,10 @@ class SlaPolicy:
         worker asked for now serves first (after its start-up): the rate to size for."""
         self.ttft_factor = 1.0
         self.itl_factor = 1.0
+        """Observed / modelled mean ITL."""
+        self.itl_tail_factor: float | None = None
+        """The requests' own mean ITL at `itl_quantile` / the modelled mean ITL (None until the
+        gateways showed one: the pool is then sized on the mean with `itl_headroom`)."""
         self.plans: dict[Role, _Plan] = {}
         """Per pool, what the last interval sized it with."""
 
@@ -235,9 +247,14 @@ class SlaPolicy:
         if math.isfinite(obs.osl_mean):
             self.osl.observe(obs.osl_mean)
             self.seen_osl = True
-        if math.isfinite(obs.cached_mean) and math.isfinite(obs.isl_mean) and obs.isl_mean > 0:
-            self.hit.observe(_clamp(obs.cached_mean / obs.isl_mean, 0.0, 1.0))
-            self.seen_hit = True
+        if obs.finished and math.isfinite(obs.cached_mean) and math.isfinite(obs.isl_mean):
+            prompt = obs.finished * obs.isl_mean
+            self.cache_tokens.append((min(obs.finished * obs.cached_mean, prompt), prompt))
+
+    def cached_share(self) -> float:
+        """Prompt tokens found in a prefix cache / prompt tokens, over the last intervals."""
+        prompt = math.fsum(p for _, p in self.cache_tokens)
+        return math.fsum(c for c, _ in self.cache_tokens) / prompt if prompt > 0 else 0.0
 
     def _correct(
         self, obs: Observation, pools: Mapping[Role, PoolState], osl: float, hit: float
@@ -258,10 +275,15 @@ class SlaPolicy:
                 if 0 < expected.ttft_ms < math.inf:
                     f = _clamp(obs.ttft_tail_ms / expected.ttft_ms, lo, hi)
                     self.ttft_factor = (1 - a) * self.ttft_factor + a * f
-            if model.decode is not None and math.isfinite(obs.itl_ms):
-                if 0 < expected.itl_ms < math.inf:
-                    f = _clamp(obs.itl_ms / expected.itl_ms, lo, hi)
-                    self.itl_factor = (1 - a) * self.itl_factor + a * f
+            if model.decode is None or not 0 < expected.itl_ms < math.inf:
+                continue
+            if math.isfinite(obs.itl_ms):
+                f = _clamp(obs.itl_ms / expected.itl_ms, lo, hi)
+                self.itl_factor = (1 - a) * self.itl_factor + a * f
+            if math.isfinite(obs.itl_tail_ms) and obs.finished >= MIN_SAMPLES:
+                f = _clamp(obs.itl_tail_ms / expected.itl_ms, lo, hi)
+                prev = self.itl_tail_factor
+                self.itl_tail_factor = f if prev is None else (1 - a) * prev + a * f
 
     def desired(
         self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
@@ -270,7 +292,7 @@ class SlaPolicy:
         self._observe(now, obs)
         isl = self.isl.predict() if self.seen_isl else 0.0
         osl = max(1.0, self.osl.predict()) if self.seen_osl else 1.0
-        hit = self.hit.predict() if self.seen_hit else 0.0
+        hit = self.cached_share()
         cached = hit * isl
         self._predicted_next = self.rate.predict(1)
         # The load a worker asked for now will serve, plus the prediction's typical error.
@@ -279,7 +301,13 @@ class SlaPolicy:
         decision.predicted_rps = rate
         self._correct(obs, pools, osl, hit)
         ttft_target = cfg.ttft_slo_ms / self.ttft_factor
-        itl_target = cfg.itl_slo_ms * cfg.itl_headroom / self.itl_factor
+        # The ITL the model may plan (its mean): the target over what the requests' own mean
+        # ITL at the quantile showed against the model; without it, a headroom under the target
+        # over what the mean showed.
+        if self.itl_tail_factor is not None:
+            itl_target = cfg.itl_slo_ms / self.itl_tail_factor
+        else:
+            itl_target = cfg.itl_slo_ms * cfg.itl_headroom / self.itl_factor
         out: dict[Role, int] = {}
         for role, model in self.models.items():
             cap = model.capacity(isl, osl, ttft_target, itl_target, cached)
@@ -297,7 +325,7 @@ class SlaPolicy:
             # this capacity, to be served within one interval.
             lat = model.latency(cap, isl, osl, cached)
             hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
-            self.plans[role] = _Plan(cap, hold)
+            self.plans[role] = _Plan(cap, hold, itl_target * self.itl_factor)
             backlog = 0.0
             if state is not None:
                 backlog = max(0.0, obs.inflight - (state.ready + state.starting) * hold)
@@ -335,7 +363,7 @@ class SlaPolicy:
             why = "a request waits on an empty pool"
             # Latency over what the pool is sized for: the ready workers are overloaded now;
             # one more (a pool with workers starting already has it).
-            slow_itl = model.decode is not None and obs.itl_ms > cfg.itl_slo_ms * cfg.itl_headroom
+            slow_itl = model.decode is not None and obs.itl_ms > plan.itl_ms
             slow_ttft = (
                 model.prefill is not None
                 and obs.first_tokens >= MIN_SAMPLES

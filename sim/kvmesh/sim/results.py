@@ -38,6 +38,7 @@ __all__ = [
     "Timeline",
     "WorkerResult",
     "WorkerTally",
+    "mean_itl",
     "summarize",
 ]
 
@@ -253,7 +254,7 @@ class WorkerTally(Protocol):
         ...
 
 
-def _mean_itl(t: Timeline, i: int) -> float:
+def mean_itl(t: Timeline, i: int) -> float:
     """Request `i`'s own mean ITL in seconds (0 with one token)."""
     n = t.ntok[i]
     return (t.last_at[i] - t.first_at[i]) / (n - 1) if n > 1 else 0.0
@@ -266,7 +267,7 @@ def slo_attainment(t: Timeline, ttft_s: float, itl_s: float) -> float:
     for i in range(n):
         if math.isnan(t.finished_at[i]):
             continue
-        if t.first_at[i] - t.arrival[i] <= ttft_s and _mean_itl(t, i) <= itl_s:
+        if t.first_at[i] - t.arrival[i] <= ttft_s and mean_itl(t, i) <= itl_s:
             ok += 1
     return ok / n if n else 0.0
 
@@ -302,7 +303,7 @@ def interval_rows(
                 "arrival_rps": round(len(arrivals[k]) / interval_s, 3),
                 **current,
                 "ttft_p90_ms": round(_p90_ms([t.first_at[i] - t.arrival[i] for i in done]), 3),
-                "itl_p90_ms": round(_p90_ms([_mean_itl(t, i) for i in done]), 3),
+                "itl_p90_ms": round(_p90_ms([mean_itl(t, i) for i in done]), 3),
             }
         )
     return rows
