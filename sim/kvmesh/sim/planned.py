@@ -42,30 +42,22 @@ from kvmesh.sim.cluster import Cluster, Progress, SimWorker
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.policies import make_policy
 from kvmesh.sim.replay import AggregatedReplay
-from kvmesh.sim.results import ModeResult, ReplicaSample, Timeline, mean_itl
+from kvmesh.sim.results import ModeResult, ReplicaSample, Timeline, mean_itl, quantile
 from kvmesh.sim.trace import Trace
 from kvmesh.workers.batching.scheduler import SeqOutput
 
 __all__ = ["IntervalMeter", "PlannedReplay", "simulate_planned"]
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 class IntervalMeter:
     """What a gateway's metrics show over one interval, from the replay's timeline."""
 
     def __init__(
-        self, timeline: Timeline, trace: Trace, quantile: float, itl_quantile: float
+        self, timeline: Timeline, trace: Trace, ttft_quantile: float, itl_quantile: float
     ) -> None:
         self.timeline = timeline
         self.trace = trace
-        self.quantile = quantile
+        self.ttft_quantile = ttft_quantile
         self.itl_quantile = itl_quantile
         self._reset(0)
 
@@ -110,10 +102,10 @@ class IntervalMeter:
             cached_mean=self.cached_tokens / self.finished if self.finished else math.nan,
             first_tokens=len(ttft),
             ttft_ms=1e3 * sum(ttft) / len(ttft) if ttft else math.nan,
-            ttft_tail_ms=1e3 * _quantile(ttft, self.quantile) if ttft else math.nan,
+            ttft_tail_ms=1e3 * quantile(sorted(ttft), self.ttft_quantile) if ttft else math.nan,
             itl_ms=1e3 * math.fsum(itl[self.itl_from :]) / gaps if gaps else math.nan,
             itl_tail_ms=(
-                1e3 * _quantile(per_request, self.itl_quantile) if per_request else math.nan
+                1e3 * quantile(sorted(per_request), self.itl_quantile) if per_request else math.nan
             ),
             inflight=inflight,
         )

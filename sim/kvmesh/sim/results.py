@@ -39,6 +39,7 @@ __all__ = [
     "WorkerResult",
     "WorkerTally",
     "mean_itl",
+    "quantile",
     "summarize",
 ]
 
@@ -64,14 +65,14 @@ class Stats:
         xs = sorted(seconds)
         return cls(
             mean=1e3 * math.fsum(xs) / len(xs),
-            p50=1e3 * _quantile(xs, 0.5),
-            p90=1e3 * _quantile(xs, 0.9),
-            p99=1e3 * _quantile(xs, 0.99),
+            p50=1e3 * quantile(xs, 0.5),
+            p90=1e3 * quantile(xs, 0.9),
+            p99=1e3 * quantile(xs, 0.99),
             max=1e3 * xs[-1],
         )
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
+def quantile(xs: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile of sorted `xs` (numpy's default)."""
     pos = q * (len(xs) - 1)
     lo = int(pos)
@@ -273,7 +274,7 @@ def slo_attainment(t: Timeline, ttft_s: float, itl_s: float) -> float:
 
 
 def _p90_ms(xs: list[float]) -> float:
-    return 1e3 * _quantile(sorted(xs), 0.9) if xs else 0.0
+    return 1e3 * quantile(sorted(xs), 0.9) if xs else 0.0
 
 
 def interval_rows(
