@@ -401,27 +401,32 @@ def test_pool_is_sized_on_the_requests_own_itl_at_the_quantile() -> None:
     model = WorkerModel(PREFILL, DECODE)
     expected = model.latency(10.0, 1000, 100)
 
-    def capacity(**kw: float) -> float:
+    def capacity(intervals: int = 40, finished: int = 300, **kw: float) -> float:
         planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
-        o = obs(30.0, first_tokens=300, finished=300, ttft_tail_ms=expected.ttft_ms,
+        o = obs(30.0, first_tokens=300, finished=finished, ttft_tail_ms=expected.ttft_ms,
                 itl_ms=expected.itl_ms, **kw)  # fmt: skip
-        return planner.decide(10.0, o, {AGG: PoolState(AGG, target=3, ready=3)}).capacity_rps[AGG]
+        pools = {AGG: PoolState(AGG, target=3, ready=3)}
+        for i in range(intervals):
+            decision = planner.decide(10.0 * (i + 1), o, pools)
+        return decision.capacity_rps[AGG]
 
     # no per-request ITL measured: the mean, with the headroom under the target
-    assert capacity() == pytest.approx(model.capacity(1000, 100, 200.0, 20.0 * 0.9), rel=1e-6)
+    mean_based = model.capacity(1000, 100, 200.0, 20.0 * 0.9)
+    assert capacity() == pytest.approx(mean_based, rel=1e-6)
     # the requests' own mean ITL at the quantile is 1.5x the mean: the model's mean may reach
     # only target / 1.5 (tighter than the headroom's 0.9), so each worker serves less
     spread = capacity(itl_tail_ms=1.5 * expected.itl_ms)
-    assert spread == pytest.approx(model.capacity(1000, 100, 200.0, 20.0 / 1.5), rel=1e-6)
-    assert spread < capacity()
+    assert spread == pytest.approx(model.capacity(1000, 100, 200.0, 20.0 / 1.5), rel=1e-3)
+    assert spread < mean_based
+    # one interval moves the correction from what the headroom assumed, not all the way
+    once = capacity(1, itl_tail_ms=1.5 * expected.itl_ms)
+    factor = 0.7 / 0.9 + 0.3 * 1.5
+    assert once == pytest.approx(model.capacity(1000, 100, 200.0, 20.0 / factor), rel=1e-6)
     # requests that barely vary: the whole target, more per worker than the headroom allows
-    assert capacity(itl_tail_ms=1.02 * expected.itl_ms) > capacity()
-    # too few finished requests to read a quantile from: not used
-    few = obs(30.0, first_tokens=300, finished=2, ttft_tail_ms=expected.ttft_ms,
-              itl_ms=expected.itl_ms, itl_tail_ms=3 * expected.itl_ms)  # fmt: skip
-    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
-    got = planner.decide(10.0, few, {AGG: PoolState(AGG, target=3, ready=3)}).capacity_rps[AGG]
-    assert got == pytest.approx(capacity(), rel=1e-6)
+    assert capacity(itl_tail_ms=1.02 * expected.itl_ms) > mean_based
+    # too few finished requests for the 95th percentile (fewer than 20): not used
+    few = capacity(finished=19, itl_tail_ms=3 * expected.itl_ms)
+    assert few == pytest.approx(mean_based, rel=1e-6)
 
 
 def test_metrics_observation_reads_the_per_request_itl_quantile() -> None:

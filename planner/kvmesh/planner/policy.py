@@ -9,12 +9,14 @@ Two policies compute the size each pool wants:
     `--prediction-margin` times the running RMS of how far its past one-interval predictions
     fell short, so the margin grows while the load rises faster than predicted) and the mean prompt
     and output lengths and the share of prompt tokens found in a prefix cache (averaged over the
-    last intervals: they wander without a trend) at the end of the interval a worker asked for
-    now serves first (start-up plus one interval ahead), reads from the performance profile how
-    many requests/s one worker serves within the targets (kvmesh.planner.model; cached prompt
-    tokens cost no prefill), corrects that by what the pool
-    showed (observed TTFT at `--ttft-quantile` / the model's TTFT at the observed load, observed
-    mean ITL / the model's ITL, both smoothed), and adds the queued work: requests in flight
+    last intervals, the share weighted by prompt tokens: they wander without a trend) at the end
+    of the interval a worker asked for now serves first (start-up plus one interval ahead),
+    reads from the performance profile how many requests/s one worker serves within the targets
+    (kvmesh.planner.model; cached prompt tokens cost no prefill), corrects that by what the pool
+    showed, per request as the SLO counts (observed TTFT at `--ttft-quantile` / the model's TTFT
+    at the observed load; the requests' own mean ITL at `--itl-quantile` / the model's mean ITL,
+    where the gateways export that per-request histogram, else observed mean ITL / the model's
+    with `--itl-headroom`; smoothed), and adds the queued work: requests in flight
     beyond what the ready and starting workers hold at that capacity, to be served within
     one interval. Workers already starting count as capacity (never asked for twice).
     Aggregated pools and disaggregated prefill/decode pools (prefill sized on TTFT, decode on
@@ -32,8 +34,8 @@ rate; the check takes the rate that line reaches at now + start-up + one check p
 deviations (a short window is noisy) if higher. When that rate plus the requests in flight
 beyond what the pool holds exceed what its ready and starting workers serve (at the capacity
 the last interval sized them with), the pool grows to the workers that load needs; when the
-window's mean ITL is over what the pool is sized for (`--itl-headroom` x the target) or its
-TTFT tail over the target, by one worker.
+window's mean ITL is over what the pool is sized for (the mean the last interval planned, as
+observed) or its TTFT tail over the target, by one worker.
 Starting workers count (a pool whose new workers are on the way is not asked for them again); a
 surge never shrinks a pool, and what it asked for enters the stabilization window below, so the
 next intervals do not take it back before the window has passed (the hysteresis both ways).
@@ -225,6 +227,9 @@ class SlaPolicy:
         self.ttft_factor = 1.0
         self.itl_factor = 1.0
         """Observed / modelled mean ITL."""
+        self.tail_samples = max(MIN_SAMPLES, math.ceil(1 / (1 - config.itl_quantile) - 1e-9))
+        """Fewest finished requests in an interval for their ITL quantile to move the correction
+        (at least one of them above the quantile)."""
         self.itl_tail_factor: float | None = None
         """The requests' own mean ITL at `itl_quantile` / the modelled mean ITL (None until the
         gateways showed one: the pool is then sized on the mean with `itl_headroom`)."""
@@ -280,10 +285,11 @@ class SlaPolicy:
             if math.isfinite(obs.itl_ms):
                 f = _clamp(obs.itl_ms / expected.itl_ms, lo, hi)
                 self.itl_factor = (1 - a) * self.itl_factor + a * f
-            if math.isfinite(obs.itl_tail_ms) and obs.finished >= MIN_SAMPLES:
+            if math.isfinite(obs.itl_tail_ms) and obs.finished >= self.tail_samples:
                 f = _clamp(obs.itl_tail_ms / expected.itl_ms, lo, hi)
-                prev = self.itl_tail_factor
-                self.itl_tail_factor = f if prev is None else (1 - a) * prev + a * f
+                # from what the headroom assumed, so one interval does not set it alone
+                prev = self.itl_tail_factor or 1 / self.config.itl_headroom
+                self.itl_tail_factor = (1 - a) * prev + a * f
 
     def desired(
         self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
@@ -336,7 +342,8 @@ class SlaPolicy:
                 f"sla: {rate:.2f} req/s predicted (isl {isl:.0f}, {100 * hit:.0f} % cached, "
                 f"osl {osl:.0f}), "
                 f"backlog {backlog:.0f}, {cap:.2f} req/s per worker "
-                f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f})"
+                f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f}, "
+                f"per-request itl x{self.itl_tail_factor or math.nan:.2f})"
             )
         return out
 
