@@ -466,3 +466,26 @@ def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:
     for k in range(1, 8):
         flat.add(2.0 * k, 2.0, 20)
     assert flat.forecast(30.0)[0] == pytest.approx(10.0)
+
+
+def test_a_correction_past_the_profile_shrinks_the_capacity_not_to_the_maximum() -> None:
+    model = WorkerModel(PREFILL, DECODE)
+    expected = model.latency(10.0, 1000, 100)
+    raw = model.capacity(1000, 100, 200.0, 20.0)
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    pools = {AGG: PoolState(AGG, target=3, ready=3)}
+    # an overloaded pool: its requests' ITL 5x what the model says, interval after interval;
+    # the corrected ITL target falls under the decode step alone (unreachable per the profile)
+    o = obs(30.0, first_tokens=300, finished=300, ttft_tail_ms=expected.ttft_ms,
+            itl_ms=expected.itl_ms, itl_tail_ms=5 * expected.itl_ms)  # fmt: skip
+    for i in range(30):
+        decision = planner.decide(10.0 * (i + 1), o, pools)
+    policy = planner.policy
+    assert isinstance(policy, SlaPolicy) and policy.itl_tail_factor is not None
+    assert model.capacity(1000, 100, 200.0, 20.0 / policy.itl_tail_factor) == 0.0
+    cap = decision.capacity_rps[AGG]
+    assert cap == pytest.approx(raw / policy.itl_tail_factor, rel=1e-6)
+    assert decision.targets[AGG] == math.ceil(30.0 / cap) < 20  # not the maximum
+    # targets the profile itself cannot reach: the maximum
+    strict = Planner(config(itl_slo_ms=1.0), PlannerPolicy.SLA, [AGG], PROFILE)
+    assert strict.decide(10.0, obs(30.0), pools).targets[AGG] == 20

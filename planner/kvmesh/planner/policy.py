@@ -317,6 +317,13 @@ class SlaPolicy:
         out: dict[Role, int] = {}
         for role, model in self.models.items():
             cap = model.capacity(isl, osl, ttft_target, itl_target, cached)
+            if cap <= 0:
+                # Corrected past what one worker reaches per the profile (a pool that was
+                # overloaded shows latencies the model cannot reproduce at any load): the
+                # capacity at the targets themselves, shrunk by the correction, not the maximum.
+                slowest = max(self.ttft_factor, cfg.itl_slo_ms / itl_target)
+                raw = model.capacity(isl, osl, cfg.ttft_slo_ms, cfg.itl_slo_ms, cached)
+                cap = raw / slowest
             decision.capacity_rps[role] = cap
             state = pools.get(role)
             if obs.requests == 0 and obs.inflight == 0:
