@@ -379,22 +379,33 @@ def test_metrics_observation_reads_the_cached_prompt_tokens() -> None:
     assert math.isnan(o.cached_mean) and math.isnan(o.itl_tail_ms)
 
 
-def test_cached_share_is_weighted_by_prompt_tokens() -> None:
+def test_cached_share_is_the_lowest_of_the_window() -> None:
     planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
     policy = planner.policy
     assert isinstance(policy, SlaPolicy)
     pool = {AGG: PoolState(AGG, 1, 1)}
-    # a quiet interval whose one request was 90 % cached, then a busy one at 10 %: the share
-    # is what the prompt tokens show (~11 %), not the mean of the two intervals' (50 %)
-    quiet = Observation(10.0, 1, finished=1, isl_mean=1000.0, osl_mean=100.0, cached_mean=900.0)
-    busy = Observation(10.0, 99, finished=99, isl_mean=1000.0, osl_mean=100.0, cached_mean=100.0)
-    planner.decide(10.0, quiet, pool)
+
+    def interval(now: float, finished: int, cached: float) -> None:
+        o = Observation(10.0, finished, finished=finished, isl_mean=1000.0, osl_mean=100.0,
+                        cached_mean=cached)  # fmt: skip
+        planner.decide(now, o, pool)
+
+    # quiet intervals only (fewer than 5 finished each): weighted by prompt tokens
+    interval(10.0, 1, 900.0)
     assert policy.cached_share() == pytest.approx(0.9)
-    planner.decide(20.0, busy, pool)
-    assert policy.cached_share() == pytest.approx((900 + 99 * 100) / (100 * 1000))
+    interval(20.0, 3, 100.0)
+    assert policy.cached_share() == pytest.approx((900 + 300) / 4000)
+    # a busy interval at 10 %, then the share rises: planned on only once it held the window
+    interval(30.0, 99, 100.0)
+    assert policy.cached_share() == pytest.approx(0.1)
+    for i in range(5):
+        interval(40.0 + 10 * i, 99, 700.0)
+        assert policy.cached_share() == pytest.approx(0.1)
+    interval(90.0, 99, 700.0)
+    assert policy.cached_share() == pytest.approx(0.7)
     # an interval where nothing finished does not move it
-    planner.decide(30.0, Observation(10.0, 5, isl_mean=1000.0), pool)
-    assert policy.cached_share() == pytest.approx((900 + 99 * 100) / (100 * 1000))
+    planner.decide(100.0, Observation(10.0, 5, isl_mean=1000.0), pool)
+    assert policy.cached_share() == pytest.approx(0.7)
 
 
 def test_pool_is_sized_on_the_requests_own_itl_at_the_quantile() -> None:

@@ -8,8 +8,8 @@ Two policies compute the size each pool wants:
   * `SlaPolicy`: predicts the next intervals' request rate (`--predictor`, plus
     `--prediction-margin` times the running RMS of how far its past one-interval predictions
     fell short, so the margin grows while the load rises faster than predicted) and the mean prompt
-    and output lengths and the share of prompt tokens found in a prefix cache (averaged over the
-    last intervals, the share weighted by prompt tokens: they wander without a trend) at the end
+    and output lengths (averaged over the last intervals: they wander without a trend) and the
+    share of prompt tokens found in a prefix cache (the lowest of the last intervals) at the end
     of the interval a worker asked for now serves first (start-up plus one interval ahead),
     reads from the performance profile how many requests/s one worker serves within the targets
     (kvmesh.planner.model; cached prompt tokens cost no prefill), corrects that by what the pool
@@ -206,10 +206,9 @@ class SlaPolicy:
         # would swing the capacity, so they are averaged over the last intervals.
         self.isl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
         self.osl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
-        self.cache_tokens: deque[tuple[float, float]] = deque(maxlen=LENGTH_WINDOW)
-        """Per interval, the finished requests' prompt tokens found in a prefix cache and their
-        prompt tokens (the interval's mean prompt for each): the cached share over the last
-        intervals, weighted by prompt tokens (a quiet interval's few requests move it little)."""
+        self.cache_tokens: deque[tuple[int, float, float]] = deque(maxlen=LENGTH_WINDOW)
+        """Per interval, the requests that finished, their prompt tokens found in a prefix cache
+        and their prompt tokens (the interval's mean prompt for each) (`cached_share`)."""
         self.seen_isl = False
         self.seen_osl = False
         self.trend = RateTrend(config.worker_startup_s + interval)
@@ -254,12 +253,20 @@ class SlaPolicy:
             self.seen_osl = True
         if obs.finished and math.isfinite(obs.cached_mean) and math.isfinite(obs.isl_mean):
             prompt = obs.finished * obs.isl_mean
-            self.cache_tokens.append((min(obs.finished * obs.cached_mean, prompt), prompt))
+            cached = min(obs.finished * obs.cached_mean, prompt)
+            self.cache_tokens.append((obs.finished, cached, prompt))
 
     def cached_share(self) -> float:
-        """Prompt tokens found in a prefix cache / prompt tokens, over the last intervals."""
-        prompt = math.fsum(p for _, p in self.cache_tokens)
-        return math.fsum(c for c, _ in self.cache_tokens) / prompt if prompt > 0 else 0.0
+        """The share of prompt tokens found in a prefix cache to plan with: the lowest any of
+        the last intervals with `MIN_SAMPLES` finished requests showed (the share depends on the
+        pool: a drained worker takes its cache with it, so a share that just rose is planned on
+        only once it held over the window); with none, over all of them, weighted by prompt
+        tokens."""
+        shares = [c / p for n, c, p in self.cache_tokens if n >= MIN_SAMPLES and p > 0]
+        if shares:
+            return min(shares)
+        prompt = math.fsum(p for _, _, p in self.cache_tokens)
+        return math.fsum(c for _, c, _ in self.cache_tokens) / prompt if prompt > 0 else 0.0
 
     def _correct(
         self, obs: Observation, pools: Mapping[Role, PoolState], osl: float, hit: float
