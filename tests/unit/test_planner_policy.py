@@ -435,8 +435,9 @@ def test_pool_is_sized_on_the_requests_own_itl_at_the_quantile() -> None:
     assert once == pytest.approx(model.capacity(1000, 100, 200.0, 20.0 / factor), rel=1e-6)
     # requests that barely vary: the whole target, more per worker than the headroom allows
     assert capacity(itl_tail_ms=1.02 * expected.itl_ms) > mean_based
-    # too few finished requests for the 95th percentile (fewer than 20): not used
-    few = capacity(finished=19, itl_tail_ms=3 * expected.itl_ms)
+    # too few finished requests for the 90th percentile (fewer than 10): not used
+    assert PlannerConfig().itl_quantile == 0.9
+    few = capacity(finished=9, itl_tail_ms=3 * expected.itl_ms)
     assert few == pytest.approx(mean_based, rel=1e-6)
 
 

@@ -72,7 +72,7 @@ class PlannerConfig:
         0.95, "sla: the TTFT quantile held under the target (observed/expected correction)"
     )
     itl_quantile: float = opt(
-        0.95,
+        0.9,
         "sla: the quantile of the requests' own mean ITL held under the ITL target (the "
         "observed/expected correction, where the gateways export a per-request ITL histogram)",
     )
