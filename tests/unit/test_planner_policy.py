@@ -412,14 +412,13 @@ def test_pool_is_sized_on_the_requests_own_itl_at_the_quantile() -> None:
     model = WorkerModel(PREFILL, DECODE)
     expected = model.latency(10.0, 1000, 100)
 
-    def capacity(intervals: int = 40, finished: int = 300, **kw: float) -> float:
+    def capacity(intervals: int = 40, finished: int = 300, itl_tail_ms: float = math.nan) -> float:
         planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
         o = obs(30.0, first_tokens=300, finished=finished, ttft_tail_ms=expected.ttft_ms,
-                itl_ms=expected.itl_ms, **kw)  # fmt: skip
+                itl_ms=expected.itl_ms, itl_tail_ms=itl_tail_ms)  # fmt: skip
         pools = {AGG: PoolState(AGG, target=3, ready=3)}
-        for i in range(intervals):
-            decision = planner.decide(10.0 * (i + 1), o, pools)
-        return decision.capacity_rps[AGG]
+        decisions = [planner.decide(10.0 * (i + 1), o, pools) for i in range(intervals)]
+        return decisions[-1].capacity_rps[AGG]
 
     # no per-request ITL measured: the mean, with the headroom under the target
     mean_based = model.capacity(1000, 100, 200.0, 20.0 * 0.9)
@@ -490,8 +489,7 @@ def test_a_correction_past_the_profile_shrinks_the_capacity_not_to_the_maximum()
     # the corrected ITL target falls under the decode step alone (unreachable per the profile)
     o = obs(30.0, first_tokens=300, finished=300, ttft_tail_ms=expected.ttft_ms,
             itl_ms=expected.itl_ms, itl_tail_ms=5 * expected.itl_ms)  # fmt: skip
-    for i in range(30):
-        decision = planner.decide(10.0 * (i + 1), o, pools)
+    decision = [planner.decide(10.0 * (i + 1), o, pools) for i in range(30)][-1]
     policy = planner.policy
     assert isinstance(policy, SlaPolicy) and policy.itl_tail_factor is not None
     assert model.capacity(1000, 100, 200.0, 20.0 / policy.itl_tail_factor) == 0.0
