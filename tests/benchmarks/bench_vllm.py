@@ -164,8 +164,12 @@ def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[tupl
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
+            pass
+        # The server may exit before its engine processes do (an orphaned engine core was
+        # once found spinning on a core through the runs that followed): end the group.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
 
 
 @dataclass

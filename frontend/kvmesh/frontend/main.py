@@ -24,7 +24,7 @@ from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import Entry, GlobalConfig, run, wait_for_signal
+from kvmesh.runtime.process import Entry, GlobalConfig, freeze_heap, run, wait_for_signal
 from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
 from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, TlsConfig, TlsError, TlsFiles
 from kvmesh.runtime.types import ModelInfo
@@ -135,6 +135,7 @@ async def _serve(
             service, config.http_host, config.kserve_grpc_port, auth=auth, tls=tls
         )
         log.info("frontend serving KServe v2 gRPC on %s", kserve.address)
+    freeze_heap()
     await wait_for_signal()
     service.start_drain()
     if kserve is not None:

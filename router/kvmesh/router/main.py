@@ -20,7 +20,7 @@ from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args, opt
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.metrics import METRICS_PORT_HELP, MetricsServer
-from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.process import Entry, freeze_heap, run, wait_for_signal
 from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
 from kvmesh.runtime.tls import TlsConfig
 
@@ -70,6 +70,7 @@ async def serve_router(
             server.address,
             f", metrics on :{metrics.port}/metrics" if metrics is not None else "",
         )
+        freeze_heap()
         await wait_for_signal()
         await server.set_serving(False)
         await server.stop(2.0)

@@ -1,7 +1,7 @@
 """Process plumbing every entry point shares: what a process entry point declares (`Entry`), the
 flags every command takes (`GlobalConfig`), running a coroutine on uvloop, waiting for a signal,
-starting child processes without fork (`ChildProcess`), and ending with the parent that started
-them (`die_with_parent`)."""
+starting child processes without fork (`ChildProcess`), ending with the parent that started
+them (`die_with_parent`), and freezing the start-up heap (`freeze_heap`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import enum
+import gc
 import json
 import logging
 import os
@@ -117,6 +118,18 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def freeze_heap() -> None:
+    """Move every object alive now out of the collector's sight, once a process has started.
+
+    What a serving process imports and builds at start-up (transformers, tokenizers, protobuf
+    descriptors, an engine: up to millions of objects) lives as long as the process. Left to the
+    collector, every full collection walks all of it: pauses of 0.1-1.2 s were measured in a vLLM
+    worker on two cores, with the outputs of every stream waiting behind them. Objects made
+    later are collected as usual. vLLM's own server does the same after start-up."""
+    gc.collect()
+    gc.freeze()
 
 
 async def wait_for_signal() -> None:

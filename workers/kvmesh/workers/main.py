@@ -18,7 +18,7 @@ from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.errors import Unimplemented
 from kvmesh.runtime.grpcutil import MeshSecurity
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import Entry, run, wait_for_signal
+from kvmesh.runtime.process import Entry, freeze_heap, run, wait_for_signal
 from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
 from kvmesh.runtime.tls import TlsConfig
 from kvmesh.workers.adapters.config import SglangConfig, TrtllmConfig, VllmConfig
@@ -169,6 +169,7 @@ async def serve_worker(
         await worker.start()
         if ready is not None:
             ready(worker)
+        freeze_heap()
         await wait_for_signal()
         await worker.stop()
     finally:

@@ -12,12 +12,12 @@ around a fake AsyncLLM (tests/install_vllm.sh).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import vllm
+from vllm import envs
 from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
@@ -26,8 +26,10 @@ from vllm.lora.request import LoRARequest
 from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+from kvmesh.runtime.process import freeze_heap
 
 try:  # vLLM's "bad request" errors (older versions raise ValueError)
     from vllm.exceptions import VLLMClientError
@@ -255,6 +257,9 @@ def create_async_llm(
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # Environment variables set since an earlier engine of this process started count (tests
+    # start two engines in one process, each with its own NIXL side-channel port).
+    envs.disable_envs_cache()
     vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     if is_cpu_platform():
         problem = cpu_attention_problem(vllm_config)
@@ -262,15 +267,40 @@ def create_async_llm(
             raise ValueError(problem)
     engine = AsyncLLM.from_vllm_config(
         vllm_config,
-        stat_loggers=list(stat_loggers),
+        stat_loggers=[*stat_loggers, UnservedPrometheusLogger],
         enable_log_requests=engine_args.enable_log_requests,
         disable_log_stats=engine_args.disable_log_stats,
     )
-    # What this process imported and built so far (torch, transformers, vLLM: millions of
-    # objects) lives as long as it does. Left to the collector, every full collection walks all
-    # of it: pauses of 0.1-1.2 s measured on two cores, while vLLM's outputs wait in this
-    # process and then reach clients in one burst. vLLM's own server freezes its heap the same
-    # way after start-up.
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
+    # vLLM reads an environment variable for every output of every request (IterationStats:
+    # VLLM_COMPUTE_NANS_IN_LOGITS), ~10 % of this process's CPU at 32 streams; its own engine
+    # processes cache the variables once they are up, and so does this one.
+    envs.enable_envs_cache()
     return engine
+
+
+class UnservedPrometheusLogger(PrometheusStatLogger):  # type: ignore[misc]
+    """Stands in for vLLM's Prometheus stat logger, which AsyncLLM adds unless it is given one.
+
+    vLLM's logger updates ~60 series in its process's default registry on every engine step
+    (~8 % of the worker's CPU at 32 streams), and no endpoint of a kvmesh worker serves that
+    registry: the worker's /metrics are kvmesh's own (WorkerCollector, vLLM's names under
+    `kvmesh_worker_`), fed by the kvmesh stat logger. So this one records nothing."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = engine_indexes or [0]
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
