@@ -351,7 +351,7 @@ def main() -> None:
         default=[],
         metavar="NAME=FLAGS",
         help="a kvmesh variant with extra `kvmesh up` flags, e.g. "
-        "'no-events=--vllm-kv-events false' (then --servers ... no-events)",
+        "'no-events=--no-vllm-kv-events' (then --servers ... no-events)",
     )
     p.add_argument("--torch", action="store_true", help="also torch engine vs vLLM engine")
     p.add_argument(

@@ -540,6 +540,26 @@ async def test_metrics(gw: Gateway) -> None:
     assert 'kvmesh_frontend_output_tokens_total{model="tiny"} 3.0' in text
 
 
+async def test_request_itl_is_each_sequence_s_mean_token_gap(gw: Gateway) -> None:
+    """request_itl_seconds: one observation per finished sequence of two or more tokens, its
+    (last token - first token) / (tokens - 1); a one-token sequence has no gap to observe."""
+    gw.backend.delay_s = 0.02
+    await gw.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5)
+    await gw.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1)
+    async with gw.http.get(gw.base + "/metrics") as resp:
+        text = await resp.text()
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvmesh_frontend_request_itl_seconds_")
+        and 'model="tiny"' in line
+        and "_bucket" not in line
+    }
+    assert values["kvmesh_frontend_request_itl_seconds_count"] == 1
+    # 4 gaps of one 20 ms sleep each (and whatever a loaded machine adds)
+    assert 0.015 <= values["kvmesh_frontend_request_itl_seconds_sum"] < 0.5
+
+
 async def test_metrics_pass_promtool(gw: Gateway) -> None:
     body = {"model": MODEL, "messages": USER, "max_tokens": 3}
     await gw.post("/v1/chat/completions", body)

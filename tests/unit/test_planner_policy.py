@@ -10,7 +10,7 @@ import pytest
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.drain import DrainCandidate, drain_order
 from kvmesh.planner.model import WorkerModel
-from kvmesh.planner.policy import Observation, Planner, PoolState
+from kvmesh.planner.policy import Observation, Planner, PoolState, SlaPolicy
 from kvmesh.planner.predictors import (
     ConstantPredictor,
     KalmanPredictor,
@@ -343,7 +343,8 @@ def test_prefix_cached_prompt_tokens_are_not_priced_as_prefill() -> None:
     def size(**kw: float) -> int:
         planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
         pool = PoolState(AGG, 1, 1)
-        o = Observation(interval_s=10.0, requests=round(10 * 4 * cold), isl_mean=8000.0,
+        n = round(10 * 4 * cold)
+        o = Observation(interval_s=10.0, requests=n, finished=n, isl_mean=8000.0,
                         osl_mean=100.0, **kw)  # type: ignore[arg-type]  # fmt: skip
         return planner.decide(10.0, o, {AGG: pool}).targets[AGG]
 
@@ -369,12 +370,92 @@ def test_metrics_observation_reads_the_cached_prompt_tokens() -> None:
         }
         return Snapshot(at, hist)
 
-    o = observation(snap(0.0, 10, 1000.0), snap(10.0, 30, 13000.0), names, 0.95)
+    o = observation(snap(0.0, 10, 1000.0), snap(10.0, 30, 13000.0), names, 0.95, 0.95)
     assert o.requests == 20 and o.cached_mean == pytest.approx(600.0)
     # a gateway that does not export it: not measured
     bare = MetricNames(names.prompt_tokens, names.output_tokens, names.ttft_seconds,
                        names.itl_seconds, names.inflight)  # fmt: skip
-    assert math.isnan(observation(snap(0.0, 10, 0.0), snap(10.0, 30, 5.0), bare, 0.95).cached_mean)
+    o = observation(snap(0.0, 10, 0.0), snap(10.0, 30, 5.0), bare, 0.95, 0.95)
+    assert math.isnan(o.cached_mean) and math.isnan(o.itl_tail_ms)
+
+
+def test_cached_share_is_the_lowest_of_the_window() -> None:
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    policy = planner.policy
+    assert isinstance(policy, SlaPolicy)
+    pool = {AGG: PoolState(AGG, 1, 1)}
+
+    def interval(now: float, finished: int, cached: float) -> None:
+        o = Observation(10.0, finished, finished=finished, isl_mean=1000.0, osl_mean=100.0,
+                        cached_mean=cached)  # fmt: skip
+        planner.decide(now, o, pool)
+
+    # quiet intervals only (fewer than 5 finished each): weighted by prompt tokens
+    interval(10.0, 1, 900.0)
+    assert policy.cached_share() == pytest.approx(0.9)
+    interval(20.0, 3, 100.0)
+    assert policy.cached_share() == pytest.approx((900 + 300) / 4000)
+    # a busy interval at 10 %, then the share rises: planned on only once it held the window
+    interval(30.0, 99, 100.0)
+    assert policy.cached_share() == pytest.approx(0.1)
+    for i in range(5):
+        interval(40.0 + 10 * i, 99, 700.0)
+        assert policy.cached_share() == pytest.approx(0.1)
+    interval(90.0, 99, 700.0)
+    assert policy.cached_share() == pytest.approx(0.7)
+    # an interval where nothing finished does not move it
+    planner.decide(100.0, Observation(10.0, 5, isl_mean=1000.0), pool)
+    assert policy.cached_share() == pytest.approx(0.7)
+
+
+def test_pool_is_sized_on_the_requests_own_itl_at_the_quantile() -> None:
+    model = WorkerModel(PREFILL, DECODE)
+    expected = model.latency(10.0, 1000, 100)
+
+    def capacity(intervals: int = 40, finished: int = 300, itl_tail_ms: float = math.nan) -> float:
+        planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+        o = obs(30.0, first_tokens=300, finished=finished, ttft_tail_ms=expected.ttft_ms,
+                itl_ms=expected.itl_ms, itl_tail_ms=itl_tail_ms)  # fmt: skip
+        pools = {AGG: PoolState(AGG, target=3, ready=3)}
+        decisions = [planner.decide(10.0 * (i + 1), o, pools) for i in range(intervals)]
+        return decisions[-1].capacity_rps[AGG]
+
+    # no per-request ITL measured: the mean, with the headroom under the target
+    mean_based = model.capacity(1000, 100, 200.0, 20.0 * 0.9)
+    assert capacity() == pytest.approx(mean_based, rel=1e-6)
+    # the requests' own mean ITL at the quantile is 1.5x the mean: the model's mean may reach
+    # only target / 1.5 (tighter than the headroom's 0.9), so each worker serves less
+    spread = capacity(itl_tail_ms=1.5 * expected.itl_ms)
+    assert spread == pytest.approx(model.capacity(1000, 100, 200.0, 20.0 / 1.5), rel=1e-3)
+    assert spread < mean_based
+    # one interval moves the correction from what the headroom assumed, not all the way
+    once = capacity(1, itl_tail_ms=1.5 * expected.itl_ms)
+    factor = 0.7 / 0.9 + 0.3 * 1.5
+    assert once == pytest.approx(model.capacity(1000, 100, 200.0, 20.0 / factor), rel=1e-6)
+    # requests that barely vary: the whole target, more per worker than the headroom allows
+    assert capacity(itl_tail_ms=1.02 * expected.itl_ms) > mean_based
+    # too few finished requests for the 90th percentile (fewer than 10): not used
+    assert PlannerConfig().itl_quantile == 0.9
+    few = capacity(finished=9, itl_tail_ms=3 * expected.itl_ms)
+    assert few == pytest.approx(mean_based, rel=1e-6)
+
+
+def test_metrics_observation_reads_the_per_request_itl_quantile() -> None:
+    from kvmesh.planner.metrics import FRONTEND_METRICS, HistogramValue, Snapshot, observation
+
+    names = FRONTEND_METRICS
+    assert names.request_itl_seconds in names.histograms
+
+    def snap(at: float, fast: float, slow: float) -> Snapshot:
+        # per-request mean ITL: `fast` requests under 10 ms, `slow` between 10 and 40 ms
+        buckets = [(0.01, fast), (0.04, fast + slow), (math.inf, fast + slow)]
+        hist = {names.request_itl_seconds: HistogramValue(buckets, 0.0, fast + slow)}
+        return Snapshot(at, hist)
+
+    o = observation(snap(0.0, 10, 0), snap(10.0, 100, 10), names, 0.95, 0.95)
+    # 100 new requests, 90 under 10 ms: the 95th is halfway through the 10 slow ones
+    assert o.itl_tail_ms == pytest.approx(25.0)
+    assert math.isnan(observation(snap(0.0, 1, 0), snap(10.0, 1, 0), names, 0.95, 0.95).itl_tail_ms)
 
 
 def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:
@@ -396,3 +477,25 @@ def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:
     for k in range(1, 8):
         flat.add(2.0 * k, 2.0, 20)
     assert flat.forecast(30.0)[0] == pytest.approx(10.0)
+
+
+def test_a_correction_past_the_profile_shrinks_the_capacity_not_to_the_maximum() -> None:
+    model = WorkerModel(PREFILL, DECODE)
+    expected = model.latency(10.0, 1000, 100)
+    raw = model.capacity(1000, 100, 200.0, 20.0)
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    pools = {AGG: PoolState(AGG, target=3, ready=3)}
+    # an overloaded pool: its requests' ITL 5x what the model says, interval after interval;
+    # the corrected ITL target falls under the decode step alone (unreachable per the profile)
+    o = obs(30.0, first_tokens=300, finished=300, ttft_tail_ms=expected.ttft_ms,
+            itl_ms=expected.itl_ms, itl_tail_ms=5 * expected.itl_ms)  # fmt: skip
+    decision = [planner.decide(10.0 * (i + 1), o, pools) for i in range(30)][-1]
+    policy = planner.policy
+    assert isinstance(policy, SlaPolicy) and policy.itl_tail_factor is not None
+    assert model.capacity(1000, 100, 200.0, 20.0 / policy.itl_tail_factor) == 0.0
+    cap = decision.capacity_rps[AGG]
+    assert cap == pytest.approx(raw / policy.itl_tail_factor, rel=1e-6)
+    assert decision.targets[AGG] == math.ceil(30.0 / cap) < 20  # not the maximum
+    # targets the profile itself cannot reach: the maximum
+    strict = Planner(config(itl_slo_ms=1.0), PlannerPolicy.SLA, [AGG], PROFILE)
+    assert strict.decide(10.0, obs(30.0), pools).targets[AGG] == 20

@@ -11,6 +11,7 @@ import random
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy
 import pytest
 
 from kvmesh.apps.cli import build_parser, replay_config
@@ -27,7 +28,7 @@ from kvmesh.sim.policies import make_policy
 from kvmesh.sim.profiler import profile_mocker
 from kvmesh.sim.replay import simulate
 from kvmesh.sim.reshape import DayShape, day_rate, reshape_day
-from kvmesh.sim.results import ModeResult
+from kvmesh.sim.results import ModeResult, mean_itl
 from kvmesh.sim.trace import Trace, TraceRequest, write_trace
 from kvmesh.workers.mocker import PolynomialTiming
 from kvmesh.workers.mocker.config import MockerConfig
@@ -162,6 +163,23 @@ def test_planned_pool_start_up_delay_and_drain_without_dropping_a_request() -> N
     first = decider.seen[0][1]
     assert first.requests == 11 and first.interval_s == 5.0 and first.inflight > 0
     assert first.isl_mean == 300.0 and first.first_tokens >= 5
+    # and, per interval, the requests that finished in it with their own mean ITL at the
+    # quantile (the per-request histogram a gateway exports)
+    t = cluster.timeline
+    measured = 0
+    for now, o, _ in decider.seen:
+        done = [i for i, f in enumerate(t.finished_at) if now - 5.0 < f <= now]
+        assert o.finished == len(done)
+        if not done:
+            assert math.isnan(o.itl_tail_ms)
+            continue
+        own = sorted(mean_itl(t, i) for i in done)
+        assert min(own) <= o.itl_tail_ms / 1e3 <= max(own)
+        assert o.itl_tail_ms / 1e3 == pytest.approx(
+            float(numpy.quantile(own, settings.itl_quantile))
+        )
+        measured += 1
+    assert measured >= 3
 
 
 def test_sla_planner_grows_and_shrinks_with_a_day() -> None:

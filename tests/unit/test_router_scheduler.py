@@ -203,25 +203,34 @@ def test_bookings_track_prefill_until_first_token_and_decode_until_free() -> Non
 
 
 def test_load_metrics_correct_the_prediction_while_fresh() -> None:
-    sched = make(2, load_max_age_s=1.0)
+    # chunk_tokens 16: one step prefills at most 4 blocks (BS 4), which a load sample taken
+    # while that step runs may leave out.
+    sched = make(2, load_max_age_s=1.0, chunk_tokens=16)
     sel = sched.select(list(range(40)), now=0.0, candidates=["w0"])
     sched.book("r", sel, now=0.0)  # w0: 10 prefill, 10 decode booked
-    # The engine reports fewer active blocks (shared prefixes) and its prefill queue.
+    # The engine reports fewer active blocks (shared prefixes) and its prefill queue: 2 blocks,
+    # 8 fewer than booked, of which up to one step (4 blocks) may be the step in flight.
     sched.update_load("w0", LoadSample(kv_active_blocks=4, pending_prefill_tokens=8), now=1.0)
     load = sched.worker("w0")
     assert load is not None
-    assert load.decode_blocks(1.0, 1.0) == 4 and load.prefill_blocks(1.0, 1.0) == 2
+    assert load.decode_blocks(1.0, 1.0) == 4 and load.prefill_blocks(1.0, 1.0) == 2 + 4
     sched.book("r2", sched.select(list(range(100, 140)), 1.0, candidates=["w0"]), now=1.0)
-    assert load.decode_blocks(1.5, 1.0) == 14 and load.prefill_blocks(1.5, 1.0) == 12
+    assert load.decode_blocks(1.5, 1.0) == 14 and load.prefill_blocks(1.5, 1.0) == 16
     assert load.decode_blocks(3.0, 1.0) == 20  # stale: bookings only
     sched.update_load("nobody", LoadSample(), now=1.0)
     # A booking younger than load_settle_s (0.25 s) cannot show in a measurement yet: it is
     # added to it rather than corrected away.
     sched.book("r3", sched.select(list(range(200, 240)), 3.0, candidates=["w0"]), now=3.0)
     sched.update_load("w0", LoadSample(kv_active_blocks=4, pending_prefill_tokens=8), now=3.1)
-    assert load.decode_blocks(3.1, 1.0) == 4 + 10 and load.prefill_blocks(3.1, 1.0) == 2 + 10
+    assert load.decode_blocks(3.1, 1.0) == 4 + 10 and load.prefill_blocks(3.1, 1.0) == 2 + 4 + 10
     sched.update_load("w0", LoadSample(kv_active_blocks=4, pending_prefill_tokens=8), now=3.5)
-    assert load.decode_blocks(3.5, 1.0) == 4 and load.prefill_blocks(3.5, 1.0) == 2
+    assert load.decode_blocks(3.5, 1.0) == 4 and load.prefill_blocks(3.5, 1.0) == 2 + 4
+    # Within one step's budget of the bookings (30 blocks), a measurement corrects nothing
+    # down; above them it corrects up (work the router did not book).
+    sched.update_load("w0", LoadSample(pending_prefill_tokens=4 * 27), now=3.6)
+    assert load.prefill_blocks(3.6, 1.0) == 30
+    sched.update_load("w0", LoadSample(pending_prefill_tokens=4 * 33), now=3.7)
+    assert load.prefill_blocks(3.7, 1.0) == 33
 
 
 def test_peer_bookings_count_and_drop_with_the_peer() -> None:

@@ -75,3 +75,19 @@ def test_cross_validation_picks_by_the_other_workloads(rm: Any) -> None:
     assert "held-out score 0.900; default 0.800 (best possible 0.800" in text
     assert '"x": 1' not in text
     assert text.splitlines()[-1].startswith("folds chose: [")
+
+
+def test_prediction_error_pairs_each_prediction_with_the_realized_ttft(
+    rm: Any, tmp_path: Path
+) -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ttft_prediction_error.py"
+    spec = importlib.util.spec_from_file_location("ttft_prediction_error", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cell = rm.Cell("agentic", "steady", 2, "light", 60)
+    diffs, real = module.errors(cell, tmp_path)
+    assert len(diffs) == len(real) == 60 and min(real) > 0
+    # An idle fleet's first request: the prediction is the timing model's prefill, exactly.
+    assert abs(diffs[0]) < 1e-6
+    assert "| x | 60 |" in module.line("x", diffs, real)

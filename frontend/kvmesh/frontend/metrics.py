@@ -21,7 +21,10 @@ Metric names (all prefixed `kvmesh_frontend_`; OpenTelemetry GenAI semantics in 
   grows, as Dynamo's).
 - time_to_first_token_seconds{model} [gen_ai.server.time_to_first_token],
   inter_token_latency_seconds{model} [gen_ai.server.time_per_output_token; one observation per
-  token gap], request_duration_seconds{model} [gen_ai.server.request.duration]: histograms.
+  token gap], request_itl_seconds{model} (one observation per finished sequence of two or more
+  tokens: its mean gap, (last token - first token) / (tokens - 1); what a per-request ITL SLO
+  judges, read by the SLA planner), request_duration_seconds{model}
+  [gen_ai.server.request.duration]: histograms.
 - input_sequence_tokens{model}, output_sequence_tokens{model} [gen_ai.client.token.usage by
   gen_ai.token.type input / output]: per sequence; cached_tokens{model}: prompt tokens a
   sequence found in the prefix cache; output_tokens_total{model}: tokens generated.
@@ -102,6 +105,7 @@ class ModelMetrics:
         "osl",
         "output_tokens",
         "queued",
+        "request_itl",
         "ttft",
     )
 
@@ -110,6 +114,8 @@ class ModelMetrics:
         """Seconds from request arrival to the first generated token."""
         self.itl = Histogram(ITL_BUCKETS)
         """Seconds between consecutive tokens."""
+        self.request_itl = Histogram(ITL_BUCKETS)
+        """Mean seconds between the tokens of one sequence, per finished sequence."""
         self.duration = Histogram(LATENCY_BUCKETS)
         """Seconds from arrival to the last token."""
         self.isl = Histogram(ISL_BUCKETS)
@@ -218,6 +224,7 @@ class FrontendMetrics:
         specs = (
             ("time_to_first_token_seconds", "Time to first token.", "ttft"),
             ("inter_token_latency_seconds", "Time between consecutive tokens.", "itl"),
+            ("request_itl_seconds", "Mean time between the tokens of a sequence.", "request_itl"),
             ("request_duration_seconds", "Time from arrival to the last token.", "duration"),
             ("input_sequence_tokens", "Prompt tokens per sequence.", "isl"),
             ("output_sequence_tokens", "Generated tokens per sequence.", "osl"),

@@ -979,7 +979,7 @@ class OpenAIService:
         stops = ch.stops
         index = ch.index
         want_ids = ch.token_ids
-        last = start
+        last = first_at = start
         first_token = True
         texts: list[str] | None = [] if self.log_content else None
         try:
@@ -994,6 +994,7 @@ class OpenAIService:
                     count = len(ids)
                     if first_token:
                         mm.ttft.observe(now - start)
+                        first_at = now
                         first_token = False
                     else:
                         mm.itl.observe((now - last) / count, count)
@@ -1053,6 +1054,8 @@ class OpenAIService:
             final = ch.final
             if final is not None and final.usage is not None:
                 mm.cached.observe(final.usage.cached_tokens)
+            if final is not None and ch.completion_tokens > 1:
+                mm.request_itl.observe((last - first_at) / (ch.completion_tokens - 1))
             mm.duration.observe(_perf() - start)
             if texts is not None:
                 log.info("choice %d output (%s): %r", index, ch.finish_reason, "".join(texts))

@@ -71,8 +71,15 @@ class PlannerConfig:
     ttft_quantile: float = opt(
         0.95, "sla: the TTFT quantile held under the target (observed/expected correction)"
     )
+    itl_quantile: float = opt(
+        0.9,
+        "sla: the quantile of the requests' own mean ITL held under the ITL target (the "
+        "observed/expected correction, where the gateways export a per-request ITL histogram)",
+    )
     itl_headroom: float = opt(
-        0.9, "sla: plan the mean ITL at this fraction of the ITL target (requests vary around it)"
+        0.9,
+        "sla: without a per-request ITL histogram, plan the mean ITL at this fraction of the "
+        "ITL target (requests vary around it)",
     )
     queue_target: float = opt(
         8.0, "queue: in-flight requests per worker the reactive policy holds (HPA target value)"
@@ -101,6 +108,8 @@ class PlannerConfig:
             raise ValueError("--scale-down-delay-s and --worker-startup-s must be >= 0")
         if not 0 < self.ttft_quantile < 1:
             raise ValueError("--ttft-quantile must be in (0, 1)")
+        if not 0 < self.itl_quantile < 1:
+            raise ValueError("--itl-quantile must be in (0, 1)")
         if not 0 < self.itl_headroom <= 1:
             raise ValueError("--itl-headroom must be in (0, 1]")
         if not self.prediction_margin >= 0:

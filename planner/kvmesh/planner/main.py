@@ -128,7 +128,8 @@ class PlannerLoop:
             self.planner = Planner(self.config, self.policy, sorted(pools, key=str), self.profile)
         if previous is None:
             return snap
-        obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
+        cfg = self.config
+        obs = observation(previous, snap, self.scraper.names, cfg.ttft_quantile, cfg.itl_quantile)
         decision = self.planner.decide(time.monotonic(), obs, pools)
         self.decisions.append(decision)
         await self._scale(decision, pools, span)
@@ -142,7 +143,8 @@ class PlannerLoop:
         if self.planner is None:
             return snap
         pools = await self.connector.pools()
-        obs = observation(previous, snap, self.scraper.names, self.config.ttft_quantile)
+        cfg = self.config
+        obs = observation(previous, snap, self.scraper.names, cfg.ttft_quantile, cfg.itl_quantile)
         decision = self.planner.surge(time.monotonic(), obs, pools)
         if decision.changes(pools):
             if self.decisions:  # the target gauges follow the surge

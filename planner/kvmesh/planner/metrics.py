@@ -7,7 +7,8 @@ same text format for the series the planner names). Each scrape is a `Snapshot` 
 histograms and gauges summed over every label set of the served model); the difference of
 two snapshots is the interval's Observation: arrivals (prompt-length histogram count), mean
 prompt and output lengths, first tokens with their mean TTFT and TTFT at a quantile (linear
-inside the bucket, as Prometheus' histogram_quantile), mean ITL, and requests in flight (the
+inside the bucket, as Prometheus' histogram_quantile), mean ITL, the requests' own mean ITL at a
+quantile (where the gateway exports that per-request histogram), and requests in flight (the
 gauge, now). A counter that went down (a frontend restarted) counts from zero.
 """
 
@@ -55,12 +56,17 @@ class MetricNames:
     cached_tokens: str = ""
     """Histogram, one observation per finished request: its prompt tokens found in a prefix
     cache (empty: the gateway does not export it, and the planner prices every prompt token)."""
+    request_itl_seconds: str = ""
+    """Histogram, one observation per finished request of two tokens or more: its own mean
+    ITL, (last token - first token) / (tokens - 1) (empty or absent: the planner sizes on the
+    mean ITL with `--itl-headroom`)."""
     model_label: str = "model"
 
     @property
     def histograms(self) -> tuple[str, ...]:
         names = (self.prompt_tokens, self.output_tokens, self.ttft_seconds, self.itl_seconds)
-        return (*names, self.cached_tokens) if self.cached_tokens else names
+        optional = (self.cached_tokens, self.request_itl_seconds)
+        return (*names, *(n for n in optional if n))
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -74,8 +80,10 @@ FRONTEND_METRICS = MetricNames(
     itl_seconds="kvmesh_frontend_inter_token_latency_seconds",
     inflight="kvmesh_frontend_inflight_requests",
     cached_tokens="kvmesh_frontend_cached_tokens",
+    request_itl_seconds="kvmesh_frontend_request_itl_seconds",
 )
-"""What kvmesh's frontend exports (kvmesh.frontend.metrics)."""
+"""What kvmesh's frontend exports (kvmesh.frontend.metrics); its per-request ITL histogram is
+read where it exists (a frontend without it leaves the planner on the mean ITL)."""
 
 
 @dataclass(slots=True)
@@ -178,9 +186,10 @@ def parse_snapshot(
 
 
 def observation(
-    earlier: Snapshot, now: Snapshot, names: MetricNames, quantile: float
+    earlier: Snapshot, now: Snapshot, names: MetricNames, quantile: float, itl_quantile: float
 ) -> Observation:
-    """The Observation of the interval between two snapshots (see the module doc)."""
+    """The Observation of the interval between two snapshots (see the module doc): TTFT at
+    `quantile`, the requests' own mean ITL at `itl_quantile`."""
 
     def delta(name: str) -> HistogramValue:
         cur = now.histograms.get(name, HistogramValue())
@@ -192,9 +201,14 @@ def observation(
     itl = delta(names.itl_seconds)
     tail = histogram_quantile(quantile, ttft.buckets)
     cached = delta(names.cached_tokens).mean if names.cached_tokens else math.nan
+    per_request = delta(names.request_itl_seconds) if names.request_itl_seconds else None
+    itl_tail = math.nan
+    if per_request is not None and per_request.count > 0:
+        itl_tail = histogram_quantile(itl_quantile, per_request.buckets)
     return Observation(
         interval_s=max(now.at - earlier.at, 1e-9),
         requests=round(prompt.count),
+        finished=round(output.count),
         isl_mean=prompt.mean,
         osl_mean=output.mean,
         cached_mean=cached,
@@ -202,6 +216,7 @@ def observation(
         ttft_ms=1e3 * ttft.mean,
         ttft_tail_ms=1e3 * tail,
         itl_ms=1e3 * itl.mean,
+        itl_tail_ms=1e3 * itl_tail,
         inflight=max(0, round(now.gauges.get(names.inflight, 0.0))),
     )
 

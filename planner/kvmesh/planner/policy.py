@@ -8,13 +8,15 @@ Two policies compute the size each pool wants:
   * `SlaPolicy`: predicts the next intervals' request rate (`--predictor`, plus
     `--prediction-margin` times the running RMS of how far its past one-interval predictions
     fell short, so the margin grows while the load rises faster than predicted) and the mean prompt
-    and output lengths and the share of prompt tokens found in a prefix cache (averaged over the
-    last intervals: they wander without a trend) at the end of the interval a worker asked for
-    now serves first (start-up plus one interval ahead), reads from the performance profile how
-    many requests/s one worker serves within the targets (kvmesh.planner.model; cached prompt
-    tokens cost no prefill), corrects that by what the pool
-    showed (observed TTFT at `--ttft-quantile` / the model's TTFT at the observed load, observed
-    mean ITL / the model's ITL, both smoothed), and adds the queued work: requests in flight
+    and output lengths (averaged over the last intervals: they wander without a trend) and the
+    share of prompt tokens found in a prefix cache (the lowest of the last intervals) at the end
+    of the interval a worker asked for now serves first (start-up plus one interval ahead),
+    reads from the performance profile how many requests/s one worker serves within the targets
+    (kvmesh.planner.model; cached prompt tokens cost no prefill), corrects that by what the pool
+    showed, per request as the SLO counts (observed TTFT at `--ttft-quantile` / the model's TTFT
+    at the observed load; the requests' own mean ITL at `--itl-quantile` / the model's mean ITL,
+    where the gateways export that per-request histogram, else observed mean ITL / the model's
+    with `--itl-headroom`; smoothed), and adds the queued work: requests in flight
     beyond what the ready and starting workers hold at that capacity, to be served within
     one interval. Workers already starting count as capacity (never asked for twice).
     Aggregated pools and disaggregated prefill/decode pools (prefill sized on TTFT, decode on
@@ -32,8 +34,8 @@ rate; the check takes the rate that line reaches at now + start-up + one check p
 deviations (a short window is noisy) if higher. When that rate plus the requests in flight
 beyond what the pool holds exceed what its ready and starting workers serve (at the capacity
 the last interval sized them with), the pool grows to the workers that load needs; when the
-window's mean ITL is over what the pool is sized for (`--itl-headroom` x the target) or its
-TTFT tail over the target, by one worker.
+window's mean ITL is over what the pool is sized for (the mean the last interval planned, as
+observed) or its TTFT tail over the target, by one worker.
 Starting workers count (a pool whose new workers are on the way is not asked for them again); a
 surge never shrinks a pool, and what it asked for enters the stabilization window below, so the
 next intervals do not take it back before the window has passed (the hysteresis both ways).
@@ -98,6 +100,8 @@ class Observation:
     interval_s: float
     requests: int
     """Requests that arrived."""
+    finished: int = 0
+    """Requests that finished."""
     isl_mean: float = math.nan
     """Prompt tokens per arrived request."""
     osl_mean: float = math.nan
@@ -112,6 +116,9 @@ class Observation:
     """Their TTFT at the planner's `ttft_quantile`."""
     itl_ms: float = math.nan
     """Mean gap between consecutive tokens emitted in the interval."""
+    itl_tail_ms: float = math.nan
+    """The requests that finished, each's own mean ITL ((last token - first token) / (tokens -
+    1)), at the planner's `itl_quantile` (NaN: not measured)."""
     inflight: int = 0
     """Requests in flight at the end (arrived, not finished)."""
 
@@ -171,6 +178,8 @@ class _Plan:
     """Requests/s one worker serves within the targets."""
     hold: float
     """Requests one worker holds in flight at that rate."""
+    itl_ms: float
+    """The mean ITL (per gap, as observed) the pool was sized to run at, at most."""
 
 
 def _clamp(value: float, lo: float, hi: float) -> float:
@@ -197,11 +206,11 @@ class SlaPolicy:
         # would swing the capacity, so they are averaged over the last intervals.
         self.isl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
         self.osl: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
-        self.hit: Predictor = MovingAveragePredictor(LENGTH_WINDOW)
-        """Fraction of the prompt tokens found in a prefix cache."""
+        self.cache_tokens: deque[tuple[int, float, float]] = deque(maxlen=LENGTH_WINDOW)
+        """Per interval, the requests that finished, their prompt tokens found in a prefix cache
+        and their prompt tokens (the interval's mean prompt for each) (`cached_share`)."""
         self.seen_isl = False
         self.seen_osl = False
-        self.seen_hit = False
         self.trend = RateTrend(config.worker_startup_s + interval)
         """The arrival rate's recent trend over every window observed (intervals and surge
         checks), looking back as far as a decision must look ahead."""
@@ -216,6 +225,13 @@ class SlaPolicy:
         worker asked for now serves first (after its start-up): the rate to size for."""
         self.ttft_factor = 1.0
         self.itl_factor = 1.0
+        """Observed / modelled mean ITL."""
+        self.tail_samples = max(MIN_SAMPLES, math.ceil(1 / (1 - config.itl_quantile) - 1e-9))
+        """Fewest finished requests in an interval for their ITL quantile to move the correction
+        (at least one of them above the quantile)."""
+        self.itl_tail_factor: float | None = None
+        """The requests' own mean ITL at `itl_quantile` / the modelled mean ITL (None until the
+        gateways showed one: the pool is then sized on the mean with `itl_headroom`)."""
         self.plans: dict[Role, _Plan] = {}
         """Per pool, what the last interval sized it with."""
 
@@ -235,9 +251,22 @@ class SlaPolicy:
         if math.isfinite(obs.osl_mean):
             self.osl.observe(obs.osl_mean)
             self.seen_osl = True
-        if math.isfinite(obs.cached_mean) and math.isfinite(obs.isl_mean) and obs.isl_mean > 0:
-            self.hit.observe(_clamp(obs.cached_mean / obs.isl_mean, 0.0, 1.0))
-            self.seen_hit = True
+        if obs.finished and math.isfinite(obs.cached_mean) and math.isfinite(obs.isl_mean):
+            prompt = obs.finished * obs.isl_mean
+            cached = min(obs.finished * obs.cached_mean, prompt)
+            self.cache_tokens.append((obs.finished, cached, prompt))
+
+    def cached_share(self) -> float:
+        """The share of prompt tokens found in a prefix cache to plan with: the lowest any of
+        the last intervals with `MIN_SAMPLES` finished requests showed (the share depends on the
+        pool: a drained worker takes its cache with it, so a share that just rose is planned on
+        only once it held over the window); with none, over all of them, weighted by prompt
+        tokens."""
+        shares = [c / p for n, c, p in self.cache_tokens if n >= MIN_SAMPLES and p > 0]
+        if shares:
+            return min(shares)
+        prompt = math.fsum(p for _, _, p in self.cache_tokens)
+        return math.fsum(c for _, c, _ in self.cache_tokens) / prompt if prompt > 0 else 0.0
 
     def _correct(
         self, obs: Observation, pools: Mapping[Role, PoolState], osl: float, hit: float
@@ -258,10 +287,16 @@ class SlaPolicy:
                 if 0 < expected.ttft_ms < math.inf:
                     f = _clamp(obs.ttft_tail_ms / expected.ttft_ms, lo, hi)
                     self.ttft_factor = (1 - a) * self.ttft_factor + a * f
-            if model.decode is not None and math.isfinite(obs.itl_ms):
-                if 0 < expected.itl_ms < math.inf:
-                    f = _clamp(obs.itl_ms / expected.itl_ms, lo, hi)
-                    self.itl_factor = (1 - a) * self.itl_factor + a * f
+            if model.decode is None or not 0 < expected.itl_ms < math.inf:
+                continue
+            if math.isfinite(obs.itl_ms):
+                f = _clamp(obs.itl_ms / expected.itl_ms, lo, hi)
+                self.itl_factor = (1 - a) * self.itl_factor + a * f
+            if math.isfinite(obs.itl_tail_ms) and obs.finished >= self.tail_samples:
+                f = _clamp(obs.itl_tail_ms / expected.itl_ms, lo, hi)
+                # from what the headroom assumed, so one interval does not set it alone
+                prev = self.itl_tail_factor or 1 / self.config.itl_headroom
+                self.itl_tail_factor = (1 - a) * prev + a * f
 
     def desired(
         self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
@@ -270,7 +305,7 @@ class SlaPolicy:
         self._observe(now, obs)
         isl = self.isl.predict() if self.seen_isl else 0.0
         osl = max(1.0, self.osl.predict()) if self.seen_osl else 1.0
-        hit = self.hit.predict() if self.seen_hit else 0.0
+        hit = self.cached_share()
         cached = hit * isl
         self._predicted_next = self.rate.predict(1)
         # The load a worker asked for now will serve, plus the prediction's typical error.
@@ -279,10 +314,23 @@ class SlaPolicy:
         decision.predicted_rps = rate
         self._correct(obs, pools, osl, hit)
         ttft_target = cfg.ttft_slo_ms / self.ttft_factor
-        itl_target = cfg.itl_slo_ms * cfg.itl_headroom / self.itl_factor
+        # The ITL the model may plan (its mean): the target over what the requests' own mean
+        # ITL at the quantile showed against the model; without it, a headroom under the target
+        # over what the mean showed.
+        if self.itl_tail_factor is not None:
+            itl_target = cfg.itl_slo_ms / self.itl_tail_factor
+        else:
+            itl_target = cfg.itl_slo_ms * cfg.itl_headroom / self.itl_factor
         out: dict[Role, int] = {}
         for role, model in self.models.items():
             cap = model.capacity(isl, osl, ttft_target, itl_target, cached)
+            if cap <= 0:
+                # Corrected past what one worker reaches per the profile (a pool that was
+                # overloaded shows latencies the model cannot reproduce at any load): the
+                # capacity at the targets themselves, shrunk by the correction, not the maximum.
+                slowest = max(self.ttft_factor, cfg.itl_slo_ms / itl_target)
+                raw = model.capacity(isl, osl, cfg.ttft_slo_ms, cfg.itl_slo_ms, cached)
+                cap = raw / slowest
             decision.capacity_rps[role] = cap
             state = pools.get(role)
             if obs.requests == 0 and obs.inflight == 0:
@@ -297,7 +345,7 @@ class SlaPolicy:
             # this capacity, to be served within one interval.
             lat = model.latency(cap, isl, osl, cached)
             hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
-            self.plans[role] = _Plan(cap, hold)
+            self.plans[role] = _Plan(cap, hold, itl_target * self.itl_factor)
             backlog = 0.0
             if state is not None:
                 backlog = max(0.0, obs.inflight - (state.ready + state.starting) * hold)
@@ -308,7 +356,8 @@ class SlaPolicy:
                 f"sla: {rate:.2f} req/s predicted (isl {isl:.0f}, {100 * hit:.0f} % cached, "
                 f"osl {osl:.0f}), "
                 f"backlog {backlog:.0f}, {cap:.2f} req/s per worker "
-                f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f})"
+                f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f}, "
+                f"per-request itl x{self.itl_tail_factor or math.nan:.2f})"
             )
         return out
 
@@ -335,7 +384,7 @@ class SlaPolicy:
             why = "a request waits on an empty pool"
             # Latency over what the pool is sized for: the ready workers are overloaded now;
             # one more (a pool with workers starting already has it).
-            slow_itl = model.decode is not None and obs.itl_ms > cfg.itl_slo_ms * cfg.itl_headroom
+            slow_itl = model.decode is not None and obs.itl_ms > plan.itl_ms
             slow_ttft = (
                 model.prefill is not None
                 and obs.first_tokens >= MIN_SAMPLES

@@ -4,7 +4,8 @@ virtual time.
 The pool starts at `--min-workers` (at least one). Every `--adjustment-interval-s` the planner
 (kvmesh.planner.policy.Planner, the code `kvmesh planner` runs) gets what a gateway's metrics
 would have shown over the interval (arrivals, mean prompt and output length, TTFT mean and
-quantile, mean ITL, prompt tokens found in the prefix cache, requests in flight:
+quantile, mean ITL, prompt tokens found in the prefix cache, the finished requests' own mean
+ITL at `--itl-quantile` (the per-request histogram a gateway would export), requests in flight:
 `IntervalMeter`) and the pool's state, and returns a target:
 
   * growing: new workers are simulated mockers that serve only `--worker-startup-s` later (they
@@ -41,28 +42,23 @@ from kvmesh.sim.cluster import Cluster, Progress, SimWorker
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.policies import make_policy
 from kvmesh.sim.replay import AggregatedReplay
-from kvmesh.sim.results import ModeResult, ReplicaSample, Timeline
+from kvmesh.sim.results import ModeResult, ReplicaSample, Timeline, mean_itl, quantile
 from kvmesh.sim.trace import Trace
 from kvmesh.workers.batching.scheduler import SeqOutput
 
 __all__ = ["IntervalMeter", "PlannedReplay", "simulate_planned"]
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 class IntervalMeter:
     """What a gateway's metrics show over one interval, from the replay's timeline."""
 
-    def __init__(self, timeline: Timeline, trace: Trace, quantile: float) -> None:
+    def __init__(
+        self, timeline: Timeline, trace: Trace, ttft_quantile: float, itl_quantile: float
+    ) -> None:
         self.timeline = timeline
         self.trace = trace
-        self.quantile = quantile
+        self.ttft_quantile = ttft_quantile
+        self.itl_quantile = itl_quantile
         self._reset(0)
 
     def _reset(self, itl_from: int) -> None:
@@ -72,6 +68,8 @@ class IntervalMeter:
         self.output_tokens = 0
         self.cached_tokens = 0
         self.ttft_s: list[float] = []
+        self.request_itl_s: list[float] = []
+        """The finished requests' own mean ITL (two tokens or more)."""
         self.itl_from = itl_from
         """Gaps recorded in the timeline before this interval."""
 
@@ -82,26 +80,33 @@ class IntervalMeter:
     def first_token(self, ttft_s: float) -> None:
         self.ttft_s.append(ttft_s)
 
-    def finish(self, output_tokens: int, cached_tokens: int) -> None:
+    def finish(self, output_tokens: int, cached_tokens: int, mean_itl_s: float) -> None:
         self.finished += 1
         self.output_tokens += output_tokens
         self.cached_tokens += cached_tokens
+        if output_tokens > 1:
+            self.request_itl_s.append(mean_itl_s)
 
     def observe(self, interval_s: float, inflight: int) -> Observation:
         """The interval's Observation; starts the next interval."""
         itl = self.timeline.itl
         gaps = len(itl) - self.itl_from
         ttft = self.ttft_s
+        per_request = self.request_itl_s
         obs = Observation(
             interval_s=interval_s,
             requests=self.arrived,
+            finished=self.finished,
             isl_mean=self.prompt_tokens / self.arrived if self.arrived else math.nan,
             osl_mean=self.output_tokens / self.finished if self.finished else math.nan,
             cached_mean=self.cached_tokens / self.finished if self.finished else math.nan,
             first_tokens=len(ttft),
             ttft_ms=1e3 * sum(ttft) / len(ttft) if ttft else math.nan,
-            ttft_tail_ms=1e3 * _quantile(ttft, self.quantile) if ttft else math.nan,
+            ttft_tail_ms=1e3 * quantile(sorted(ttft), self.ttft_quantile) if ttft else math.nan,
             itl_ms=1e3 * math.fsum(itl[self.itl_from :]) / gaps if gaps else math.nan,
+            itl_tail_ms=(
+                1e3 * quantile(sorted(per_request), self.itl_quantile) if per_request else math.nan
+            ),
             inflight=inflight,
         )
         self._reset(len(itl))
@@ -133,10 +138,9 @@ class PlannedReplay(AggregatedReplay):
         self.state: list[_State] = [_State.SERVING] * len(cluster.workers)
         self.serving = len(cluster.workers)
         self.waiting: deque[int] = deque()
-        self.meter = IntervalMeter(cluster.timeline, cluster.trace, self.settings.ttft_quantile)
-        self.check_meter = IntervalMeter(
-            cluster.timeline, cluster.trace, self.settings.ttft_quantile
-        )
+        quantiles = (self.settings.ttft_quantile, self.settings.itl_quantile)
+        self.meter = IntervalMeter(cluster.timeline, cluster.trace, *quantiles)
+        self.check_meter = IntervalMeter(cluster.timeline, cluster.trace, *quantiles)
         """The window since the last surge check or tick."""
         self.meters = (self.meter, self.check_meter)
         self.last_check = 0.0
@@ -301,7 +305,7 @@ class PlannedReplay(AggregatedReplay):
             if first:
                 meter.first_token(now - t.arrival[index])
             if out.finish_reason is not None:
-                meter.finish(t.ntok[index], t.cached[index])
+                meter.finish(t.ntok[index], t.cached[index], mean_itl(t, index))
         if out.finish_reason is not None:
             if self.state[worker.index] is _State.DRAINING:
                 self._exit_if_idle(worker, now)

@@ -44,6 +44,9 @@ class Route:
     """Leading prompt blocks the router found on it (0 when the policy does not know)."""
     prompt_blocks: int = 0
     """Full blocks in the prompt (0 when the policy does not hash prompts)."""
+    score: float = 0.0
+    """The policy's score of the chosen worker (KvScheduler's Selection.cost: the ttft policy's
+    predicted TTFT in ms while its ITL penalty is off; 0 when the policy does not score)."""
 
 
 class Policy(Protocol):
@@ -171,7 +174,7 @@ class KvPolicy:
         self.sched.book(request_id, sel, now, expected_output_tokens=expected_output_tokens)
         worker = self.index_of[sel.worker_id]
         self.bookings.book(request_id, worker)
-        return Route(worker, sel.overlap_blocks, sel.prompt_blocks)
+        return Route(worker, sel.overlap_blocks, sel.prompt_blocks, sel.cost)
 
     def first_token(self, request_id: str) -> None:
         self.sched.first_token(request_id)

@@ -38,6 +38,8 @@ __all__ = [
     "Timeline",
     "WorkerResult",
     "WorkerTally",
+    "mean_itl",
+    "quantile",
     "summarize",
 ]
 
@@ -63,14 +65,14 @@ class Stats:
         xs = sorted(seconds)
         return cls(
             mean=1e3 * math.fsum(xs) / len(xs),
-            p50=1e3 * _quantile(xs, 0.5),
-            p90=1e3 * _quantile(xs, 0.9),
-            p99=1e3 * _quantile(xs, 0.99),
+            p50=1e3 * quantile(xs, 0.5),
+            p90=1e3 * quantile(xs, 0.9),
+            p99=1e3 * quantile(xs, 0.99),
             max=1e3 * xs[-1],
         )
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
+def quantile(xs: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile of sorted `xs` (numpy's default)."""
     pos = q * (len(xs) - 1)
     lo = int(pos)
@@ -253,7 +255,7 @@ class WorkerTally(Protocol):
         ...
 
 
-def _mean_itl(t: Timeline, i: int) -> float:
+def mean_itl(t: Timeline, i: int) -> float:
     """Request `i`'s own mean ITL in seconds (0 with one token)."""
     n = t.ntok[i]
     return (t.last_at[i] - t.first_at[i]) / (n - 1) if n > 1 else 0.0
@@ -266,13 +268,13 @@ def slo_attainment(t: Timeline, ttft_s: float, itl_s: float) -> float:
     for i in range(n):
         if math.isnan(t.finished_at[i]):
             continue
-        if t.first_at[i] - t.arrival[i] <= ttft_s and _mean_itl(t, i) <= itl_s:
+        if t.first_at[i] - t.arrival[i] <= ttft_s and mean_itl(t, i) <= itl_s:
             ok += 1
     return ok / n if n else 0.0
 
 
 def _p90_ms(xs: list[float]) -> float:
-    return 1e3 * _quantile(sorted(xs), 0.9) if xs else 0.0
+    return 1e3 * quantile(sorted(xs), 0.9) if xs else 0.0
 
 
 def interval_rows(
@@ -302,7 +304,7 @@ def interval_rows(
                 "arrival_rps": round(len(arrivals[k]) / interval_s, 3),
                 **current,
                 "ttft_p90_ms": round(_p90_ms([t.first_at[i] - t.arrival[i] for i in done]), 3),
-                "itl_p90_ms": round(_p90_ms([_mean_itl(t, i) for i in done]), 3),
+                "itl_p90_ms": round(_p90_ms([mean_itl(t, i) for i in done]), 3),
             }
         )
     return rows

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""How well the ttft policy predicts the TTFT a request then sees (issue 10).
+
+Replays cells of the routing matrix (tests/benchmarks/routing_matrix.py: same traces, loads and
+workers) with the KV router's default policy and compares, per request, the TTFT the policy
+predicted on the worker it chose (KvScheduler's Selection.cost, with the ITL penalty off) with
+the TTFT the request saw in the replay. Per cell and over all cells: bias (mean of predicted -
+realized), mean absolute error, that error over the mean realized TTFT, and the 90th percentile
+of the absolute error, in simulated ms.
+
+    .venv/bin/python tests/benchmarks/ttft_prediction_error.py                     # 4 workers
+    .venv/bin/python tests/benchmarks/ttft_prediction_error.py --cells conv/steady  # a subset
+
+`--cells` keeps the cells whose id contains any of the given strings; traces are written to
+(and read from) routing_matrix.py's --out folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import routing_matrix as rm  # the benchmark next to this one
+
+from kvmesh.router.kv_policy import KvPolicyKind
+from kvmesh.sim.cluster import Cluster
+from kvmesh.sim.config import ReplayConfig
+from kvmesh.sim.policies import KvPolicy, Route
+from kvmesh.sim.replay import AggregatedReplay
+from kvmesh.sim.trace import load_trace
+
+
+class RecordingPolicy(KvPolicy):
+    """The replay's KV policy, keeping the predicted TTFT of every routed request."""
+
+    def __init__(self, config: ReplayConfig, worker_ids: list[str]) -> None:
+        super().__init__(config.kv_router(), worker_ids, config.mocker)
+        self.predicted_ms: dict[str, float] = {}
+
+    def route(self, request_id: str, *args: Any, **kwargs: Any) -> Route:
+        r = super().route(request_id, *args, **kwargs)
+        self.predicted_ms[request_id] = r.score
+        return r
+
+
+def errors(c: rm.Cell, out: Path) -> tuple[list[float], list[float]]:
+    """(predicted - realized, realized) TTFT in ms of every request of the cell that got one."""
+    trace_path = str(rm.prepare_trace(out, c))
+    config = ReplayConfig(
+        trace=trace_path,
+        workers=c.workers,
+        speedup=c.speedup,
+        trace_block_size=c.trace_block_size,
+        limit=c.requests,
+    )
+    if config.router_policy is not KvPolicyKind.TTFT or config.router_itl_weight:
+        raise SystemExit("the default policy is not the ttft policy without ITL penalty")
+    worker_ids = [f"w{i}" for i in range(c.workers)]
+    policy = RecordingPolicy(config, worker_ids)
+    cluster = Cluster(load_trace(trace_path, c.requests), config, worker_ids, policy)
+    cluster.run(AggregatedReplay(cluster))
+    t = cluster.timeline
+    diffs: list[float] = []
+    real: list[float] = []
+    for i, arrival in enumerate(t.arrival):
+        predicted = policy.predicted_ms.get(f"r{i}")
+        if predicted is None or math.isnan(t.first_at[i]):
+            continue
+        ttft = (t.first_at[i] - arrival) * 1e3
+        diffs.append(predicted - ttft)
+        real.append(ttft)
+    return diffs, real
+
+
+def line(name: str, diffs: list[float], real: list[float]) -> str:
+    abs_err = sorted(abs(d) for d in diffs)
+    mae = statistics.fmean(abs_err)
+    mean = statistics.fmean(real)
+    p90 = abs_err[int(0.9 * len(abs_err))]
+    return (
+        f"| {name} | {len(diffs)} | {mean:.0f} | {statistics.fmean(diffs):+.1f} | {mae:.1f} "
+        f"| {mae / mean:.2f} | {p90:.0f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=rm.ROOT / ".cache" / "routing_matrix")
+    parser.add_argument("--workloads", nargs="+", default=list(rm.WORKLOADS))
+    parser.add_argument("--workers", nargs="+", type=int, default=[4])
+    parser.add_argument("--cells", nargs="*", default=[], help="keep ids containing any of these")
+    args = parser.parse_args()
+    cells = [
+        c
+        for c in rm.matrix_cells(args.workloads, args.workers)
+        if not args.cells or any(s in c.id for s in args.cells)
+    ]
+    print(
+        "| cell | requests | realized TTFT mean ms | bias ms | MAE ms | MAE / mean | p90 abs ms |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    all_diffs: list[float] = []
+    all_real: list[float] = []
+    for c in cells:
+        diffs, real = errors(c, args.out)
+        print(line(c.id, diffs, real), flush=True)
+        all_diffs += diffs
+        all_real += real
+    if len(cells) > 1:
+        print(line("all", all_diffs, all_real))
+
+
+if __name__ == "__main__":
+    main()
