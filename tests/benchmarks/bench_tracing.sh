@@ -6,6 +6,7 @@
 #   off  : this tree, tracing off (no OTEL endpoint)
 #   on   : this tree, every process tracing at 100 % sampling (parentbased_always_on), OTLP/gRPC
 #          to a span sink on this machine (tests/otlp_receiver.py, counting spans)
+#   base-on: the code of BASE tracing as `on` does (has the cost of tracing itself moved?)
 #   bash tests/benchmarks/bench_tracing.sh            # N=4000 C=200 ROUNDS=3
 # Server CPU counts the frontend and worker processes only (not the client, not the sink).
 set -euo pipefail
@@ -31,6 +32,8 @@ run_mode() { # mode round
   case $mode in
     base) env+=(PYTHONPATH="$BASE_PATH") ;;
     on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT" OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
+    base-on) env+=(PYTHONPATH="$BASE_PATH" OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+                   OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
   esac
   "${env[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
     --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
