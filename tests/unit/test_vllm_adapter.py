@@ -795,6 +795,40 @@ async def test_batches_published_before_connecting_are_replayed(tmp_path: Path) 
         pub.shutdown()
 
 
+async def test_flowing_batches_send_no_idle_replay_requests(tmp_path: Path) -> None:
+    """Once batches flow, the tail-gap check waits `idle_replay_s` of quiet: batches 100 ms
+    apart never trigger one (a replay request stalls the engine's outputs; see the class)."""
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    pub = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic="t")
+    got: list[bytes] = []
+    sub = ZmqKvSubscriber(
+        endpoint=endpoint,
+        replay_endpoint=replay,
+        topic="t",
+        on_payload=got.append,
+        on_gap=lambda why: None,
+        idle_replay_s=1.0,
+    )
+    try:
+        task = asyncio.create_task(sub.run())
+        await sub.wait_connected()
+        # Until a batch comes through the subscription itself (a slow joiner's first ones are
+        # dropped and replayed by the connect-time checks).
+        while sub.batches_total == sub.replayed_total:
+            pub.publish(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+            await asyncio.sleep(0.05)
+        before, n = sub.idle_checks_total, len(got)
+        for i in range(1, 8):
+            await asyncio.sleep(0.1)
+            pub.publish(KVEventBatch(ts=float(i), events=[AllBlocksCleared()]))
+        await eventually(lambda: len(got) == n + 7)
+        assert sub.idle_checks_total == before
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        pub.shutdown()
+
+
 async def test_lost_batches_resync_the_log(tmp_path: Path) -> None:
     endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
     pub = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, buffer_steps=2, topic="t")
