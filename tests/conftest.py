@@ -17,6 +17,18 @@ if TYPE_CHECKING:
     from kvmesh.workers.pytorch.model_runner import LoadedModel
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A torch device named by KVMESH_TEST_DEVICE (tests/devices.py) must exist: a GPU run that
+    silently fell back to the CPU would prove nothing."""
+    from tests.devices import DEVICE
+
+    if DEVICE != "cpu":
+        import torch
+
+        if not DEVICE.startswith("cuda") or not torch.cuda.is_available():
+            raise pytest.UsageError(f"KVMESH_TEST_DEVICE={DEVICE}: no such torch device here")
+
+
 @pytest.fixture(scope="session")
 def kvmesh_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private KVMESH_HOME so tests never touch the user's cache."""
@@ -53,7 +65,7 @@ def generate_reference(
     """transformers generate() of `prompt`, greedy: the up to `n` tokens it adds (needs torch)."""
     import torch
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=loaded.device)
     out = loaded.model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

@@ -57,12 +57,12 @@ def layout_of(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
     )
 
 
-def holder(conn: Connection, device: str) -> None:
+def holder(conn: Connection, device: str, poll_s: float) -> None:
     """The prefill side: one registered cache per request, kept until the next one."""
     agent = NixlKvAgent("bench-prefill")
     cache = None
     while True:
-        while not conn.poll(0.001):  # the side being read makes progress, as an engine does
+        while not conn.poll(poll_s):  # the side being read makes progress, as an engine does
             agent.progress()
         msg = conn.recv()
         if msg is None:
@@ -113,7 +113,8 @@ def memcpy_s(src: torch.Tensor, dst: torch.Tensor, nbytes: int, repeat: int) -> 
 async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=holder, args=(child, args.device), daemon=True)
+    poll_s = args.holder_poll_ms / 1e3
+    proc = ctx.Process(target=holder, args=(child, args.device, poll_s), daemon=True)
     proc.start()
     dtype = DTYPES[args.dtype]
     rows: list[dict[str, Any]] = []
@@ -196,6 +197,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument(
+        "--holder-poll-ms",
+        type=float,
+        default=1.0,
+        help="the read side's progress interval (1 ms: what a prefill engine's pump does)",
+    )
     args = parser.parse_args()
     # One thread: UCX copies in the calling thread too, and an OpenMP team on a busy machine
     # measures its own scheduling rather than memory bandwidth.

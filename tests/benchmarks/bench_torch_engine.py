@@ -2,7 +2,8 @@
 
 Usage:
   .venv/bin/python tests/benchmarks/bench_torch_engine.py [--model tiny|large|DIR]
-      [--device cpu] [--dtype float32] [--prefix 1024] [--prompt 128] [--new 128]
+      [--device cpu] [--dtype float32] [--prefix 1024] [--prompt 128] [--new 128] [--shapes N]
+      [--no-cudnn-sdp] [--profile N]
 
   --model tiny   the tiny Llama of kvmesh.runtime.tinymodel (hidden 64, 2 layers), random weights
   --model large  the same tokenizer with a larger random-weight Llama: hidden 768, 8 layers,
@@ -16,6 +17,11 @@ Usage:
    tokens in, `--new` tokens out each, EOS ignored) against transformers' `generate()` called
    in a loop over the same prompts (greedy, KV cache on, same dtype and device). Each side gets
    one warm-up run first.
+3. With `--shapes N`: TTFT of N prompts of N different lengths (an engine sees a new prompt
+   length with nearly every request; attention kernels that plan per shape pay for each new one).
+   `--no-cudnn-sdp` turns torch's cuDNN attention backend off for the whole run.
+4. With `--profile N`: torch.profiler over one request decoding N tokens (batch 1), the ops by
+   their own CPU time and, on CUDA, GPU time: where a step's time goes.
 """
 
 from __future__ import annotations
@@ -92,16 +98,21 @@ async def ttft(eng: TorchEngine, prompt: list[int]) -> tuple[float, int]:
 async def bench_prefix(path: Path, loaded: LoadedModel, prefix_len: int) -> None:
     prefix = prompt_of(prefix_len, 1)
     first, second = prefix + prompt_of(16, 2), prefix + prompt_of(16, 3)
-    warm = prompt_of(64, 9)
+    # Warm-up: a cold prompt, then one sharing its first blocks (the cached-prefix path runs
+    # other kernels: attention over gathered blocks; on CUDA their first use costs ~0.1-0.7 s).
+    warm = prompt_of(256, 9)
+    warm_shared = warm + prompt_of(16, 10)
     eng = engine(path, loaded)
     await eng.start()
     await ttft(eng, warm)
+    await ttft(eng, warm_shared)
     t1, c1 = await ttft(eng, first)
     t2, c2 = await ttft(eng, second)
     await eng.stop()
     cold = engine(path, loaded, enable_prefix_caching=False)
     await cold.start()
     await ttft(cold, warm)
+    await ttft(cold, warm_shared)
     await ttft(cold, first)
     t3, _ = await ttft(cold, second)
     await cold.stop()
@@ -163,6 +174,60 @@ async def bench_throughput(path: Path, loaded: LoadedModel, prompt_len: int, new
     await eng.stop()
 
 
+async def bench_shapes(path: Path, loaded: LoadedModel, n: int, base: int) -> None:
+    eng = engine(path, loaded)
+    await eng.start()
+    warm = prompt_of(256, 9)
+    await ttft(eng, warm)
+    await ttft(eng, warm + prompt_of(16, 10))
+    times = []
+    for i in range(n):
+        t, _ = await ttft(eng, prompt_of(base + 37 * i, 20 + i))
+        times.append(t * 1e3)
+    await eng.stop()
+    print(
+        f"new prompt lengths ({base}..{base + 37 * (n - 1)} tokens, one request each): TTFT "
+        f"mean {sum(times) / n:.1f} ms, min {min(times):.1f}, max {max(times):.1f}"
+    )
+
+
+async def profile_decode(path: Path, loaded: LoadedModel, prompt_len: int, steps: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = engine(path, loaded)
+    await eng.start()
+    await engine_tps(eng, [prompt_of(prompt_len, 7)], 8)  # warm-up
+    activities = [ProfilerActivity.CPU]
+    if loaded.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    # The forward runs on the engine's executor thread: record every thread's ops.
+    from torch._C._profiler import _ExperimentalConfig
+
+    prof = profile(
+        activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)
+    )
+    with prof:
+        t0 = time.perf_counter()
+        await engine_tps(eng, [prompt_of(prompt_len, 8)], steps)
+        wall = time.perf_counter() - t0
+    await eng.stop()
+    print(
+        f"profile: one request, {prompt_len} prompt tokens, {steps} output tokens, "
+        f"{wall * 1e3 / steps:.2f} ms per token (profiler on)"
+    )
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60
+        )
+    )
+    if loaded.device.type == "cuda":
+        print(
+            prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=12, max_name_column_width=60
+            )
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="tiny, large or a model directory")
@@ -172,9 +237,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt length (throughput)")
     parser.add_argument("--new", type=int, default=128, help="output tokens (throughput)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--profile", type=int, default=0, help="profile N decode steps (0: off)")
+    parser.add_argument("--shapes", type=int, default=0, help="TTFT of N new prompt lengths")
+    parser.add_argument("--no-cudnn-sdp", action="store_true", help="torch's cuDNN attention off")
     ns = parser.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    if ns.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         path = model_dir(ns.model, Path(tmp))
         loaded = load_model(path, ns.device, TorchDType(ns.dtype))
@@ -186,6 +256,10 @@ def main() -> None:
         )
         asyncio.run(bench_prefix(path, loaded, ns.prefix))
         asyncio.run(bench_throughput(path, loaded, ns.prompt, ns.new))
+        if ns.shapes:
+            asyncio.run(bench_shapes(path, loaded, ns.shapes, ns.prefix))
+        if ns.profile:
+            asyncio.run(profile_decode(path, loaded, ns.prompt, ns.profile))
 
 
 if __name__ == "__main__":

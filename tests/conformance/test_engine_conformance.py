@@ -39,6 +39,7 @@ from kvmesh.runtime.types import (
 from kvmesh.workers.batching.tiers import KvTierConfig
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.unit
 
@@ -101,7 +102,7 @@ def _torch_model() -> tuple[Path, Any]:
     atexit.register(shutil.rmtree, root, True)
     path = create_tiny_model(root / "tiny-llama")
     create_tiny_weights(path)
-    return path, load_model(path, "cpu", TorchDType.FLOAT32)
+    return path, load_model(path, DEVICE, TorchDType.FLOAT32)
 
 
 def _torch(tiers: KvTierConfig | None = None) -> Engine:
@@ -112,7 +113,7 @@ def _torch(tiers: KvTierConfig | None = None) -> Engine:
     info = ModelDirInfo.load(path)
     blocks = TIERED_BLOCKS if tiers else 256
     return TorchEngine(
-        TorchConfig(device="cpu", num_gpu_blocks=blocks, max_model_len=1024),
+        TorchConfig(device=DEVICE, num_gpu_blocks=blocks, max_model_len=1024),
         model_dir=path,
         served_model_name="conformance",
         eos_token_ids=info.eos_token_ids,

@@ -27,7 +27,6 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("nixl", reason="NIXL is not installed (pip install kvmesh[nixl])")
 
 import grpc
-import torch
 
 from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
@@ -40,6 +39,8 @@ from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
+from tests.conftest import generate_reference
+from tests.devices import DEVICE
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration
@@ -58,20 +59,7 @@ def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, "cpu", TorchDType.FLOAT32)
-
-
-def reference(loaded: LoadedModel, eos: tuple[int, ...], ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    out = loaded.model.generate(
-        x,
-        attention_mask=torch.ones_like(x),
-        do_sample=False,
-        max_new_tokens=n,
-        eos_token_id=list(eos),
-        pad_token_id=eos[0],
-    )
-    return list(out[0, len(ids) :].tolist())
+    return load_model(model_dir, DEVICE, TorchDType.FLOAT32)
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -116,7 +104,9 @@ def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "--discovery",
         f"file://{registry}",
         "--device",
-        "cpu",
+        DEVICE,
+        "--dtype",
+        "float32",
         "--torch-num-gpu-blocks",
         "256",
     )
@@ -144,7 +134,7 @@ def test_greedy_through_prefill_nixl_decode_equals_transformers(
         return res.choices[0].logprobs.tokens
 
     def want(ids: list[int], n: int = 10) -> list[str]:
-        return [tok.token_str(t) for t in reference(loaded, eos, ids, n)]
+        return [tok.token_str(t) for t in generate_reference(loaded, eos, ids, n)]
 
     before = mesh.metrics()
     singles = [prompt(n, salt=n) for n in (9, 16, 33, 300)]  # up to 19 blocks
@@ -207,7 +197,9 @@ def test_prefill_worker_killed_before_the_pull(
             "--port",
             str(port),
             "--device",
-            "cpu",
+            DEVICE,
+            "--dtype",
+            "float32",
             "--torch-num-gpu-blocks",
             "64",
         ],
@@ -239,7 +231,7 @@ def test_prefill_worker_killed_before_the_pull(
         req.remote_prefill = wire.remote_prefill_from_pb(resp.result)
         msgs = list(decode.Generate(wire.request_to_pb(req), timeout=60))
         tokens = [resp.result.first_token_id, *(t for m in msgs for t in m.token_ids)]
-        assert tokens == reference(loaded, eos, ids, 10)
+        assert tokens == generate_reference(loaded, eos, ids, 10)
         assert msgs[-1].remote_prefill_fallback and msgs[-1].kv_transfer_bytes == 0
         load = decode.GetLoadMetrics(wpb.GetLoadMetricsRequest()).metrics
         assert (load.kv_active_blocks, load.num_running_requests) == (0, 0)

@@ -22,6 +22,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.model_runner import load_model
 from kvmesh.workers.pytorch.weights import create_tiny_llava
+from tests.devices import DEVICE
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 from tests.unit.test_torch_llava import BLUE, BS, RED, SYSTEM, Llava
 
@@ -35,7 +36,7 @@ TEXT = "What is in this picture?"
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory: pytest.TempPathFactory) -> Llava:
     path = create_tiny_llava(tmp_path_factory.mktemp("llava-mesh") / MODEL)
-    return Llava(path, load_model(path, "cpu", TorchDType.FLOAT32))
+    return Llava(path, load_model(path, DEVICE, TorchDType.FLOAT32))
 
 
 def _start(llava: Llava, tmp: Path, *topology: str) -> Mesh:
@@ -47,7 +48,9 @@ def _start(llava: Llava, tmp: Path, *topology: str) -> Mesh:
         str(llava.model_dir),
         *topology,
         "--device",
-        "cpu",
+        DEVICE,
+        "--dtype",
+        "float32",
         "--torch-num-gpu-blocks",
         "64",
         "--torch-block-size",

@@ -33,10 +33,11 @@ from kvmesh.router.routing import SimpleRouter
 from kvmesh.runtime.discovery import FileDiscovery
 from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.workers.config import WorkerConfig
-from kvmesh.workers.pytorch.config import EmbeddingNormalize, Pooling, TorchConfig
+from kvmesh.workers.pytorch.config import EmbeddingNormalize, Pooling, TorchConfig, TorchDType
 from kvmesh.workers.pytorch.embedding import EmbeddingHead
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.server import Worker
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +97,7 @@ async def client(
     path, _mode = embed_model
     url = f"file://{tmp_path / 'registry'}"
     engine = TorchEngine(
-        TorchConfig(device="cpu", num_gpu_blocks=64),
+        TorchConfig(device=DEVICE, dtype=TorchDType.FLOAT32, num_gpu_blocks=64),
         model_dir=path,
         served_model_name="tiny",
         eos_token_ids=ModelDirInfo.load(path).eos_token_ids,

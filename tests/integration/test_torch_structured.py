@@ -25,6 +25,7 @@ import jsonschema
 import openai
 
 from kvmesh.workers.pytorch.weights import create_tiny_weights
+from tests.devices import DEVICE
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration
@@ -87,7 +88,9 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "--workers",
         "1",
         "--device",
-        "cpu",
+        DEVICE,
+        "--dtype",
+        "float32",
         "--torch-num-gpu-blocks",
         "512",
     )

@@ -23,6 +23,7 @@ from kvmesh.runtime.modeldir import ModelDirInfo
 from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from tests.conftest import generate_reference
+from tests.devices import DEVICE
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -36,7 +37,7 @@ N_OUT = 8
 @pytest.fixture(scope="module")
 def expected(torch_model_dir: Path) -> str:
     """transformers generate() of PROMPT, greedy, decoded."""
-    loaded: LoadedModel = load_model(torch_model_dir, "cpu", TorchDType.FLOAT32)
+    loaded: LoadedModel = load_model(torch_model_dir, DEVICE, TorchDType.FLOAT32)
     eos = ModelDirInfo.load(torch_model_dir).eos_token_ids
     out = generate_reference(loaded, eos, PROMPT, N_OUT)
     tok = Tokenizer.from_file(str(torch_model_dir / "tokenizer.json"))
@@ -53,7 +54,9 @@ def _start(tmp: Path, torch_model_dir: Path, *tiers: str) -> Mesh:
         "--workers",
         "1",
         "--device",
-        "cpu",
+        DEVICE,
+        "--dtype",
+        "float32",
         "--torch-num-gpu-blocks",
         "12",
         *tiers,

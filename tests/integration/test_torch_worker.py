@@ -30,6 +30,7 @@ from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
 from kvmesh.workers.server import Worker
 from tests.conftest import generate_reference
+from tests.devices import DEVICE
 from tests.integration.test_up_openai import Mesh, start_mesh, stop_mesh
 
 pytestmark = pytest.mark.integration
@@ -45,7 +46,7 @@ def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, "cpu", TorchDType.FLOAT32)
+    return load_model(model_dir, DEVICE, TorchDType.FLOAT32)
 
 
 PROMPTS = [
@@ -57,7 +58,7 @@ PROMPTS = [
 async def stub(model_dir: Path, loaded: LoadedModel) -> AsyncIterator[wpb_grpc.WorkerServiceStub]:
     info = ModelDirInfo.load(model_dir)
     engine = TorchEngine(
-        TorchConfig(device="cpu", num_gpu_blocks=64),
+        TorchConfig(device=DEVICE, num_gpu_blocks=64),
         model_dir=model_dir,
         served_model_name="tiny",
         eos_token_ids=info.eos_token_ids,
@@ -115,7 +116,9 @@ def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "--workers",
         "1",
         "--device",
-        "cpu",
+        DEVICE,
+        "--dtype",
+        "float32",
         "--torch-num-gpu-blocks",
         "256",
     )

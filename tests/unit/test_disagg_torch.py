@@ -38,6 +38,7 @@ from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
 from tests.conftest import generate_reference
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +53,7 @@ def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, "cpu", TorchDType.FLOAT32)
+    return load_model(model_dir, DEVICE, TorchDType.FLOAT32)
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -65,7 +66,7 @@ class Env:
         self.eos = ModelDirInfo.load(model_dir).eos_token_ids
 
     def engine(self, role: Role, tiers: KvTierConfig | None = None, **cfg: object) -> TorchEngine:
-        settings: dict[str, object] = {"device": "cpu", "num_gpu_blocks": 128, **cfg}
+        settings: dict[str, object] = {"device": DEVICE, "num_gpu_blocks": 128, **cfg}
         e = TorchEngine(
             TorchConfig(**settings),  # type: ignore[arg-type]
             model_dir=self.model_dir,

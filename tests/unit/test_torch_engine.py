@@ -34,6 +34,7 @@ from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_weights
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +49,7 @@ def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, "cpu", TorchDType.FLOAT32)
+    return load_model(model_dir, DEVICE, TorchDType.FLOAT32)
 
 
 class Env:
@@ -61,7 +62,7 @@ class Env:
         self._refs: dict[tuple[tuple[int, ...], int, float], list[int]] = {}
 
     def engine(self, **cfg: Any) -> TorchEngine:
-        config = TorchConfig(**{"device": "cpu", "num_gpu_blocks": 128, **cfg})
+        config = TorchConfig(**{"device": DEVICE, "num_gpu_blocks": 128, **cfg})
         return TorchEngine(
             config,
             model_dir=self.model_dir,
@@ -74,7 +75,7 @@ class Env:
         """transformers generate(), greedy."""
         key = (tuple(prompt), n, repetition_penalty)
         if key not in self._refs:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=self.loaded.device)
             out = self.loaded.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -262,7 +263,7 @@ async def test_logprobs_are_the_models(engine: TorchEngine, env: Env) -> None:
     outs = [o async for o in engine.generate(req(prompt, 4, top_logprobs=5))]
     lps = [lp for o in outs for lp in (o.logprobs or [])]
     assert [lp.token_id for lp in lps] == tokens
-    ids = torch.tensor([prompt + tokens])
+    ids = torch.tensor([prompt + tokens], device=env.loaded.device)
     with torch.inference_mode():
         logits = env.loaded.model(ids).logits[0].float()
     expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
@@ -345,10 +346,10 @@ async def test_export_import_blocks_between_engines(env: Env) -> None:
 
 
 async def test_bfloat16_runs(model_dir: Path, env: Env) -> None:
-    loaded = load_model(model_dir, "cpu", TorchDType.BFLOAT16)
+    loaded = load_model(model_dir, DEVICE, TorchDType.BFLOAT16)
     assert loaded.dtype is torch.bfloat16
     eng = TorchEngine(
-        TorchConfig(device="cpu", num_gpu_blocks=32),
+        TorchConfig(device=DEVICE, num_gpu_blocks=32),
         model_dir=model_dir,
         served_model_name="tiny",
         loaded=loaded,
@@ -363,7 +364,7 @@ async def test_bfloat16_runs(model_dir: Path, env: Env) -> None:
 
 async def test_engine_loads_its_own_model_and_sizes_its_cache(model_dir: Path) -> None:
     eng = TorchEngine(
-        TorchConfig(device="cpu", kv_cache_gb=0.001, max_model_len=512),
+        TorchConfig(device=DEVICE, kv_cache_gb=0.001, max_model_len=512),
         model_dir=model_dir,
         served_model_name="tiny",
     )
@@ -437,7 +438,7 @@ async def test_other_architectures_match_transformers(
     config.update(ARCHITECTURES[arch])
     (path / "config.json").write_text(json.dumps(config))
     create_tiny_weights(path)
-    env = Env(path, load_model(path, "cpu", TorchDType.FLOAT32))
+    env = Env(path, load_model(path, DEVICE, TorchDType.FLOAT32))
     eng = env.engine(max_num_batched_tokens=12)
     await eng.start()
     try:
@@ -457,3 +458,18 @@ def test_unsupported_architecture_is_refused(tiny_model: Path, tmp_path: Path) -
         load_model(path, "cpu")
     with pytest.raises(FileNotFoundError, match="no weights"):
         load_model(tiny_model, "cpu")
+
+
+def test_prefill_attention_leaves_out_cudnn_on_cuda_only() -> None:
+    """On CUDA, prefill attention runs without torch's cuDNN backend (it plans per shape: a
+    GPU run measured 85 -> 14 ms TTFT for prompts of new lengths); elsewhere nothing changes."""
+    from kvmesh.workers.pytorch.model_runner import _prefill_attention_context
+
+    backends = torch.backends.cuda
+    before = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled())
+    with _prefill_attention_context(torch.device("cuda"))():
+        assert not backends.cudnn_sdp_enabled()
+        assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled()
+    assert (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled()) == before
+    with _prefill_attention_context(torch.device("cpu"))():
+        assert (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled()) == before

@@ -28,6 +28,7 @@ from kvmesh.workers.pytorch.config import TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.weights import create_tiny_llava
+from tests.devices import DEVICE
 from tests.unit.test_torch_engine import Env, assert_idle, run
 
 pytestmark = pytest.mark.unit
@@ -54,7 +55,7 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(llava_dir: Path) -> LoadedModel:
-    return load_model(llava_dir, "cpu", TorchDType.FLOAT32)
+    return load_model(llava_dir, DEVICE, TorchDType.FLOAT32)
 
 
 class Llava(Env):
@@ -91,7 +92,7 @@ class Llava(Env):
     ) -> list[int]:
         inputs = self.inputs(text, images, system)
         out = self.loaded.model.generate(
-            **inputs,
+            **{k: v.to(self.loaded.device) for k, v in inputs.items()},
             do_sample=False,
             max_new_tokens=n,
             eos_token_id=list(self.eos),
@@ -264,4 +265,4 @@ def test_features_are_the_models_own(loaded: LoadedModel, llava: Llava) -> None:
     assert encoder is not None
     pixels = encoder.pixels([MediaInput("image/png", RED)])
     ref = llava.inputs("x", [RED])["pixel_values"]
-    assert torch.equal(pixels, ref)
+    assert torch.equal(pixels.cpu(), ref)

@@ -26,6 +26,7 @@ from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.pytorch.config import TorchConfig, TorchDType
 from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
+from tests.devices import DEVICE
 
 pytestmark = [
     pytest.mark.unit,
@@ -63,7 +64,7 @@ def model_dir(torch_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, "cpu", TorchDType.FLOAT32)
+    return load_model(model_dir, DEVICE, TorchDType.FLOAT32)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def eos(model_dir: Path) -> tuple[int, ...]:
 
 
 def _generate(model: Any, prompt: list[int], eos: tuple[int, ...]) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -111,7 +112,7 @@ async def engine(
     model_dir: Path, loaded: LoadedModel, eos: tuple[int, ...]
 ) -> AsyncIterator[TorchEngine]:
     eng = TorchEngine(
-        TorchConfig(device="cpu", num_gpu_blocks=128, max_loras=2),
+        TorchConfig(device=DEVICE, num_gpu_blocks=128, max_loras=2),
         model_dir=model_dir,
         served_model_name="tiny",
         eos_token_ids=eos,

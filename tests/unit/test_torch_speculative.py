@@ -29,6 +29,7 @@ from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from kvmesh.workers.pytorch.speculative import GATE_MAX_BACKOFF, DraftGate, accept, propose_ngram
 from kvmesh.workers.pytorch.weights import create_tiny_weights
 from tests.conftest import generate_reference
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +81,7 @@ def model_dir(torch_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, "cpu", TorchDType.FLOAT32)
+    return load_model(model_dir, DEVICE, TorchDType.FLOAT32)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ async def _engine(
     model_dir: Path, loaded: LoadedModel, eos: tuple[int, ...], **cfg: Any
 ) -> TorchEngine:
     eng = TorchEngine(
-        TorchConfig(**{"device": "cpu", "num_gpu_blocks": 256, **cfg}),
+        TorchConfig(**{"device": DEVICE, "num_gpu_blocks": 256, **cfg}),
         model_dir=model_dir,
         served_model_name="tiny",
         eos_token_ids=eos,
@@ -225,8 +226,16 @@ def small_draft_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 async def test_draft_model_equal_to_main_accepts_everything(
     model_dir: Path, loaded: LoadedModel, eos: tuple[int, ...]
 ) -> None:
+    # The main model is preloaded in float32; the configured dtype says bfloat16 (as `auto` does
+    # on CUDA): the draft must still run in the main model's dtype, or near-ties of the random
+    # model flip its proposals (a GPU run found 5 of 73 rejected).
     eng = await _engine(
-        model_dir, loaded, eos, num_speculative_tokens=4, draft_model=str(model_dir)
+        model_dir,
+        loaded,
+        eos,
+        num_speculative_tokens=4,
+        draft_model=str(model_dir),
+        dtype=TorchDType.BFLOAT16,
     )
     try:
         prompts = [OTHERS[0], OTHERS[1], REPETITIVE]

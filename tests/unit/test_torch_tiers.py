@@ -31,6 +31,7 @@ from kvmesh.workers.pytorch.engine import TorchEngine
 from kvmesh.workers.pytorch.kv_tiers import fingerprint
 from kvmesh.workers.pytorch.model_runner import LoadedModel, load_model
 from tests.conftest import generate_reference
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +45,7 @@ N_OUT = 8
 
 @pytest.fixture(scope="module")
 def loaded(torch_model_dir: Path) -> LoadedModel:
-    return load_model(torch_model_dir, "cpu", TorchDType.FLOAT32)
+    return load_model(torch_model_dir, DEVICE, TorchDType.FLOAT32)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def reference(torch_model_dir: Path, loaded: LoadedModel) -> list[int]:
 
 def _engine(torch_model_dir: Path, loaded: LoadedModel, tiers: KvTierConfig | None) -> TorchEngine:
     return TorchEngine(
-        TorchConfig(device="cpu", num_gpu_blocks=DEVICE_BLOCKS, max_model_len=512),
+        TorchConfig(device=DEVICE, num_gpu_blocks=DEVICE_BLOCKS, max_model_len=512),
         model_dir=torch_model_dir,
         served_model_name="tiny",
         eos_token_ids=ModelDirInfo.load(torch_model_dir).eos_token_ids,

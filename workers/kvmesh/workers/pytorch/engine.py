@@ -68,7 +68,12 @@ from kvmesh.workers.pytorch.guided import GrammarCompiler
 from kvmesh.workers.pytorch.kv_cache import KvCacheSpec, PagedKvCache
 from kvmesh.workers.pytorch.kv_tiers import TorchTierStore, fingerprint
 from kvmesh.workers.pytorch.lora import LoraAdapter, load_adapter
-from kvmesh.workers.pytorch.model_runner import LoadedModel, ModelRunner, load_model
+from kvmesh.workers.pytorch.model_runner import (
+    LoadedModel,
+    ModelRunner,
+    dtype_option,
+    load_model,
+)
 from kvmesh.workers.pytorch.sampler import Sampled
 from kvmesh.workers.pytorch.scheduler import ScheduledStep, SeqOutput, TorchScheduler
 from kvmesh.workers.pytorch.vision import ImageEncoder
@@ -226,7 +231,10 @@ class TorchEngine(BatchingEngine[TorchScheduler]):
         if cfg.draft_model:
             if not cfg.num_speculative_tokens:
                 raise ValueError("--torch-draft-model needs --torch-num-speculative-tokens >= 1")
-            draft = load_model(cfg.draft_model, cfg.device, cfg.dtype)
+            # The draft runs where the main model runs and in its dtype (with --torch-dtype auto
+            # the two checkpoints' own dtypes could differ; a preloaded main model ignores the
+            # config's dtype): proposals are then judged by the same arithmetic they came from.
+            draft = load_model(cfg.draft_model, str(loaded.device), dtype_option(loaded.dtype))
             check_draft_vocab(loaded, draft)
             self._draft = DraftModel(draft, num_blocks, cfg.block_size)
         if self._grammars is None:

@@ -23,6 +23,14 @@ Batching
     directly with a causal mask (exactly what transformers computes, no gather). Logits are
     computed only for the last token of sequences that sample in this step.
 
+Attention kernels on CUDA: prefill attention (queries of more than one token) runs without
+    torch's cuDNN backend. cuDNN builds an execution plan for every new shape, and a prefill's
+    shape is new with nearly every prompt length: on an H200 (torch 2.11, bfloat16, the 8-layer
+    model of tests/benchmarks/bench_torch_engine.py) a 1,024-1,209-token prompt of a new length
+    took 85 ms to its first token with cuDNN and 18 ms without (flash / memory-efficient
+    kernels need no plan); a 16-token prefill over a 1,024-token cached prefix 78 vs 14 ms.
+    Decode steps keep torch's default choice: their shapes recur.
+
 Images (LLaVA-style models, `LlavaForConditionalGeneration`): the runner drives the language
     model the same way; a chunk covering image placeholders carries its request's images
     (kvmesh.workers.pytorch.vision), whose features overwrite those rows' token embeddings
@@ -33,8 +41,9 @@ Threading: a runner is used from one thread at a time (the engine's executor thr
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +62,7 @@ __all__ = [
     "LoadedModel",
     "ModelRunner",
     "SeqChunk",
+    "dtype_option",
     "load_model",
     "resolve_device",
     "resolve_dtype",
@@ -71,6 +81,25 @@ _DTYPES = {
     TorchDType.BFLOAT16: torch.bfloat16,
     TorchDType.FLOAT16: torch.float16,
 }
+
+
+def dtype_option(dtype: torch.dtype) -> TorchDType:
+    """The TorchDType that names a torch dtype (the inverse of resolve_dtype's choice)."""
+    for option, torch_dtype in _DTYPES.items():
+        if torch_dtype == dtype:
+            return option
+    raise ValueError(f"no TorchDType for {dtype}")
+
+
+def _prefill_attention_context(device: torch.device) -> Callable[[], Any]:
+    """A context manager factory for prefill attention calls (module docstring: on CUDA, every
+    SDPA backend but cuDNN's)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return lambda: sdpa_kernel(backends)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -266,6 +295,7 @@ class ModelRunner:
         self._decoder = loaded.decoder
         self._layers = list(self._decoder.layers)
         self._rope = apply_rotary_pos_emb
+        self._prefill_attention = _prefill_attention_context(self.device)
         config = self._decoder.config
         default_window = (
             getattr(config, "sliding_window", None) if loaded.model_type == "mistral" else None
@@ -494,17 +524,18 @@ class ModelRunner:
                 q, k, v = q[g.rows], k[g.rows], v[g.rows]
             qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             n = q.shape[0]
-            if window is None or window >= n:
-                o = F.scaled_dot_product_attention(
-                    qh, kh, vh, is_causal=n > 1, scale=scale, enable_gqa=True
-                )
-            else:
-                idx = torch.arange(n, device=q.device)
-                diff = idx[:, None] - idx[None, :]
-                mask = (diff >= 0) & (diff < window)
-                o = F.scaled_dot_product_attention(
-                    qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
-                )
+            with self._prefill_attention():
+                if window is None or window >= n:
+                    o = F.scaled_dot_product_attention(
+                        qh, kh, vh, is_causal=n > 1, scale=scale, enable_gqa=True
+                    )
+                else:
+                    idx = torch.arange(n, device=q.device)
+                    diff = idx[:, None] - idx[None, :]
+                    mask = (diff >= 0) & (diff < window)
+                    o = F.scaled_dot_product_attention(
+                        qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
+                    )
             return o[0].transpose(0, 1)
         assert g.q_index is not None and g.table is not None and g.masks is not None
         assert g.valid is not None
@@ -514,8 +545,9 @@ class ModelRunner:
         kg = kb[g.table].view(batch, ctx, kb.shape[2], kb.shape[3]).transpose(1, 2)
         vg = vb[g.table].view(batch, ctx, vb.shape[2], vb.shape[3]).transpose(1, 2)
         qg = q[g.q_index].transpose(1, 2)  # [B, heads, Q, d]
-        o = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.masks[window], scale=scale, enable_gqa=True
-        )
+        with self._prefill_attention() if qg.shape[2] > 1 else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.masks[window], scale=scale, enable_gqa=True
+            )
         o = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B*Q, heads, d]
         return o[g.valid]
