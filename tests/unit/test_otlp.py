@@ -5,6 +5,9 @@ attributes of every type, status), the resource and the scope."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -12,12 +15,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from kvmesh.runtime.otlp import (
-    SpanRecord,
     encode_request,
     encode_resource,
     encode_scope,
     readable_span,
 )
+from kvmesh.runtime.tracing import TraceContext
 
 pytestmark = pytest.mark.unit
 
@@ -43,15 +46,33 @@ ATTRS = {
 }
 
 
-def records() -> list[SpanRecord]:
+@dataclass
+class Ended:
+    """An ended span as the encoder reads it (kvmesh.runtime.otlp.EndedSpan)."""
+
+    name: str
+    context: TraceContext
+    parent: TraceContext | None
+    remote_parent: bool
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error_message: str | None
+
+
+def records() -> list[Ended]:
+    def ctx(span_id: str, state: str = "") -> TraceContext:
+        return TraceContext(TRACE, span_id, 1, state)
+
     return [
-        SpanRecord("POST /v1/chat/completions", TRACE, "00f067aa0ba902b7", "a0b1c2d3e4f5a6b7",
-                   True, 1, "vendor=value", 1, 1_700_000_000_000_000_000,
-                   1_700_000_000_500_000_000, ATTRS, None),
-        SpanRecord("route", TRACE, "1111111111111111", "00f067aa0ba902b7", False, 1, "", 0,
-                   1_700_000_000_100_000_000, 1_700_000_000_100_050_000, {}, "no worker"),
-        SpanRecord("kv_transfer", TRACE, "2222222222222222", "", False, 1, "", 2, 5, 6,
-                   {"kvmesh.kv_transfer.bytes": 8388608}, ""),
+        Ended("POST /v1/chat/completions", ctx("00f067aa0ba902b7", "vendor=value"),
+              ctx("a0b1c2d3e4f5a6b7"), True, 1, 1_700_000_000_000_000_000,
+              1_700_000_000_500_000_000, ATTRS, None),
+        Ended("route", ctx("1111111111111111"), ctx("00f067aa0ba902b7"), False, 0,
+              1_700_000_000_100_000_000, 1_700_000_000_100_050_000, {}, "no worker"),
+        Ended("kv_transfer", ctx("2222222222222222"), None, False, 2, 5, 6,
+              {"kvmesh.kv_transfer.bytes": 8388608}, ""),
     ]  # fmt: skip
 
 

@@ -1,15 +1,16 @@
-"""kvmesh's ended spans (`SpanRecord`) and their way out through the OpenTelemetry SDK's OTLP
+"""kvmesh's ended spans (`EndedSpan`) and their way out through the OpenTelemetry SDK's OTLP
 exporters.
 
-A span costs the request path one small object; everything else happens on the SDK
-`BatchSpanProcessor`'s thread. There, for OTLP/gRPC, `encode_request` writes the
-ExportTraceServiceRequest directly in protobuf's wire format and the SDK exporter sends those
-bytes as they are: about an eighth of the CPU of the SDK's own encoder, which builds a message
-object per span, attribute and value, in Python (7 vs 58 µs for a span with nine attributes on
-this project's 2-core machine; span names, attribute keys and short string values, which repeat
-from span to span, are encoded once and kept). OTLP http/protobuf likewise (its SDK exporter's
-HTTP client sends the bytes). The SDK exporters do the rest: endpoint, headers, TLS,
-compression, timeouts, retries, all from their `OTEL_EXPORTER_OTLP_*` variables.
+A span costs the request path one small object, which the SDK's `BatchSpanProcessor` queues as
+it is; everything else happens on that processor's thread. There, for OTLP/gRPC,
+`encode_request` writes the ExportTraceServiceRequest directly in protobuf's wire format and the
+SDK exporter sends those bytes as they are: about an eighth of the CPU of the SDK's own encoder,
+which builds a message object per span, attribute and value, in Python (7 vs 58 µs for a span
+with nine attributes on this project's 2-core machine; span names, attribute keys and short
+string values, which repeat from span to span, are encoded once and kept). OTLP http/protobuf
+likewise (its SDK exporter's HTTP client sends the bytes). The SDK exporters do the rest:
+endpoint, headers, TLS, compression, timeouts, retries, all from their `OTEL_EXPORTER_OTLP_*`
+variables.
 
 Wire format: opentelemetry-proto `collector/trace/v1` and `trace/v1` (field numbers in the
 constants below); `tests/unit/test_otlp.py` checks the encoding against the SDK's, field by
@@ -20,75 +21,30 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["SpanRecord", "encode_request", "grpc_exporter", "http_exporter", "readable_span"]
+from kvmesh.runtime.tracing import TraceContext
 
-
-class _Sampled:
-    """What the SDK's BatchSpanProcessor reads of a span before queueing it
-    (`span.context.trace_flags.sampled`): only sampled spans are ever recorded."""
-
-    sampled = True
-
-    @property
-    def trace_flags(self) -> _Sampled:
-        return self
+__all__ = ["EndedSpan", "encode_request", "grpc_exporter", "http_exporter", "readable_span"]
 
 
-_SAMPLED = _Sampled()
+class EndedSpan(Protocol):
+    """What the encoder reads of an ended span (kvmesh.runtime.telemetry's recording spans are
+    queued as they are: no copy is made when a span ends)."""
 
-
-class SpanRecord:
-    """One ended span, as the exporter needs it (ids as lowercase hex)."""
-
-    __slots__ = (
-        "attributes",
-        "end_ns",
-        "error",
-        "flags",
-        "kind",
-        "name",
-        "parent_id",
-        "parent_remote",
-        "span_id",
-        "start_ns",
-        "trace_id",
-        "tracestate",
-    )
-
-    context = _SAMPLED
-
-    def __init__(
-        self,
-        name: str,
-        trace_id: str,
-        span_id: str,
-        parent_id: str,
-        parent_remote: bool,
-        flags: int,
-        tracestate: str,
-        kind: int,
-        start_ns: int,
-        end_ns: int,
-        attributes: Mapping[str, Any],
-        error: str | None,
-    ) -> None:
-        self.name = name
-        self.trace_id = trace_id
-        self.span_id = span_id
-        self.parent_id = parent_id
-        """"" for a root span."""
-        self.parent_remote = parent_remote
-        self.flags = flags
-        self.tracestate = tracestate
-        self.kind = kind
-        """opentelemetry.trace.SpanKind value (INTERNAL 0, SERVER 1, CLIENT 2)."""
-        self.start_ns = start_ns
-        self.end_ns = end_ns
-        self.attributes = attributes
-        self.error = error
-        """Status message of a failed span; None: status unset."""
+    name: str
+    context: TraceContext
+    """The span's own ids, flags and trace state."""
+    parent: TraceContext | None
+    """None for a root span."""
+    remote_parent: bool
+    kind: int
+    """opentelemetry.trace.SpanKind value (INTERNAL 0, SERVER 1, CLIENT 2)."""
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any]
+    error_message: str | None
+    """Status message of a failed span; None: status unset."""
 
 
 # --- protobuf wire format ------------------------------------------------------------------------
@@ -161,9 +117,10 @@ def _any(value: Any) -> bytes:
 
 
 _KEYS: dict[str, bytes] = {}
-_STRINGS: dict[tuple[str, str], bytes] = {}
-"""Span attribute fields of short string values, encoded once: most repeat from span to span
-(method, route, model, backend, worker id); bounded (cleared when full)."""
+_STRINGS: dict[tuple[str, str | int | tuple[str, ...]], bytes] = {}
+"""Span attribute fields of short string, integer and short string-list values, encoded once:
+most repeat from span to span (method, route, model, backend, worker id, token counts, finish
+reasons); bounded (cleared when full)."""
 _STRINGS_MAX = 4096
 _STRINGS_VALUE_MAX = 96
 
@@ -182,28 +139,50 @@ def _attribute(key: str, value: Any) -> bytes:
 
 
 def _span_attribute(key: str, value: Any) -> bytes:
-    """A span's attribute field (a KeyValue, tagged); short strings from the cache."""
-    if type(value) is str and len(value) <= _STRINGS_VALUE_MAX:
+    """A span's attribute field (a KeyValue, tagged). Short strings, integers and short lists of
+    strings repeat from span to span (methods, models, worker ids, token counts, finish
+    reasons): theirs come from a cache; a float's is a per-key prefix and the value."""
+    kind = type(value)
+    if kind is int or (kind is str and len(value) <= _STRINGS_VALUE_MAX):
         cached = _STRINGS.get((key, value))
         if cached is None:
             if len(_STRINGS) >= _STRINGS_MAX:
                 _STRINGS.clear()
             cached = _STRINGS[key, value] = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
         return cached
-    if type(value) is int and 0 <= value < 0x4000:
-        kv = _key(key) + _KV_VALUE + _SMALL[len(_SMALL[value]) + 1] + _ANY_INT + _SMALL[value]
-        return _SPAN_ATTRIBUTE + _len(len(kv)) + kv
+    if kind is list and len(value) <= 4 and all(type(v) is str for v in value):
+        items = tuple(value)  # e.g. finish reasons: ["stop"]
+        cached = _STRINGS.get((key, items))
+        if cached is None:
+            if len(_STRINGS) >= _STRINGS_MAX:
+                _STRINGS.clear()
+            cached = _STRINGS[key, items] = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
+        return cached
+    if kind is float:
+        prefix = _FLOAT_PREFIXES.get(key)
+        if prefix is None:
+            kv_key = _key(key)  # KeyValue: key field, then the value field: tag, length 9, double
+            prefix = _SPAN_ATTRIBUTE + _len(len(kv_key) + 11) + kv_key + _KV_VALUE + b"\x09"
+            prefix = _FLOAT_PREFIXES[key] = prefix + _ANY_DOUBLE
+        return prefix + _PACK_d(value)
     return _field(_SPAN_ATTRIBUTE, _attribute(key, value))
 
 
-def _span(r: SpanRecord) -> bytes:
-    parts = [_SPAN_TRACE_ID, bytes.fromhex(r.trace_id), _SPAN_SPAN_ID, bytes.fromhex(r.span_id)]
-    if r.tracestate:
-        parts.append(_field(_SPAN_TRACE_STATE, r.tracestate.encode()))
+_FLOAT_PREFIXES: dict[str, bytes] = {}
+"""Per attribute key, the bytes of a float attribute's field before the value (bounded by the
+keys in use, a few dozen)."""
+
+
+def _span(r: EndedSpan) -> bytes:
+    ctx = r.context
+    parts = [_SPAN_TRACE_ID, bytes.fromhex(ctx.trace_id), _SPAN_SPAN_ID, bytes.fromhex(ctx.span_id)]
+    if ctx.tracestate:
+        parts.append(_field(_SPAN_TRACE_STATE, ctx.tracestate.encode()))
     flags = _HAS_IS_REMOTE  # as the SDK's encoder: no trace flag bits
-    if r.parent_id:
-        parts += (_SPAN_PARENT, bytes.fromhex(r.parent_id))
-        if r.parent_remote:
+    parent = r.parent
+    if parent is not None:
+        parts += (_SPAN_PARENT, bytes.fromhex(parent.span_id))
+        if r.remote_parent:
             flags |= _IS_REMOTE
     name = _NAMES.get(r.name)
     if name is None:
@@ -219,10 +198,11 @@ def _span(r: SpanRecord) -> bytes:
         _PACK_Q(r.end_ns),
     )
     parts += [_span_attribute(k, v) for k, v in r.attributes.items()]
-    if r.error is None:
+    error = r.error_message
+    if error is None:
         parts.append(_STATUS_UNSET)
     else:
-        status = _field(_STATUS_MESSAGE, r.error.encode()) if r.error else b""
+        status = _field(_STATUS_MESSAGE, error.encode()) if error else b""
         parts.append(_field(_SPAN_STATUS, status + _STATUS_ERROR))
     parts += (_SPAN_FLAGS, _PACK_I(flags))
     return b"".join(parts)
@@ -243,7 +223,7 @@ def encode_scope(name: str, version: str) -> bytes:
     return _field(_SCOPE_NAME, name.encode()) + _field(_SCOPE_VERSION, version.encode())
 
 
-def encode_request(resource: bytes, scope: bytes, records: Sequence[SpanRecord]) -> bytes:
+def encode_request(resource: bytes, scope: bytes, records: Sequence[EndedSpan]) -> bytes:
     """An ExportTraceServiceRequest of `records` (one resource, one scope)."""
     spans = b"".join(_field(_SCOPE_SPANS_SPAN, _span(r)) for r in records)
     scope_spans = _field(_SCOPE_SPANS_SCOPE, scope) + spans
@@ -257,7 +237,7 @@ def encode_request(resource: bytes, scope: bytes, records: Sequence[SpanRecord])
 
 
 def grpc_exporter(endpoint: str | None, resource: Any, scope_name: str, scope_version: str) -> Any:
-    """The SDK's OTLP/gRPC span exporter, taking SpanRecords: `encode_request` writes the
+    """The SDK's OTLP/gRPC span exporter, taking EndedSpans: `encode_request` writes the
     request and its bytes go on the wire as they are (the exporter's stub is swapped for one
     whose serializer is the identity, so the SDK neither parses nor re-serializes them)."""
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -292,36 +272,42 @@ def grpc_exporter(endpoint: str | None, resource: Any, scope_name: str, scope_ve
     return RecordExporter(endpoint)
 
 
-def readable_span(r: SpanRecord, resource: Any, scope: Any) -> Any:
+def readable_span(r: EndedSpan, resource: Any, scope: Any) -> Any:
     """`r` as an SDK `ReadableSpan` of `resource` and InstrumentationScope `scope` (for the
     SDK's own encoder)."""
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
     from opentelemetry.trace.status import Status, StatusCode
 
-    state = TraceState.from_header([r.tracestate]) if r.tracestate else None
-    flags = TraceFlags(r.flags & 0xFF)
+    ctx = r.context
+    state = TraceState.from_header([ctx.tracestate]) if ctx.tracestate else None
+    flags = TraceFlags(ctx.flags & 0xFF)
+    trace_id = int(ctx.trace_id, 16)
     parent = (
-        SpanContext(int(r.trace_id, 16), int(r.parent_id, 16), r.parent_remote, flags, state)
-        if r.parent_id
+        SpanContext(trace_id, int(r.parent.span_id, 16), r.remote_parent, flags, state)
+        if r.parent is not None
         else None
     )
     return ReadableSpan(
         name=r.name,
-        context=SpanContext(int(r.trace_id, 16), int(r.span_id, 16), False, flags, state),
+        context=SpanContext(trace_id, int(ctx.span_id, 16), False, flags, state),
         parent=parent,
         resource=resource,
         attributes=r.attributes,
         kind=SpanKind(r.kind),
         instrumentation_scope=scope,
-        status=Status(StatusCode.ERROR, r.error or None) if r.error is not None else Status(),
+        status=(
+            Status(StatusCode.ERROR, r.error_message or None)
+            if r.error_message is not None
+            else Status()
+        ),
         start_time=r.start_ns,
         end_time=r.end_ns,
     )
 
 
 def http_exporter(endpoint: str | None, resource: Any, scope_name: str, scope_version: str) -> Any:
-    """The SDK's OTLP http/protobuf span exporter, taking SpanRecords: `encode_request` writes
+    """The SDK's OTLP http/protobuf span exporter, taking EndedSpans: `encode_request` writes
     the body and the SDK's HTTP client sends it (compression, retries, timeout, headers: the
     SDK's). SDKs whose exporter has no such client (before 1.45) get `readable_span`s and
     encode them with the SDK's own encoder (about 8x the CPU per span)."""

@@ -13,9 +13,9 @@ service-name`, else `OTEL_SERVICE_NAME`, else `kvmesh-<process>`), a unique
 other `OTEL_EXPORTER_OTLP_*` variable (headers, timeout, compression, certificates, insecure)
 is read by the SDK's exporters themselves.
 
-Spans: `tracer().start(name, parent)` returns a `Span`; `end()` hands a `SpanRecord` to the
-SDK's `BatchSpanProcessor` (a queue append; encoding and export run on the processor's thread,
-never on the event loop; kvmesh.runtime.otlp). Span ids are the W3C ids of
+Spans: `tracer().start(name, parent)` returns a `Span`; `end()` hands the span itself to the
+SDK's `BatchSpanProcessor` (a queue append, no copy; encoding and export run on the processor's
+thread, never on the event loop; kvmesh.runtime.otlp). Span ids are the W3C ids of
 `kvmesh.runtime.tracing.TraceContext`, which travels hop to hop as before: `span.context` is
 what the next hop gets as its parent.
 A span records only when tracing is on and its trace is sampled; otherwise `start` returns a
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, opt
-from kvmesh.runtime.otlp import SpanRecord, grpc_exporter, http_exporter
+from kvmesh.runtime.otlp import grpc_exporter, http_exporter
 from kvmesh.runtime.tracing import TraceContext
 
 if TYPE_CHECKING:
@@ -169,11 +169,14 @@ class Span:
 
 
 class _RecordingSpan(Span):
+    """A sampled span; once ended, the batch processor queues it as it is (it is an
+    kvmesh.runtime.otlp.EndedSpan) and nothing changes it any more."""
+
     __slots__ = (
-        "_ended",
-        "_error",
         "_tracer",
         "attributes",
+        "end_ns",
+        "error_message",
         "kind",
         "name",
         "parent",
@@ -202,24 +205,30 @@ class _RecordingSpan(Span):
         self.kind = kind
         self.attributes = attributes
         self.start_ns = start_ns
-        self._error: str | None = None
-        self._ended = False
+        self.end_ns = 0
+        """0 until the span ends."""
+        self.error_message: str | None = None
 
     def set(self, key: str, value: str | bool | int | float | list[str]) -> None:
-        self.attributes[key] = value
+        if not self.end_ns:
+            self.attributes[key] = value
 
     def update(self, attributes: Mapping[str, str | bool | int | float | list[str]]) -> None:
-        self.attributes.update(attributes)
+        if not self.end_ns:
+            self.attributes.update(attributes)
 
     def error(self, error_type: str, message: str = "") -> None:
-        self.attributes["error.type"] = error_type
-        self._error = message or error_type
+        if not self.end_ns:
+            self.attributes["error.type"] = error_type
+            self.error_message = message or error_type
 
     def end(self, end_ns: int | None = None) -> None:
-        if self._ended:
+        if self.end_ns:
             return
-        self._ended = True
-        self._tracer._finish(self, time.time_ns() if end_ns is None else end_ns)
+        self.end_ns = time.time_ns() if end_ns is None else end_ns
+        processor = self._tracer._processor
+        if processor is not None:
+            processor.on_end(self)  # type: ignore[arg-type]  # an EndedSpan: it only queues it
 
 
 class Tracer:
@@ -319,29 +328,6 @@ class Tracer:
             context, int(trace_id, 16), name, otel_trace.SpanKind(int(kind))
         )
         return result.decision is Decision.RECORD_AND_SAMPLE
-
-    def _finish(self, span: _RecordingSpan, end_ns: int) -> None:
-        processor = self._processor
-        if processor is None:  # pragma: no cover - recording spans exist only when enabled
-            return
-        ctx = span.context
-        parent = span.parent
-        processor.on_end(
-            SpanRecord(  # type: ignore[arg-type]  # the batch processor only queues it
-                span.name,
-                ctx.trace_id,
-                ctx.span_id,
-                parent.span_id if parent is not None else "",
-                span.remote_parent,
-                ctx.flags,
-                ctx.tracestate,
-                int(span.kind),
-                span.start_ns,
-                end_ns,
-                span.attributes,
-                span._error,
-            )
-        )
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Export what is queued now; False if that did not finish in time."""

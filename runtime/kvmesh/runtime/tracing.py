@@ -114,6 +114,13 @@ class TraceContext(NamedTuple):
         return bool(self.flags & 1)
 
     @property
+    def trace_flags(self) -> TraceContext:
+        """This context, read as the OpenTelemetry SDK reads an ended span's flags
+        (`span.context.trace_flags.sampled`, in its batch processor): kvmesh's recording spans
+        go to that processor as they are (kvmesh.runtime.telemetry)."""
+        return self
+
+    @property
     def traceparent(self) -> str:
         """The `traceparent` header value (version 00)."""
         return f"00-{self.trace_id}-{self.span_id}-{self.flags:02x}"
