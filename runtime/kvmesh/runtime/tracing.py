@@ -46,20 +46,15 @@ def _is_hex(value: str, length: int) -> bool:
 
 
 _tuple_new = tuple.__new__
+_bits = random.getrandbits  # the module's global generator (the same one after a fork)
 
 
 def _new_trace_id() -> str:
-    while True:
-        value = random.getrandbits(128)
-        if value:
-            return f"{value:032x}"
+    return "%032x" % (_bits(128) or 1)  # never all zero (invalid)
 
 
 def _new_span_id() -> str:
-    while True:
-        value = random.getrandbits(64)
-        if value:
-            return f"{value:016x}"
+    return "%016x" % (_bits(64) or 1)
 
 
 def _clean_tracestate(raw: str | None) -> str:
@@ -106,7 +101,7 @@ class TraceContext(NamedTuple):
 
     def child(self) -> TraceContext:
         """A context for a span whose parent is this one: same trace, new span id."""
-        return _tuple_new(TraceContext, (self[0], _new_span_id(), self[2], self[3]))
+        return _tuple_new(TraceContext, (self[0], "%016x" % (_bits(64) or 1), self[2], self[3]))
 
     @property
     def sampled(self) -> bool:
