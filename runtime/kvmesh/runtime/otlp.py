@@ -143,29 +143,26 @@ def _span_attribute(key: str, value: Any) -> bytes:
     strings repeat from span to span (methods, models, worker ids, token counts, finish
     reasons): theirs come from a cache; a float's is a per-key prefix and the value."""
     kind = type(value)
+    memo: tuple[str, str | int | tuple[str, ...]]
     if kind is int or (kind is str and len(value) <= _STRINGS_VALUE_MAX):
-        cached = _STRINGS.get((key, value))
-        if cached is None:
-            if len(_STRINGS) >= _STRINGS_MAX:
-                _STRINGS.clear()
-            cached = _STRINGS[key, value] = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
-        return cached
-    if kind is list and len(value) <= 4 and all(type(v) is str for v in value):
-        items = tuple(value)  # e.g. finish reasons: ["stop"]
-        cached = _STRINGS.get((key, items))
-        if cached is None:
-            if len(_STRINGS) >= _STRINGS_MAX:
-                _STRINGS.clear()
-            cached = _STRINGS[key, items] = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
-        return cached
-    if kind is float:
+        memo = (key, value)
+    elif kind is list and len(value) <= 4 and all(type(v) is str for v in value):
+        memo = (key, tuple(value))  # e.g. finish reasons: ["stop"]
+    elif kind is float:
         prefix = _FLOAT_PREFIXES.get(key)
         if prefix is None:
             kv_key = _key(key)  # KeyValue: key field, then the value field: tag, length 9, double
             prefix = _SPAN_ATTRIBUTE + _len(len(kv_key) + 11) + kv_key + _KV_VALUE + b"\x09"
             prefix = _FLOAT_PREFIXES[key] = prefix + _ANY_DOUBLE
         return prefix + _PACK_d(value)
-    return _field(_SPAN_ATTRIBUTE, _attribute(key, value))
+    else:
+        return _field(_SPAN_ATTRIBUTE, _attribute(key, value))
+    cached = _STRINGS.get(memo)
+    if cached is None:
+        if len(_STRINGS) >= _STRINGS_MAX:
+            _STRINGS.clear()
+        cached = _STRINGS[memo] = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
+    return cached
 
 
 _FLOAT_PREFIXES: dict[str, bytes] = {}
