@@ -83,7 +83,6 @@ def one_request(i: int) -> None:
         "queue", worker, remote=True, attributes={"kvmesh.request_id": f"req-{i}"},
         start_ns=wall_ns(now - 0.002),
     )  # fmt: skip
-    queue.end(wall_ns(now - 0.0019))
     prefill = t.start(
         "prefill",
         worker,
@@ -95,7 +94,6 @@ def one_request(i: int) -> None:
         },
         start_ns=wall_ns(now - 0.0019),
     )
-    prefill.end(wall_ns(now - 0.001))
     decode = t.start(
         "decode",
         worker,
@@ -109,7 +107,14 @@ def one_request(i: int) -> None:
         },
         start_ns=wall_ns(now - 0.001),
     )
-    decode.end(wall_ns(now))
+    # as the engine records them: ended together, one queued item
+    t.end_together(
+        [
+            (queue, wall_ns(now - 0.0019)),
+            (prefill, wall_ns(now - 0.001)),
+            (decode, wall_ns(now)),
+        ]
+    )
     server.update(
         {
             "http.response.status_code": 200,

@@ -8,11 +8,14 @@
 #          to a span sink on this machine (tests/otlp_receiver.py, counting spans)
 #   base-on: the code of BASE tracing as `on` does (has the cost of tracing itself moved?)
 #   bash tests/benchmarks/bench_tracing.sh            # N=4000 C=200 ROUNDS=3
+#   PROTOCOL=http/protobuf bash ...                   # the OTLP protocol of `on` (default grpc)
+# Ends with each mode's medians over the rounds and their ratios to `off`.
 # Server CPU counts the frontend and worker processes only (not the client, not the sink).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-$PWD/.venv/bin/python}
 N=${N:-4000}; C=${C:-200}; ROUNDS=${ROUNDS:-3}; BASE=${BASE:-main}; MODES=${MODES:-"base off on"}
+PROTOCOL=${PROTOCOL:-grpc}
 free_port() { "$PY" -c "from kvmesh.runtime.ports import free_port; print(free_port())"; }
 PORT=${PORT:-$(free_port)}; SINK_PORT=${SINK_PORT:-$(free_port)}
 WORK=$(mktemp -d /tmp/kvmesh-bench-tracing.XXXXXX)
@@ -23,7 +26,8 @@ cpu_of() { # CPU ticks of the children of `kvmesh up` $1 (its frontend and worke
   local t=0; for p in $(pgrep -P "$1" || true); do
   t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done; echo $t; }
 
-"$PY" -m tests.otlp_receiver "$SINK_PORT" >"$WORK/sink.log" 2>&1 &
+SINK_ARGS=(); [ "$PROTOCOL" = http/protobuf ] && SINK_ARGS=(--http)
+"$PY" -m tests.otlp_receiver "$SINK_PORT" "${SINK_ARGS[@]}" >"$WORK/sink.log" 2>&1 &
 SINK=$!
 trap 'kill $SINK 2>/dev/null || true; wait $SINK 2>/dev/null || true; cat "$WORK/sink.log"; rm -rf "$WORK"' EXIT
 
@@ -31,9 +35,10 @@ run_mode() { # mode round
   local mode=$1 env=(env -u OTEL_EXPORTER_OTLP_ENDPOINT -u OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
   case $mode in
     base) env+=(PYTHONPATH="$BASE_PATH") ;;
-    on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT" OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
+    on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+              OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
     base-on) env+=(PYTHONPATH="$BASE_PATH" OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
-                   OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
+                   OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
   esac
   "${env[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
     --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
@@ -45,7 +50,7 @@ run_mode() { # mode round
   kill -INT $up; wait $up || true
   echo "$out" | "$PY" -c "import sys,json
 c=json.loads(sys.stdin.readline())
-print(f'$mode round $2: {c[\"req_per_s\"]:7.1f} req/s  p50 {c[\"lat_ms_p50\"]:6.1f} ms  p99 {c[\"lat_ms_p99\"]:6.1f} ms | server CPU {$ticks*10000/($N+100):.0f} us/request', flush=True)"
+print(f'$mode round $2: {c[\"req_per_s\"]:7.1f} req/s  p50 {c[\"lat_ms_p50\"]:6.1f} ms  p99 {c[\"lat_ms_p99\"]:6.1f} ms | server CPU {$ticks*10000/($N+100):.0f} us/request', flush=True)" | tee -a "$WORK/rounds.txt"
 }
 
 uptime
@@ -53,3 +58,16 @@ for r in $(seq 1 "$ROUNDS"); do
   for mode in $MODES; do run_mode "$mode" "$r"; done
 done
 uptime
+"$PY" - "$WORK/rounds.txt" <<'PYEOF'
+import re, statistics, sys
+rows: dict[str, list[tuple[float, float, float]]] = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"(\S+) round \d+: +([\d.]+) req/s .* p99 +([\d.]+) ms .* CPU (\d+) us", line)
+    if m:
+        rows.setdefault(m[1], []).append((float(m[2]), float(m[3]), float(m[4])))
+med = {k: [statistics.median(c) for c in zip(*v)] for k, v in rows.items()}
+off = med.get("off")
+for k, (rps, p99, cpu) in med.items():
+    rel = f"  vs off: {rps / off[0]:.3f}x req/s, {cpu / off[2]:.3f}x CPU" if off else ""
+    print(f"median {k}: {rps:7.1f} req/s  p99 {p99:6.1f} ms  CPU {cpu:5.0f} us/request{rel}")
+PYEOF

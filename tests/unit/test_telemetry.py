@@ -8,9 +8,12 @@ import json
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from kvmesh.runtime import telemetry
+from kvmesh.runtime.otlp import SpanGroup, encode_request, spans_of
 from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.process import GlobalConfig, JsonFormatter, LogFormat
 from kvmesh.runtime.telemetry import (
@@ -18,6 +21,7 @@ from kvmesh.runtime.telemetry import (
     LogContext,
     Protocol,
     SpanKind,
+    Tracer,
     TracingConfig,
     setup_tracing,
     shutdown_tracing,
@@ -209,3 +213,62 @@ def test_json_logs_carry_the_request_context() -> None:
         "req-1",
     )
     assert GlobalConfig().log_format is LogFormat.TEXT and not GlobalConfig().log_content
+
+
+class CapturingProcessor:
+    """A batch processor stand-in that keeps what the tracer queues."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def on_end(self, item: Any) -> None:
+        self.items.append(item)
+
+
+def recording_tracer() -> tuple[Tracer, CapturingProcessor]:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    processor = CapturingProcessor()
+    return Tracer(TracerProvider(), processor), processor  # type: ignore[arg-type]
+
+
+def test_a_requests_spans_in_one_process_are_queued_as_one_item() -> None:
+    t, processor = recording_tracer()
+    assert CLIENT is not None
+    server = t.start("POST /v1/chat/completions", CLIENT, kind=SpanKind.SERVER, remote=True)
+    for name in ("preprocess", "route"):
+        t.start(name, server.context).end()
+    assert processor.items == []  # held by the open server span
+    server.end()
+    (item,) = processor.items
+    assert isinstance(item, SpanGroup) and item.context.trace_flags.sampled
+    assert [s.name for s in item] == ["POST /v1/chat/completions", "preprocess", "route"]
+    # After its server span, a child goes alone; so does a span whose parent is remote.
+    t.start("late", server.context).end()
+    t.start("queue", CLIENT, remote=True).end()
+    assert [getattr(i, "name", None) for i in processor.items[1:]] == ["late", "queue"]
+    # Spans ended together: one item, each at its time.
+    queue = t.start("queue", CLIENT, remote=True, start_ns=1)
+    decode = t.start("decode", CLIENT, remote=True, start_ns=2)
+    t.end_together([(queue, 3), (decode, 4)])
+    group = processor.items[-1]
+    assert isinstance(group, SpanGroup) and [(s.name, s.end_ns) for s in group] == [
+        ("queue", 3),
+        ("decode", 4),
+    ]
+    spans = list(spans_of(processor.items))
+    assert len(spans) == 7
+    assert encode_request(b"", b"", processor.items) == encode_request(b"", b"", spans)
+
+
+def test_server_spans_never_ended_are_not_held_forever(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry, "_MAX_OPEN_SERVERS", 2)
+    t, processor = recording_tracer()
+    assert CLIENT is not None
+    first = t.start("GET /a", CLIENT, kind=SpanKind.SERVER, remote=True)
+    t.start("route", first.context).end()
+    t.start("GET /b", CLIENT, kind=SpanKind.SERVER, remote=True)
+    assert processor.items == []
+    t.start("GET /c", CLIENT, kind=SpanKind.SERVER, remote=True)  # /a is let go: its child is sent
+    assert [s.name for s in spans_of(processor.items)] == ["route"]
+    assert len(t._servers) == 2

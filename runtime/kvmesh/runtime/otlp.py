@@ -20,31 +20,75 @@ field.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvmesh.runtime.tracing import TraceContext
 
-__all__ = ["EndedSpan", "encode_request", "grpc_exporter", "http_exporter", "readable_span"]
+__all__ = [
+    "EndedSpan",
+    "SpanGroup",
+    "encode_request",
+    "grpc_exporter",
+    "http_exporter",
+    "readable_span",
+    "spans_of",
+]
 
 
 class EndedSpan(Protocol):
     """What the encoder reads of an ended span (kvmesh.runtime.telemetry's recording spans are
     queued as they are: no copy is made when a span ends)."""
 
-    name: str
-    context: TraceContext
-    """The span's own ids, flags and trace state."""
-    parent: TraceContext | None
-    """None for a root span."""
-    remote_parent: bool
-    kind: int
-    """opentelemetry.trace.SpanKind value (INTERNAL 0, SERVER 1, CLIENT 2)."""
-    start_ns: int
-    end_ns: int
-    attributes: Mapping[str, Any]
-    error_message: str | None
-    """Status message of a failed span; None: status unset."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def context(self) -> TraceContext:
+        """The span's own ids, flags and trace state."""
+
+    @property
+    def parent(self) -> TraceContext | None:
+        """None for a root span."""
+
+    @property
+    def remote_parent(self) -> bool: ...
+    @property
+    def kind(self) -> int:
+        """opentelemetry.trace.SpanKind value (INTERNAL 0, SERVER 1, CLIENT 2)."""
+
+    @property
+    def start_ns(self) -> int: ...
+    @property
+    def end_ns(self) -> int: ...
+    @property
+    def attributes(self) -> Mapping[str, Any]: ...
+    @property
+    def error_message(self) -> str | None:
+        """Status message of a failed span; None: status unset."""
+
+
+class SpanGroup(list[EndedSpan]):
+    """Ended spans queued as one item of the SDK's batch processor: a request's spans in one
+    process (a server span and the children that ended before it, or spans that end together)
+    cost one `on_end` and its bookkeeping instead of one each. The exporters take spans and
+    groups alike (`spans_of`); the processor's batch and queue sizes count items."""
+
+    __slots__ = ()
+
+    @property
+    def context(self) -> TraceContext:
+        """What the batch processor reads before it queues an item (the first span's flags:
+        every span of a group is sampled)."""
+        return self[0].context
+
+
+def spans_of(items: Sequence[EndedSpan | SpanGroup]) -> Iterator[EndedSpan]:
+    """The spans of queued items, groups unpacked."""
+    for item in items:
+        if type(item) is SpanGroup:
+            yield from item
+        else:
+            yield item  # type: ignore[misc]  # not a group: a span
 
 
 # --- protobuf wire format ------------------------------------------------------------------------
@@ -220,9 +264,11 @@ def encode_scope(name: str, version: str) -> bytes:
     return _field(_SCOPE_NAME, name.encode()) + _field(_SCOPE_VERSION, version.encode())
 
 
-def encode_request(resource: bytes, scope: bytes, records: Sequence[EndedSpan]) -> bytes:
+def encode_request(
+    resource: bytes, scope: bytes, records: Sequence[EndedSpan | SpanGroup]
+) -> bytes:
     """An ExportTraceServiceRequest of `records` (one resource, one scope)."""
-    spans = b"".join(_field(_SCOPE_SPANS_SPAN, _span(r)) for r in records)
+    spans = b"".join(_field(_SCOPE_SPANS_SPAN, _span(r)) for r in spans_of(records))
     scope_spans = _field(_SCOPE_SPANS_SCOPE, scope) + spans
     resource_spans = _field(_RESOURCE_SPANS_RESOURCE, resource) + _field(
         _RESOURCE_SPANS_SCOPE_SPANS, scope_spans
@@ -320,7 +366,7 @@ def http_exporter(endpoint: str | None, resource: Any, scope_name: str, scope_ve
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
             send = getattr(getattr(self, "_client", None), "export", None)
             if send is None:
-                return super().export([readable_span(r, resource, scope) for r in spans])
+                return super().export([readable_span(r, resource, scope) for r in spans_of(spans)])
             if self._shutdown:
                 return SpanExportResult.FAILURE
             sent = send(encode_request(resource_bytes, scope_bytes, spans))  # logs failures

@@ -36,13 +36,13 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, opt
-from kvmesh.runtime.otlp import grpc_exporter, http_exporter
+from kvmesh.runtime.otlp import SpanGroup, grpc_exporter, http_exporter
 from kvmesh.runtime.tracing import TraceContext
 
 if TYPE_CHECKING:
@@ -175,6 +175,7 @@ class _RecordingSpan(Span):
     __slots__ = (
         "_tracer",
         "attributes",
+        "children",
         "end_ns",
         "error_message",
         "kind",
@@ -208,6 +209,8 @@ class _RecordingSpan(Span):
         self.end_ns = 0
         """0 until the span ends."""
         self.error_message: str | None = None
+        self.children: list[_RecordingSpan] | None = None
+        """A server span's children that ended before it (queued with it)."""
 
     def set(self, key: str, value: str | bool | int | float | list[str]) -> None:
         if not self.end_ns:
@@ -226,9 +229,7 @@ class _RecordingSpan(Span):
         if self.end_ns:
             return
         self.end_ns = time.time_ns() if end_ns is None else end_ns
-        processor = self._tracer._processor
-        if processor is not None:
-            processor.on_end(self)  # type: ignore[arg-type]  # an EndedSpan: it only queues it
+        self._tracer._ended(self)
 
 
 class Tracer:
@@ -247,6 +248,9 @@ class Tracer:
         """Whether spans can record (tracing was set up)."""
         self.provider = provider
         self._processor = processor
+        self._servers: dict[str, _RecordingSpan] = {}
+        """Open server spans by span id: the local children that end before one of them are
+        queued with it (one `on_end` per request and process; kvmesh.runtime.otlp.SpanGroup)."""
         self._sampler = sampler
         self._parent_based = True
         """A remote parent's sampled flag decides (the sampler need not be asked)."""
@@ -299,7 +303,7 @@ class Tracer:
                     )
         if not self.enabled or not context.sampled:
             return Span(context)
-        return _RecordingSpan(
+        span = _RecordingSpan(
             self,
             name,
             context,
@@ -309,6 +313,53 @@ class Tracer:
             attributes if attributes is not None else {},
             time.time_ns() if start_ns is None else start_ns,
         )
+        if kind is SpanKind.SERVER:
+            servers = self._servers
+            if len(servers) >= _MAX_OPEN_SERVERS:  # never ended (a bug): stop holding the oldest
+                self._queue(servers.pop(next(iter(servers))).children or [])
+            servers[context.span_id] = span
+        return span
+
+    def _ended(self, span: _RecordingSpan) -> None:
+        """Queue an ended span: a server span with the children it holds; a child of an open
+        server span in this process is held by it until it ends."""
+        if span.kind is SpanKind.SERVER:
+            self._servers.pop(span.context.span_id, None)
+            children = span.children
+            if children:
+                span.children = None
+                self._queue([span, *children])
+                return
+        else:
+            parent = span.parent
+            if parent is not None and not span.remote_parent:
+                server = self._servers.get(parent.span_id)
+                if server is not None:
+                    if server.children is None:
+                        server.children = [span]
+                    else:
+                        server.children.append(span)
+                    return
+        processor = self._processor
+        if processor is not None:
+            processor.on_end(span)  # type: ignore[arg-type]  # an EndedSpan: it only queues it
+
+    def end_together(self, ends: Sequence[tuple[Span, int]]) -> None:
+        """End each span at its time (ns since the epoch) and queue the recording ones as one
+        item (spans of one request recorded at once, e.g. an engine's queue, prefill and
+        decode)."""
+        ended: list[_RecordingSpan] = []
+        for span, end_ns in ends:
+            if isinstance(span, _RecordingSpan) and not span.end_ns:
+                span.end_ns = end_ns
+                ended.append(span)
+        self._queue(ended)
+
+    def _queue(self, spans: list[_RecordingSpan]) -> None:
+        processor = self._processor
+        if processor is not None and spans:
+            item = spans[0] if len(spans) == 1 else SpanGroup(spans)
+            processor.on_end(item)  # type: ignore[arg-type]  # it only queues it
 
     def _sample(
         self, parent: TraceContext | None, trace_id: str, name: str, kind: SpanKind
@@ -350,6 +401,10 @@ def _span_context(ctx: TraceContext, *, remote: bool) -> Any:
     return SpanContext(
         int(ctx.trace_id, 16), int(ctx.span_id, 16), remote, TraceFlags(ctx.flags), state
     )
+
+
+_MAX_OPEN_SERVERS = 65536
+"""Server spans open at once per process, at most (more means spans that are never ended)."""
 
 
 # --- setup -------------------------------------------------------------------------------------

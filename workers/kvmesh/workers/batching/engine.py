@@ -724,7 +724,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
             attributes={"kvmesh.request_id": rid},
             start_ns=wall_ns(req.arrived),
         )
-        queue.end(wall_ns(admitted))
+        ends = [(queue, wall_ns(admitted))]
         if prefilled_here:
             prefill = t.start(
                 "prefill",
@@ -737,22 +737,22 @@ class BatchingEngine(Engine, Generic[SchedT]):
                 },
                 start_ns=wall_ns(admitted),
             )
-            prefill.end(wall_ns(first))
-        if out.handoff:
-            return
-        attributes: dict[str, Any] = {
-            "kvmesh.request_id": rid,
-            "gen_ai.usage.output_tokens": generated,
-            "gen_ai.server.time_per_output_token": (now - first) / gaps if gaps > 0 else 0.0,
-        }
-        if prefilled_here:
-            attributes["gen_ai.server.time_to_first_token"] = first - req.arrived
-        if out.finish_reason is not None:
-            attributes["gen_ai.response.finish_reasons"] = [out.finish_reason.value]
-        decode = t.start(
-            "decode", trace, remote=True, attributes=attributes, start_ns=wall_ns(decode_from)
-        )
-        decode.end(wall_ns(now))
+            ends.append((prefill, wall_ns(first)))
+        if not out.handoff:
+            attributes: dict[str, Any] = {
+                "kvmesh.request_id": rid,
+                "gen_ai.usage.output_tokens": generated,
+                "gen_ai.server.time_per_output_token": (now - first) / gaps if gaps > 0 else 0.0,
+            }
+            if prefilled_here:
+                attributes["gen_ai.server.time_to_first_token"] = first - req.arrived
+            if out.finish_reason is not None:
+                attributes["gen_ai.response.finish_reasons"] = [out.finish_reason.value]
+            decode = t.start(
+                "decode", trace, remote=True, attributes=attributes, start_ns=wall_ns(decode_from)
+            )
+            ends.append((decode, wall_ns(now)))
+        t.end_together(ends)  # one queued item for the request's engine spans
 
     def _transferred(
         self,
