@@ -52,3 +52,26 @@ def test_nothing_changes_where_torchvision_imports(
     monkeypatch.setattr(vllm_plugin, "_torchvision_imports", lambda: True)
     vllm_plugin.register()
     assert vllm_plugin.TORCHVISION_MODULE not in sys.modules
+
+
+def test_nixl_agents_start_without_the_busy_progress_thread() -> None:
+    """vLLM's NixlConnector asks for an agent config without naming the progress thread; the
+    wrapped config turns it off unless the caller asks for it (tests/vllm_real runs vLLM's
+    NIXL connectors with the plugin: test_vllm_disagg.py, test_vllm_disagg_mesh.py)."""
+
+    class AgentConfig:  # nixl._api.nixl_agent_config's signature, the parts that matter here
+        def __init__(self, enable_prog_thread: bool = True, num_threads: int = 0) -> None:
+            self.enable_pthread = enable_prog_thread
+            self.num_threads = num_threads
+
+    wrapped = vllm_plugin.nixl_config_without_progress_thread(AgentConfig)
+    assert vllm_plugin.nixl_config_without_progress_thread(wrapped) is wrapped  # idempotent
+    config = wrapped(num_threads=4)
+    assert not config.enable_pthread and config.num_threads == 4
+    assert wrapped(enable_prog_thread=True).enable_pthread
+
+
+def test_no_nixl_connector_no_nixl_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_plugin.NIXL_SIDE_CHANNEL_PORT, raising=False)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # would fail if it were imported
+    vllm_plugin._nixl_without_progress_thread()

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.vllm_real.env import MODEL, create_vllm_tiny_model
+from tests.vllm_real.env import MODEL, create_vllm_tiny_model, plugin_dist
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_plugin() -> Iterator[None]:
+    """kvmesh's vLLM plugin registered for the engines this process starts (and the processes
+    they spawn), as an installed kvmesh registers it through its entry point."""
+    path = str(plugin_dist())
+    saved = os.environ.get("PYTHONPATH")
+    sys.path.insert(0, path)
+    os.environ["PYTHONPATH"] = os.pathsep.join([path, *([saved] if saved else [])])
+    importlib.invalidate_caches()
+    yield
+    sys.path.remove(path)
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,7 @@ from kvmesh.workers.adapters.base import OutputDecoder, PrefillSink, StreamingAd
 from kvmesh.workers.adapters.config import VllmConfig
 from kvmesh.workers.adapters.kv_tiers import model_kv_block_bytes, vllm_medium_tier, vllm_with_tiers
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, StoredChain, engine_hash
+from kvmesh.workers.adapters.vllm_plugin import NIXL_SIDE_CHANNEL_PORT
 from kvmesh.workers.adapters.zmq_endpoints import (
     private_ipc_endpoints,
     remove_private_ipc_files,
@@ -856,9 +857,6 @@ class VllmEngine(StreamingAdapter[Any]):
         if request.stop.max_tokens == 1:
             return PrefillResult(remote, usage, FinishReason.LENGTH)
         return PrefillResult(remote, usage)
-
-
-NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 
 def _nixl_side_channel_port(transfer: Any) -> None:

