@@ -169,7 +169,7 @@ class Span:
 
 
 class _RecordingSpan(Span):
-    """A sampled span; once ended, the batch processor queues it as it is (it is an
+    """A sampled span; once ended, the batch processor queues it as it is (it is a
     kvmesh.runtime.otlp.EndedSpan) and nothing changes it any more."""
 
     __slots__ = (
