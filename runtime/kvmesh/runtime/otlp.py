@@ -45,16 +45,19 @@ class EndedSpan(Protocol):
     @property
     def context(self) -> TraceContext:
         """The span's own ids, flags and trace state."""
+        ...
 
     @property
     def parent(self) -> TraceContext | None:
         """None for a root span."""
+        ...
 
     @property
     def remote_parent(self) -> bool: ...
     @property
     def kind(self) -> int:
         """opentelemetry.trace.SpanKind value (INTERNAL 0, SERVER 1, CLIENT 2)."""
+        ...
 
     @property
     def start_ns(self) -> int: ...
@@ -65,6 +68,7 @@ class EndedSpan(Protocol):
     @property
     def error_message(self) -> str | None:
         """Status message of a failed span; None: status unset."""
+        ...
 
 
 class SpanGroup(list[EndedSpan]):
