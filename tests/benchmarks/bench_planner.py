@@ -52,7 +52,16 @@ from kvmesh.sim.trace import Trace, load_trace, write_trace
 from kvmesh.sim.workloads import WorkloadConfig, WorkloadKind, generate
 from kvmesh.workers.mocker.config import MockerConfig
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "ref" / "traces"
+
+def _traces_dir() -> Path:
+    """`shared/ref/traces` beside the checkout (or beside the folder of git worktrees)."""
+    for parent in Path(__file__).resolve().parents[2:]:
+        if (parent / "shared" / "ref" / "traces").is_dir():
+            return parent / "shared" / "ref" / "traces"
+    return Path(__file__).resolve().parents[3] / "shared" / "ref" / "traces"
+
+
+TRACES = _traces_dir()
 
 
 @dataclass(frozen=True)

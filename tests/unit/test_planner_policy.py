@@ -4,13 +4,14 @@ policies, the shared limits (min/max, stabilization window, budget), the drain o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.drain import DrainCandidate, drain_order
 from kvmesh.planner.model import WorkerModel
-from kvmesh.planner.policy import Observation, Planner, PoolState, SlaPolicy
+from kvmesh.planner.policy import Decision, Observation, Planner, PoolState, SlaPolicy
 from kvmesh.planner.predictors import (
     ConstantPredictor,
     KalmanPredictor,
@@ -499,3 +500,135 @@ def test_a_correction_past_the_profile_shrinks_the_capacity_not_to_the_maximum()
     # targets the profile itself cannot reach: the maximum
     strict = Planner(config(itl_slo_ms=1.0), PlannerPolicy.SLA, [AGG], PROFILE)
     assert strict.decide(10.0, obs(30.0), pools).targets[AGG] == 20
+
+
+def test_kalman_damps_a_trend_that_weakens_near_a_peak() -> None:
+    # A day's rise (sin^2, peak at t = 16) observed up to t = 13: the filter's slope still
+    # holds most of the rise that has already slowed. The series fell short of the trend, so
+    # the damped prediction 2.5 intervals ahead is lower and nearer the truth.
+    def day(t: float) -> float:
+        return 10 + 90 * math.sin(math.pi * t / 32) ** 2
+
+    straight, damped = KalmanPredictor(damped=False), KalmanPredictor()
+    for t in range(14):
+        straight.observe(day(t))
+        damped.observe(day(t))
+    truth = day(13 + 2.5)
+    assert straight.predict(2.5) - truth > 8.0  # the straight trend overshoots the peak
+    assert damped.damping() < 0.9
+    assert abs(damped.predict(2.5) - truth) < 0.7 * abs(straight.predict(2.5) - truth)
+    assert damped.predict(1) <= straight.predict(1)
+    # a ramp the series keeps up with is extrapolated straight (noise around it aside)
+    ramp_straight, ramp = KalmanPredictor(damped=False), KalmanPredictor()
+    for t in range(30):
+        value = 10 + 3 * t + (0.5 if t % 2 else -0.5)
+        ramp_straight.observe(value)
+        ramp.observe(value)
+    assert ramp.damping() > 0.999
+    assert ramp.predict(2.5) == pytest.approx(ramp_straight.predict(2.5), rel=1e-3)
+    # a trend that turned adds nothing: the level
+    turned = KalmanPredictor()
+    for value in (10.0, 20.0, 30.0, 40.0, 50.0, 50.0, 45.0):
+        turned.observe(value)
+    assert turned.predict(3) <= turned.level + 1e-9
+
+
+def test_sizing_looks_ahead_to_the_next_chance_to_ask() -> None:
+    # A worker asked for now serves after its start-up (10 s) and is the last word only until
+    # one asked for at the planner's next chance serves: the next surge check (2 s) when they
+    # run, else the next interval (10 s). On a steady ramp the planned rate is the trend at
+    # 0.5 + (10 + 2) / 10 = 1.7 intervals ahead, not 2.5.
+    def planned(surge_check_s: float) -> float:
+        cfg = config(predictor=PredictorKind.KALMAN, worker_startup_s=10.0,
+                     surge_check_s=surge_check_s)  # fmt: skip
+        planner = Planner(cfg, PlannerPolicy.SLA, [AGG], PROFILE)
+        d = None
+        for i in range(30):
+            d = planner.decide(10.0 * (i + 1), obs(10.0 + 2.0 * i), {AGG: PoolState(AGG, 9, 9)})
+        assert d is not None
+        return d.predicted_rps
+
+    last = 10.0 + 2.0 * 29
+    assert planned(0.0) == pytest.approx(last + 2.5 * 2.0, abs=0.3)
+    assert planned(2.0) == pytest.approx(last + 1.7 * 2.0, abs=0.3)
+
+
+def test_queued_work_is_counted_at_the_itl_the_pool_shows() -> None:
+    # The pool decodes at 2x the profile's mean ITL (as observed, over many intervals); the
+    # requests in flight are what its workers hold at that ITL: nothing is queued beyond the
+    # pool, so it is sized on the rate alone (at the lower capacity the correction gives).
+    model = WorkerModel(PREFILL, DECODE)
+    planner = Planner(config(), PlannerPolicy.SLA, [AGG], PROFILE)
+    pool = PoolState(AGG, target=4, ready=4)
+    expected = model.latency(30.0 / 4, 1000, 100)
+    d = None
+    for i in range(30):
+        o = obs(30.0, first_tokens=300, ttft_tail_ms=expected.ttft_ms, itl_ms=2 * expected.itl_ms)
+        d = planner.decide(10.0 * (i + 1), o, {AGG: pool})
+    assert d is not None
+    cap = d.capacity_rps[AGG]
+    lat = model.latency(cap, 1000, 100)
+    holds = cap * (lat.ttft_ms + 99 * 2 * lat.itl_ms) / 1e3  # per worker, at the observed ITL
+    o = obs(30.0, first_tokens=300, ttft_tail_ms=expected.ttft_ms, itl_ms=2 * expected.itl_ms,
+            inflight=math.floor(4 * holds * 0.98))  # fmt: skip
+    d = planner.decide(310.0, o, {AGG: pool})
+    assert "backlog 0," in d.reasons[AGG]
+    assert d.targets[AGG] <= max(4, math.ceil(30.0 / cap - 1e-9))
+
+
+def _grow_on_latency(latency: Callable[[int], float], steps: int = 14) -> list[Decision]:
+    """A pool at 20 req/s that the planner sizes each interval (its workers ready by the next),
+    with the surge checks between; `latency(ready)`: the mean ITL and the requests' own mean
+    ITL at the quantile the pool shows with that many workers."""
+    planner = Planner(config(max_workers=20), PlannerPolicy.SLA, [AGG], PROFILE)
+    ready = 2
+    decisions = []
+    for i in range(steps):
+        itl = latency(ready)
+        o = obs(20.0, first_tokens=200, finished=200, ttft_tail_ms=40.0, itl_ms=itl,
+                itl_tail_ms=itl)  # fmt: skip
+        pool = PoolState(AGG, ready, ready)
+        d = planner.decide(10.0 * (i + 1), o, {AGG: pool})
+        decisions.append(d)
+        target = d.targets[AGG]
+        surge = planner.surge(
+            10.0 * (i + 1) + 2.0,
+            obs(20.0, interval=2.0, itl_ms=itl),
+            {AGG: PoolState(AGG, target, ready, starting=target - ready)},
+        )
+        ready = surge.targets.get(AGG, target)  # fmt: skip
+    return decisions
+
+
+def test_growth_that_does_not_lower_latency_stops() -> None:
+    # The pool's ITL is 30 ms (1.5x the target) whatever its size (a router that keeps the new
+    # workers idle, say): each worker added lowers the model's ITL, not the observed one, so
+    # the correction would climb with the pool and grow it to its maximum. The guard sees a
+    # growth that did not lower the latency (once the grown pool served a whole interval) and
+    # holds the corrections at what they were before it: the pool comes back to the size it
+    # grew from and stays there (without the guard: at its maximum, 20).
+    stuck = _grow_on_latency(lambda ready: 30.0)
+    sizes = [d.targets[AGG] for d in stuck]
+    assert max(sizes) == 20, sizes  # the correction ran past the profile in one step
+    assert sizes[-6:] == [3] * 6, sizes
+    assert "growth did not lower latency: itl held since 3 ready" in stuck[-1].reasons[AGG]
+    # A pool whose latency falls as it grows, as the model says (1.6x the model at the load
+    # each worker has): the guard never holds it, and it grows to what the load needs.
+    model = WorkerModel(PREFILL, DECODE)
+    scaled = _grow_on_latency(lambda ready: 1.6 * model.latency(20.0 / ready, 1000, 100).itl_ms)
+    assert not any("growth did not lower latency" in d.reasons[AGG] for d in scaled)
+    need = math.ceil(20.0 / scaled[-1].capacity_rps[AGG] - 1e-9)
+    assert scaled[-1].targets[AGG] >= need
+
+
+def test_surge_adds_no_worker_for_a_latency_growth_did_not_lower() -> None:
+    planner = Planner(config(max_workers=20), PlannerPolicy.SLA, [AGG], PROFILE)
+    slow = {"first_tokens": 200.0, "finished": 200.0, "ttft_tail_ms": 40.0, "itl_ms": 30.0,
+            "itl_tail_ms": 30.0}  # fmt: skip
+    for i, ready in enumerate((2, 2, 6, 6)):  # grew from 2 to 6: the ITL stayed at 30 ms
+        planner.decide(10.0 * (i + 1), obs(20.0, **slow), {AGG: PoolState(AGG, ready, ready)})
+    six = PoolState(AGG, 6, 6)
+    assert planner.surge(42.0, obs(20.0, interval=2.0, itl_ms=30.0), {AGG: six}).targets == {}
+    fresh = Planner(config(max_workers=20), PlannerPolicy.SLA, [AGG], PROFILE)
+    fresh.decide(10.0, obs(20.0, **slow), {AGG: six})
+    assert fresh.surge(12.0, obs(20.0, interval=2.0, itl_ms=30.0), {AGG: six}).targets[AGG] == 7

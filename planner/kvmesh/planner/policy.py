@@ -9,18 +9,21 @@ Two policies compute the size each pool wants:
     `--prediction-margin` times the running RMS of how far its past one-interval predictions
     fell short, so the margin grows while the load rises faster than predicted) and the mean prompt
     and output lengths (averaged over the last intervals: they wander without a trend) and the
-    share of prompt tokens found in a prefix cache (the lowest of the last intervals) at the end
-    of the interval a worker asked for now serves first (start-up plus one interval ahead),
-    reads from the performance profile how many requests/s one worker serves within the targets
+    share of prompt tokens found in a prefix cache (the lowest of the last intervals) up to when
+    a worker asked for now stops being the last word (its start-up, plus the time to the
+    planner's next chance to ask: one surge check period, or one interval without them; the
+    Kalman trend damped where the series falls short of it, as near a peak), reads from the
+    performance profile how many requests/s one worker serves within the targets
     (kvmesh.planner.model; cached prompt tokens cost no prefill), corrects that by what the pool
     showed, per request as the SLO counts (observed TTFT at `--ttft-quantile` / the model's TTFT
     at the observed load; the requests' own mean ITL at `--itl-quantile` / the model's mean ITL,
     where the gateways export that per-request histogram, else observed mean ITL / the model's
-    with `--itl-headroom`; smoothed), and adds the queued work: requests in flight
-    beyond what the ready and starting workers hold at that capacity, to be served within
-    one interval. Workers already starting count as capacity (never asked for twice).
-    Aggregated pools and disaggregated prefill/decode pools (prefill sized on TTFT, decode on
-    ITL).
+    with `--itl-headroom`; smoothed; held by the no-gain guard where a growth did not lower the
+    latency, see `SlaPolicy._guard`), and adds the queued work: requests in flight beyond what
+    the ready and starting workers hold at that capacity (and at the ITL the pool shows), to be
+    served within one interval. Workers already starting count as capacity (never asked for
+    twice). Aggregated pools and disaggregated prefill/decode pools (prefill sized on TTFT,
+    decode on ITL).
   * `QueuePolicy`: the reactive baseline, as KEDA/HPA scale on queue length: replicas *
     (in-flight requests per ready worker / `--queue-target`), unchanged within 10 %.
 
@@ -35,10 +38,11 @@ deviations (a short window is noisy) if higher. When that rate plus the requests
 beyond what the pool holds exceed what its ready and starting workers serve (at the capacity
 the last interval sized them with), the pool grows to the workers that load needs; when the
 window's mean ITL is over what the pool is sized for (the mean the last interval planned, as
-observed) or its TTFT tail over the target, by one worker.
-Starting workers count (a pool whose new workers are on the way is not asked for them again); a
-surge never shrinks a pool, and what it asked for enters the stabilization window below, so the
-next intervals do not take it back before the window has passed (the hysteresis both ways).
+observed) or its TTFT tail over the target, by one worker (not for a latency the no-gain
+guard saw growth fail to lower). Starting workers count (a pool whose new workers are on the
+way is not asked for them again); a surge never shrinks a pool, and what it asked for enters
+the stabilization window below, so the next intervals do not take it back before the window
+has passed (the hysteresis both ways).
 
 `Planner` then applies what both share: the per-pool minimum and maximum, the scale-down
 stabilization window (a pool shrinks only to the largest size wanted over the last
@@ -91,6 +95,14 @@ ERROR_SMOOTHING = 0.2
 SURGE_Z = 1.0
 """A surge check grows a pool on arrivals or requests in flight only past this many Poisson
 standard deviations over what the pool serves (the hysteresis against a short window's noise)."""
+GAIN_WINDOW = 4
+"""Intervals the no-gain guard looks back over for the smaller pool a growth started from."""
+GAIN_EXPECTED = 0.1
+"""The no-gain guard judges a growth only when the model says it lowers the latency by at least
+this share (a growth that merely follows the load proves nothing)."""
+GAIN_SHARE = 0.5
+"""A growth lowered the latency when the observed latency fell by at least this share of what
+the model expected it to fall by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +194,35 @@ class _Plan:
     """The mean ITL (per gap, as observed) the pool was sized to run at, at most."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """One interval's latency of a pool against the model (the no-gain guard's history)."""
+
+    ready: int
+    expected_ms: float
+    """The model's latency at the load each worker had."""
+    observed_ms: float
+    factors: tuple[float, ...]
+    """The corrections of this kind of latency as they stood after the interval."""
+
+
+def _no_gain(
+    history: Sequence[_Seen], ready: int, expected: float, observed: float
+) -> _Seen | None:
+    """The first interval of `history` with a smaller pool than `ready` whose latency the
+    growth since should have lowered, per the model, by `GAIN_EXPECTED` at least, but did not
+    (the observed latency fell by less than `GAIN_SHARE` of that); None if the growth helped."""
+    for past in history:
+        if past.ready >= ready or not (past.expected_ms > 0 and past.observed_ms > 0):
+            continue
+        fell_expected = 1 - expected / past.expected_ms
+        if fell_expected < GAIN_EXPECTED:
+            continue
+        if 1 - observed / past.observed_ms < GAIN_SHARE * fell_expected:
+            return past
+    return None
+
+
 def _clamp(value: float, lo: float, hi: float) -> float:
     return min(max(value, lo), hi)
 
@@ -220,9 +261,12 @@ class SlaPolicy:
         """Exponentially weighted mean square of how far the one-interval rate predictions
         fell short (over-predictions count as 0)."""
         self._predicted_next: float | None = None
-        self.horizon = 0.5 + (config.worker_startup_s + interval) / interval
-        """Intervals from the middle of the one just observed to the end of the interval a
-        worker asked for now serves first (after its start-up): the rate to size for."""
+        again = config.surge_check_s if config.surge_check_s > 0 else interval
+        self.horizon = 0.5 + (config.worker_startup_s + again) / interval
+        """Intervals from the middle of the one just observed to when a worker asked for now
+        stops being the last word: after its start-up, until one the planner asks for at its
+        next chance (the next surge check, or the next interval without them) serves: the rate
+        to size for."""
         self.ttft_factor = 1.0
         self.itl_factor = 1.0
         """Observed / modelled mean ITL."""
@@ -234,6 +278,13 @@ class SlaPolicy:
         gateways showed one: the pool is then sized on the mean with `itl_headroom`)."""
         self.plans: dict[Role, _Plan] = {}
         """Per pool, what the last interval sized it with."""
+        self.seen: dict[tuple[Role, str], deque[_Seen]] = {}
+        """Per pool and kind of latency ("ttft", "itl"), the last `GAIN_WINDOW` intervals."""
+        self.stalled: dict[tuple[Role, str], _Seen] = {}
+        """Per pool and kind of latency, the interval a growth that did not lower that latency
+        started from (the no-gain guard; see `_guard`)."""
+        self.last_ready: dict[Role, int] = {}
+        """Per pool, the ready workers the last interval's decision saw."""
 
     def _observe(self, now: float, obs: Observation) -> None:
         count, seconds = self._since_tick
@@ -287,16 +338,79 @@ class SlaPolicy:
                 if 0 < expected.ttft_ms < math.inf:
                     f = _clamp(obs.ttft_tail_ms / expected.ttft_ms, lo, hi)
                     self.ttft_factor = (1 - a) * self.ttft_factor + a * f
+                    (self.ttft_factor,) = self._guard(
+                        role, "ttft", ready, expected.ttft_ms, obs.ttft_tail_ms,
+                        self.config.ttft_slo_ms, (self.ttft_factor,),
+                    )  # fmt: skip
             if model.decode is None or not 0 < expected.itl_ms < math.inf:
                 continue
             if math.isfinite(obs.itl_ms):
                 f = _clamp(obs.itl_ms / expected.itl_ms, lo, hi)
                 self.itl_factor = (1 - a) * self.itl_factor + a * f
-            if math.isfinite(obs.itl_tail_ms) and obs.finished >= self.tail_samples:
+            tail = math.isfinite(obs.itl_tail_ms) and obs.finished >= self.tail_samples
+            if tail:
                 f = _clamp(obs.itl_tail_ms / expected.itl_ms, lo, hi)
                 # from what the headroom assumed, so one interval does not set it alone
                 prev = self.itl_tail_factor or 1 / self.config.itl_headroom
                 self.itl_tail_factor = (1 - a) * prev + a * f
+            observed = obs.itl_tail_ms if tail else obs.itl_ms
+            if math.isfinite(observed):
+                headroom = 1 / self.config.itl_headroom
+                target = self.config.itl_slo_ms * (1 if tail else self.config.itl_headroom)
+                self.itl_factor, tail_factor = self._guard(
+                    role, "itl", ready, expected.itl_ms, observed, target,
+                    (self.itl_factor, self.itl_tail_factor or headroom),
+                )  # fmt: skip
+                if self.itl_tail_factor is not None:
+                    self.itl_tail_factor = tail_factor
+
+    def _guard(
+        self,
+        role: Role,
+        kind: str,
+        ready: int,
+        expected: float,
+        observed: float,
+        target: float,
+        factors: tuple[float, ...],
+    ) -> tuple[float, ...]:
+        """The no-gain guard: growth that does not lower the latency stops.
+
+        A correction reads slow latency as load: observed over modelled at the load each worker
+        had. When the latency does not come from load (a router that keeps the new workers idle
+        because the old ones hold the prompts' prefixes, a slow shared dependency), a larger pool
+        lowers the modelled latency and not the observed one, so the correction rises with every
+        worker added and the pool grows on, to its maximum. Here: when the pool, over the
+        `target` (the latency of this `kind` the SLO allows) with every worker it has now ready
+        through the whole interval (the last decision saw as many: a worker that just joined
+        has not had the time to take load, and a backlog built up before it is still draining),
+        is larger than in one of the last `GAIN_WINDOW` intervals and its latency did not fall
+        as the model said it would (`_no_gain`), the corrections of that kind are held at most
+        at what they were then (so the pool is sized as it was, and shrinks back to that size
+        unless the load asks for more); and the surge checks do not add workers for that
+        latency meanwhile (`stalled`). Until the latency is under the target, or a pool larger
+        than the one the growth started from, steady, shows the latency lower as the model says
+        it should be (a growth did help: the latency is load again). Returns the corrections to
+        use.
+        """
+        key = (role, kind)
+        history = self.seen.setdefault(key, deque(maxlen=GAIN_WINDOW))
+        stall = self.stalled.get(key)
+        steady = self.last_ready.get(role) == ready
+        if stall is not None and (
+            observed <= target
+            or (steady and ready > stall.ready and not _no_gain([stall], ready, expected, observed))
+        ):
+            stall = None
+            del self.stalled[key]
+        if stall is None and steady and observed > target:
+            stall = _no_gain(history, ready, expected, observed)
+            if stall is not None:
+                self.stalled[key] = stall
+        if stall is not None:
+            factors = tuple(min(f, c) for f, c in zip(factors, stall.factors, strict=True))
+        history.append(_Seen(ready, expected, observed, factors))
+        return factors
 
     def desired(
         self, now: float, obs: Observation, pools: Mapping[Role, PoolState], decision: Decision
@@ -313,6 +427,7 @@ class SlaPolicy:
         rate += cfg.prediction_margin * math.sqrt(self.rate_error)
         decision.predicted_rps = rate
         self._correct(obs, pools, osl, hit)
+        self.last_ready = {role: state.ready for role, state in pools.items()}
         ttft_target = cfg.ttft_slo_ms / self.ttft_factor
         # The ITL the model may plan (its mean): the target over what the requests' own mean
         # ITL at the quantile showed against the model; without it, a headroom under the target
@@ -344,7 +459,8 @@ class SlaPolicy:
             # Queued work: requests in flight beyond what ready + starting workers hold at
             # this capacity, to be served within one interval.
             lat = model.latency(cap, isl, osl, cached)
-            hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms) / 1e3
+            # at the ITL the pool shows (the model's, corrected as the mean was observed)
+            hold = cap * (lat.ttft_ms + max(osl - 1, 0) * lat.itl_ms * self.itl_factor) / 1e3
             self.plans[role] = _Plan(cap, hold, itl_target * self.itl_factor)
             backlog = 0.0
             if state is not None:
@@ -359,6 +475,13 @@ class SlaPolicy:
                 f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f}, "
                 f"per-request itl x{self.itl_tail_factor or math.nan:.2f})"
             )
+            held = [
+                f"{kind} held since {seen.ready} ready"
+                for (r, kind), seen in self.stalled.items()
+                if r is role
+            ]
+            if held:
+                decision.reasons[role] += f"; growth did not lower latency: {', '.join(held)}"
         return out
 
     def surge(
@@ -384,11 +507,17 @@ class SlaPolicy:
             why = "a request waits on an empty pool"
             # Latency over what the pool is sized for: the ready workers are overloaded now;
             # one more (a pool with workers starting already has it).
-            slow_itl = model.decode is not None and obs.itl_ms > plan.itl_ms
+            # (not for a latency that growth was seen not to lower: the no-gain guard)
+            slow_itl = (
+                model.decode is not None
+                and obs.itl_ms > plan.itl_ms
+                and (role, "itl") not in self.stalled
+            )
             slow_ttft = (
                 model.prefill is not None
                 and obs.first_tokens >= MIN_SAMPLES
                 and obs.ttft_tail_ms > cfg.ttft_slo_ms
+                and (role, "ttft") not in self.stalled
             )
             if (slow_itl or slow_ttft) and state.ready + 1 > need:
                 need, why = (

@@ -96,19 +96,41 @@ class KalmanPredictor:
     noise; their ratio to it, not its size, sets how fast the filter follows: the defaults
     pick up a ramp within two or three intervals and keep Poisson-like noise of a request rate
     counted over the interval mostly out). Prediction `steps` ahead: level + steps * slope.
+
+    Damped near a turn (`damped`, the default): a trend that weakens is not carried on at full
+    strength. The filter's slope lags the series' (it follows a change over a few intervals),
+    so near a peak a straight extrapolation overshoots by a few intervals' worth of a rise
+    that has already slowed. The series shows it first: over the last `DAMP_SPAN` intervals
+    it fell short of what the trend predicted one interval ahead (the innovations, on average,
+    went against the slope). The trend is then taken to be weakening by that share, phi = 1 -
+    shortfall / slope per interval (0 when the shortfall is the whole slope: the rise has
+    stopped), and the prediction adds slope * (phi + phi^2 + ...) over `steps` instead of
+    slope * steps. A series that keeps up with its trend, or outruns it, is extrapolated
+    straight (never amplified).
     """
 
+    DAMP_SPAN = 2
+    """Intervals whose innovations are averaged to judge the trend (against their noise)."""
+
     def __init__(
-        self, level_noise: float = 2.0, slope_noise: float = 0.5, noise_memory: float = 0.1
+        self,
+        level_noise: float = 2.0,
+        slope_noise: float = 0.5,
+        noise_memory: float = 0.1,
+        *,
+        damped: bool = True,
     ) -> None:
         self.q_level = level_noise
         self.q_slope = slope_noise
         self.memory = noise_memory
+        self.damped = damped
         self.level = 0.0
         self.slope = 0.0
         self.p = [[1.0, 0.0], [0.0, 1.0]]
         self.r = 0.0
         self.n = 0
+        self.innovations: deque[float] = deque(maxlen=self.DAMP_SPAN)
+        """The last observations less what the filter predicted for them, one interval ahead."""
 
     def observe(self, value: float) -> None:
         if self.n == 0:
@@ -128,6 +150,7 @@ class KalmanPredictor:
         a11 = p11 + q1
         # update
         innovation = value - level
+        self.innovations.append(innovation)
         s = a00 + self.r
         k0, k1 = a00 / s, a10 / s
         self.level = level + k0 * innovation
@@ -140,8 +163,23 @@ class KalmanPredictor:
         m = self.memory
         self.r = max((1 - m) * self.r + m * innovation * innovation, 1e-9 * (1 + value * value))
 
+    def damping(self) -> float:
+        """phi, in [0, 1]: 1 - the share of the slope the series fell short of over the last
+        `DAMP_SPAN` intervals (1: undamped)."""
+        if not self.damped or len(self.innovations) < self.DAMP_SPAN or self.slope == 0:
+            return 1.0
+        shortfall = -sum(self.innovations) / len(self.innovations) / self.slope
+        return _clamp01(1 - shortfall)
+
     def predict(self, steps: float = 1) -> float:
-        return max(0.0, self.level + steps * self.slope)
+        phi = self.damping()
+        # slope * (phi + phi^2 + ... ), `steps` terms (a fraction of an interval allowed)
+        ahead = steps if phi >= 1.0 else phi * (1 - phi**steps) / (1 - phi)
+        return max(0.0, self.level + ahead * self.slope)
+
+
+def _clamp01(x: float) -> float:
+    return min(1.0, max(0.0, x))
 
 
 class RateTrend:
