@@ -127,6 +127,27 @@ def test_a_prefix_being_computed_counts_as_cached_until_the_first_token() -> Non
     assert off.select([*shared, 5, 6, 7, 8], now=0.0).overlap_blocks == 0
 
 
+def test_after_the_first_token_the_computed_prefix_counts_until_its_events_can_be_here() -> None:
+    # A request's worker announces the blocks it computed only through its KV events, which
+    # reach the router some time after its first token: the prefix stays counted there for
+    # `inflight_hold_s` after the first token, even once the request is gone.
+    sched = make(inflight_hold_s=1.0)
+    prompt = list(range(1000, 1032))
+    first = sched.select([*prompt, 1], now=0.0)
+    sched.book("a", first, 0.0)
+    assert sched.first_token("a", now=10.0)
+    assert sched.free("a")
+    again = [*prompt, 2]
+    assert sched.select(again, now=10.5).overlap_blocks == 8
+    assert sched.select(again, now=10.5).worker_id == first.worker_id
+    assert sched.select(again, now=11.0).overlap_blocks == 0  # held no longer; no event came
+    assert len(sched.inflight) == 0
+    # Without a time (the replay, whose events arrive at once): until the first token only.
+    sched.book("b", sched.select([*prompt, 3], now=20.0), 20.0)
+    assert sched.first_token("b")
+    assert sched.select(again, now=20.0).overlap_blocks == 0
+
+
 def test_ties_are_broken_at_random_not_always_the_first() -> None:
     sched = make(4, seed=7)
     picks = Counter(sched.select([1, 2, 3, 4], now=0.0).worker_id for _ in range(400))

@@ -150,7 +150,7 @@ class KvRouter:
         )
 
     def first_token(self, request_id: str) -> None:
-        self.scheduler.first_token(request_id)
+        self.scheduler.first_token(request_id, now=self.clock.now())
 
     def finished(self, request_id: str) -> None:
         self.scheduler.free(request_id)

@@ -146,6 +146,12 @@ class KvRouterConfig:
     turn of a conversation, or the rest of a burst sharing a new prefix, then follows the first
     instead of prefilling the prefix again elsewhere. Own bookings only (peers share loads,
     not prompts)."""
+    inflight_hold_s: float = 1.0
+    """How long after a request's first token the prefix it computed stays counted that way:
+    the worker's KV events announcing those blocks may still be on their way, and a request
+    sent right after (the next turn, the same prompt again) would otherwise find the prefix
+    nowhere and go elsewhere. 0: until the first token (the replay, where events arrive at
+    once)."""
 
     def __post_init__(self) -> None:
         if not self.overlap_weight >= 0:
@@ -158,8 +164,8 @@ class KvRouterConfig:
             raise ValueError("busy_waiting_requests must be >= 0")
         if not self.approx_ttl_s > 0 or not self.load_max_age_s > 0:
             raise ValueError("approx_ttl_s and load_max_age_s must be > 0")
-        if not self.load_settle_s >= 0:
-            raise ValueError("load_settle_s must be >= 0")
+        if not self.load_settle_s >= 0 or not self.inflight_hold_s >= 0:
+            raise ValueError("load_settle_s and inflight_hold_s must be >= 0")
         self.policy = KvPolicyKind(self.policy)
         if not self.itl_weight >= 0 or not self.itl_penalty_cap_ms >= 0:
             raise ValueError("itl_weight and itl_penalty_cap_ms must be >= 0")
@@ -353,6 +359,9 @@ class KvScheduler:
         )
         self.approx: ApproxIndex[str] = ApproxIndex(self.config.approx_ttl_s)
         self.inflight: InflightIndex[str] = InflightIndex()
+        self._held: deque[tuple[float, WorkerLoad, Sequence[int]]] = deque()
+        """Prefixes past their requests' first token, still counted in `inflight` until the
+        time first (`inflight_hold_s`), oldest first."""
         self.router_id = router_id
         self._workers: dict[str, WorkerLoad] = {}
         self._bookings: dict[tuple[str, str], _Booking] = {}
@@ -486,6 +495,8 @@ class KvScheduler:
         """Choose a worker for a prompt (books nothing; see the class doc).
         `expected_output_tokens` (0: unknown) weighs the ITL penalty of the ttft policy."""
         cfg = self.config
+        if self._held:
+            self._release_held(now)
         if candidates is None:
             loads = list(self._workers.values())
         else:
@@ -790,17 +801,33 @@ class KvScheduler:
 
     def _end_inflight(self, b: _Booking) -> None:
         if b.inflight:
-            wid = b.load.worker_id
-            if self._workers.get(wid) is b.load:  # not a worker that left (and came back)
-                self.inflight.remove(wid, b.inflight)
+            self._uncount(b.load, b.inflight)
             b.inflight = ()
 
-    def first_token(self, request_id: str, source: str = "") -> bool:
-        """The request's prefill is done: its prefill blocks stop counting. False if unknown."""
+    def _uncount(self, load: WorkerLoad, hashes: Sequence[int]) -> None:
+        wid = load.worker_id
+        if self._workers.get(wid) is load:  # not a worker that left (and came back)
+            self.inflight.remove(wid, hashes)
+
+    def _release_held(self, now: float) -> None:
+        held = self._held
+        while held and held[0][0] <= now:
+            _, load, hashes = held.popleft()
+            self._uncount(load, hashes)
+
+    def first_token(self, request_id: str, source: str = "", now: float | None = None) -> bool:
+        """The request's prefill is done: its prefill blocks stop counting; the prefix it
+        computed stays counted as in flight until `now` + `inflight_hold_s` (with `now`).
+        False if unknown."""
         b = self._bookings.get((source, request_id))
         if b is None:
             return False
-        self._end_inflight(b)
+        hold = self.config.inflight_hold_s
+        if b.inflight and now is not None and hold > 0:
+            self._held.append((now + hold, b.load, b.inflight))
+            b.inflight = ()
+        else:
+            self._end_inflight(b)
         if b.prefill:
             b.load.booked_prefill -= b.prefill
             b.prefill = 0

@@ -162,6 +162,9 @@ class ReplayConfig(KvPolicyFlags):
             # default of 0.25 s counted the last quarter second's bookings twice here, and so
             # steered bursts away from the workers that had just taken their prefix).
             load_settle_s=0.0,
+            # KV events reach the replay's router at once: nothing to wait for past the first
+            # token.
+            inflight_hold_s=0.0,
         )
 
 
