@@ -103,11 +103,15 @@ GRID: list[tuple[str, dict[str, Any]]] = [
     ("kv-cost", {"router_overlap_weight": 2.0}),
     ("kv", {}),
     ("kv", {"router_itl_weight": 5.0, "router_itl_penalty_cap_ms": 300.0}),
+    ("kv", {"router_decode_delay_weight": 0.0}),
+    ("kv", {"router_decode_delay_weight": 2.0}),
 ]
 """The points cross-validation chooses from: (policy, ReplayConfig overrides; {} = defaults).
 cost: the overlap weight (blocks to prefill against blocks decoding); ttft: the ITL penalty
-(weight x expected output tokens x ms of ITL above the best worker's, capped). Small, so a CV
-run costs two matrix passes at 4 workers beyond the matrix's own."""
+(weight x expected output tokens x ms of ITL above the best worker's, capped) and the weight of
+the delay a request's prefill adds to the requests running on its worker (0: its own TTFT
+only; the default 1; 2). Small: a CV
+run costs four matrix passes at 4 workers beyond the matrix's own."""
 DEFAULT_POLICY = "kv-cost" if KvPolicyFlags().router_policy is KvPolicyKind.COST else "kv"
 """The matrix policy that runs with the router's default policy."""
 
