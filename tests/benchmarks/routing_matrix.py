@@ -35,6 +35,7 @@ Usage (from the repository root; Dynamo optional; results are appended, so a run
     .venv/bin/python tests/benchmarks/routing_matrix.py --workers 4      # ~20 min a policy here
     .venv/bin/python tests/benchmarks/routing_matrix.py                  # 2-16 workers: hours
     .venv/bin/python tests/benchmarks/routing_matrix.py --cv             # choose the default
+    .venv/bin/python tests/benchmarks/routing_matrix.py --cv --cv-points 2 5   # some points
     .venv/bin/python tests/benchmarks/routing_matrix.py --quick          # 2 workloads x 4 workers
   --jobs N: simulations in parallel (default 2); --out DIR (default .cache/routing_matrix).
 Simulated latencies do not depend on this machine's load; only wall times do.
@@ -110,8 +111,8 @@ GRID: list[tuple[str, dict[str, Any]]] = [
 cost: the overlap weight (blocks to prefill against blocks decoding); ttft: the ITL penalty
 (weight x expected output tokens x ms of ITL above the best worker's, capped) and the weight of
 the delay a request's prefill adds to the requests running on its worker (0: its own TTFT
-only; the default 1; 2). Small: a CV
-run costs four matrix passes at 4 workers beyond the matrix's own."""
+only; the default 1; 2). A CV run costs a matrix pass at 4 workers per point beyond the
+matrix's own (`--cv-points` runs some of them; the others' rows, if present, still count)."""
 DEFAULT_POLICY = "kv-cost" if KvPolicyFlags().router_policy is KvPolicyKind.COST else "kv"
 """The matrix policy that runs with the router's default policy."""
 
@@ -448,6 +449,14 @@ def main() -> None:
     parser.add_argument(
         "--cv", action="store_true", help="choose the default policy and its parameters"
     )
+    parser.add_argument(
+        "--cv-points",
+        nargs="+",
+        type=int,
+        default=None,
+        help="--cv: replay only these GRID points (indices; default all); points whose rows "
+        "are all in OUT (e.g. from an earlier run) still count",
+    )
     parser.add_argument("--quick", action="store_true", help="conv and agentic, 4 workers only")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--workers", nargs="+", type=int, default=list(WORKERS))
@@ -486,7 +495,8 @@ def main() -> None:
         }
         if args.cv:
             jobs.append((cell, str(traces[c.id]), "round-robin", {}))
-            jobs += [(cell, str(traces[c.id]), pol, params) for pol, params in GRID]
+            points = GRID if args.cv_points is None else [GRID[i] for i in args.cv_points]
+            jobs += [(cell, str(traces[c.id]), pol, params) for pol, params in points]
         else:
             jobs += [(cell, str(traces[c.id]), p, {}) for p in args.policies]
     rows = run_jobs(jobs, args.out / "kvmesh.jsonl", args.jobs)
