@@ -305,12 +305,19 @@ def report(
     kv_rows: list[dict[str, Any]],
     dyn_rows: list[dict[str, Any]],
     primary: str = DEFAULT_POLICY,
+    before_rows: list[dict[str, Any]] | None = None,
 ) -> str:
     """The acceptance table (markdown) and the verdicts, for `primary` (the default policy)
-    beside the other KV policy, round-robin and Dynamo."""
+    beside the other KV policy (or, given `before_rows`, the same policy's rows of an earlier
+    run: "before"), round-robin and Dynamo."""
     kv = by_cell(kv_rows, "policy")
     dyn = by_cell(dyn_rows, "mode")
     other = "kv" if primary == "kv-cost" else "kv-cost"
+    if before_rows is not None:
+        other = f"{primary} before"
+        kv.update(
+            {(i, other): r for (i, p), r in by_cell(before_rows, "policy").items() if p == primary}
+        )
     lines = [
         f"| workload | arrival | W | load | {primary} TTFT mean / p99 | {other} | round-robin "
         f"| Dynamo KV | Dynamo RR | {primary} / Dynamo mean | {primary} / Dynamo p99 "
@@ -323,6 +330,11 @@ def report(
     ratios: list[float] = []
     p99_ratios: list[float] = []
     other_worse: list[str] = []
+    other_ratios: list[float] = []
+    other_p99_ratios: list[float] = []
+    rr_ratios: list[float] = []
+    rr_p99_ratios: list[float] = []
+    other_worse_rr: list[str] = []
     for c in cells:
         k = kv.get((c.id, primary))
         if k is None:
@@ -344,12 +356,20 @@ def report(
             ratio, p99_ratio = f"{x:.2f}", f"{y:.2f}"
             if x > 1 or y > 1:
                 worse_dyn.append(c.id)
+            if o is not None:
+                other_ratios.append(o["ttft_mean"] / d["mean_ttft_ms"])
+                other_p99_ratios.append(o["ttft_p99"] / d["p99_ttft_ms"])
+                if o["ttft_mean"] > d["mean_ttft_ms"] or o["ttft_p99"] > d["p99_ttft_ms"]:
+                    other_worse.append(c.id)
+        if rr is not None:
+            rr_ratios.append(k["ttft_mean"] / rr["ttft_mean"])
+            rr_p99_ratios.append(k["ttft_p99"] / rr["ttft_p99"])
+            if k["ttft_mean"] > rr["ttft_mean"] or k["ttft_p99"] > rr["ttft_p99"]:
+                worse_rr.append(c.id)
             if o is not None and (
-                o["ttft_mean"] > d["mean_ttft_ms"] or o["ttft_p99"] > d["p99_ttft_ms"]
+                o["ttft_mean"] > rr["ttft_mean"] or o["ttft_p99"] > rr["ttft_p99"]
             ):
-                other_worse.append(c.id)
-        if rr is not None and (k["ttft_mean"] > rr["ttft_mean"] or k["ttft_p99"] > rr["ttft_p99"]):
-            worse_rr.append(c.id)
+                other_worse_rr.append(c.id)
         reuse = f"{100 * k['reuse']:.1f}"
         reuse += f" / {100 * o['reuse']:.1f}" if o else " / -"
         reuse += f" / {100 * d['prefix_cache_reused_ratio']:.1f}" if d else " / -"
@@ -381,8 +401,17 @@ def report(
         f"cells where {primary}'s TTFT mean or p99 exceeds round-robin's: "
         f"{len(worse_rr)} {worse_rr}"
     )
-    if ratios:
-        lines.append(f"({other}: mean or p99 above Dynamo KV's in {len(other_worse)} cells)")
+    if rr_ratios:
+        lines.append(
+            f"{primary} TTFT mean / round-robin's: geometric mean {geo(rr_ratios):.2f}; p99: "
+            f"geometric mean {geo(rr_p99_ratios):.2f}"
+        )
+    if other_ratios:
+        lines.append(
+            f"({other}: mean or p99 above Dynamo KV's in {len(other_worse)} cells "
+            f"{other_worse}; TTFT mean / Dynamo KV's geometric mean {geo(other_ratios):.2f}, "
+            f"p99 {geo(other_p99_ratios):.2f}; above round-robin's in {len(other_worse_rr)})"
+        )
     return "\n".join(lines)
 
 
@@ -457,6 +486,13 @@ def main() -> None:
         help="--cv: replay only these GRID points (indices; default all); points whose rows "
         "are all in OUT (e.g. from an earlier run) still count",
     )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="an earlier run's kvmesh.jsonl: its default-policy rows replace the other KV "
+        "policy's column (the default before a change)",
+    )
     parser.add_argument("--quick", action="store_true", help="conv and agentic, 4 workers only")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--workers", nargs="+", type=int, default=list(WORKERS))
@@ -506,7 +542,10 @@ def main() -> None:
         print(text)
         return
     dyn_rows = run_dynamo(cells, traces, args.out, args.dynamo_python) if args.dynamo_python else []
-    text = report(cells, rows, dyn_rows)
+    before = None
+    if args.before is not None:
+        before = [json.loads(line) for line in args.before.read_text().splitlines()]
+    text = report(cells, rows, dyn_rows, before_rows=before)
     (args.out / "matrix.md").write_text(text + "\n")
     print(text)
 

@@ -53,6 +53,12 @@ def test_one_cell_end_to_end(rm: Any, tmp_path: Path) -> None:
     assert f"exceeds Dynamo KV's: 1 ['{cell.id}']" in text
     worse_rr = primary["ttft_mean"] > rr["ttft_mean"] or primary["ttft_p99"] > rr["ttft_p99"]
     assert f"exceeds round-robin's: {int(worse_rr)}" in text
+    # --before: an earlier run's default-policy rows take the other policy's column
+    earlier = {**primary, "ttft_mean": 2 * dyn["mean_ttft_ms"]}
+    text = rm.report([cell], rows, [dyn], before_rows=[earlier, rr])
+    assert f"| {rm.DEFAULT_POLICY} before |" in text
+    assert f"({rm.DEFAULT_POLICY} before: mean or p99 above Dynamo KV's in 1 cells" in text
+    assert "geometric mean 2.00, p99 1.00" in text
 
 
 def test_cross_validation_picks_by_the_other_workloads(rm: Any) -> None:
