@@ -7,7 +7,13 @@ import math
 
 import pytest
 
-from kvmesh.router.kv_policy import KvPolicyFlags, KvPolicyKind, TtftPredictor, cost_score
+from kvmesh.router.kv_policy import (
+    DEFAULT_DECODE_DELAY_WEIGHT,
+    KvPolicyFlags,
+    KvPolicyKind,
+    TtftPredictor,
+    cost_score,
+)
 from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler, LoadSample
 from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 from kvmesh.runtime.timing import PolynomialTiming, TableTiming
@@ -201,10 +207,12 @@ def test_a_prefill_costs_the_requests_running_there() -> None:
 
     own, own_costs = pick(decode_delay_weight=0.0)
     assert own == "w0"
-    chosen, costs = pick()  # the default weight, 1
+    assert pick(decode_delay_weight=1.0)[0] == "w1"
+    chosen, costs = pick()  # the default weight
     assert chosen == "w1"
-    assert costs["w0"] - own_costs["w0"] == pytest.approx(200 / 256 * POLY.prefill_ms(1024))
-    assert costs["w1"] - own_costs["w1"] == pytest.approx(10 / 256 * POLY.prefill_ms(2048))
+    d = DEFAULT_DECODE_DELAY_WEIGHT
+    assert costs["w0"] - own_costs["w0"] == pytest.approx(d * 200 / 256 * POLY.prefill_ms(1024))
+    assert costs["w1"] - own_costs["w1"] == pytest.approx(d * 10 / 256 * POLY.prefill_ms(2048))
 
 
 def test_a_prefill_joins_one_queued_rather_than_start_a_step() -> None:
@@ -221,7 +229,7 @@ def test_a_prefill_joins_one_queued_rather_than_start_a_step() -> None:
         return sched.select(list(range(256)), 0.0).worker_id
 
     assert pick(decode_delay_weight=0.0) == "w1"
-    assert pick() == "w0"
+    assert pick(decode_delay_weight=1.0) == pick() == "w0"
 
 
 def test_decode_delay_weighs_nothing_on_idle_workers() -> None:

@@ -80,7 +80,17 @@ def test_cross_validation_picks_by_the_other_workloads(rm: Any) -> None:
     assert 'held out conv     : chosen ["kv", {"router_itl_penalty_cap_ms": 300.0' in text
     assert "held-out score 0.900; default 0.800 (best possible 0.800" in text
     assert '"x": 1' not in text
-    assert text.splitlines()[-1].startswith("folds chose: [")
+    assert text.splitlines()[-2].startswith("folds chose: [")
+    assert "above round-robin in 0 held-out cells" in text
+    # The floor: a point above round-robin in a training cell is not chosen, however it scores.
+    worse = {**rows[1], "ttft_p99": 401.0}  # ("kv", good) on synthetic: p99 above round-robin
+    text = rm.cross_validate(cells, [rows[0], worse, *rows[2:]])
+    assert 'held out conv     : chosen ["kv", {}]' in text
+    assert 'held out synthetic: chosen ["kv", {"router_itl_penalty_cap_ms": 300.0' in text
+    assert "above round-robin in 1 held-out cells" in text
+    assert (
+        text.splitlines()[-1] == 'on all cells (never above round-robin) the choice is: ["kv", {}]'
+    )
 
 
 def test_prediction_error_pairs_each_prediction_with_the_realized_ttft(

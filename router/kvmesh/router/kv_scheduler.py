@@ -618,7 +618,9 @@ class KvScheduler:
                 used = n / slots if n < slots else 1.0
             else:  # the engine does not say: its KV usage
                 used = min(1.0, args[2] / args[3]) if args[3] > 0 else 0.0
-            delay = delay_weight * used * delay_ms(args[0], args[1]) if used else 0.0
+            delay = (
+                delay_weight * used * delay_ms(args[0], args[1]) if used and delay_weight else 0.0
+            )
             if penalty:
                 extra[w.worker_id] = delay
                 preds[w.worker_id] = predictor.predict(
