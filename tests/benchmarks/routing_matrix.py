@@ -28,8 +28,10 @@ cross-validation over the CV cells (every workload, both arrivals, 4 workers, th
 requests per worker) and the points of GRID (both policies): for each held-out workload, the
 point with the best score on the other workloads' cells is scored on the held-out one. Score of
 a cell: geometric mean of TTFT mean and p99, each relative to round-robin's in the same cell
-(lower is better). The defaults' rows are the matrix's own (params {}), so a CV run after a
-matrix run at 4 workers only replays the other points.
+(lower is better). Round-robin is the floor: a fold chooses among the points never above it (TTFT
+mean or p99) on its training cells, and the default among those never above it on any cell.
+The defaults' rows are the matrix's own (params {}), so a CV run after a matrix run at 4
+workers only replays the other points.
 
 Usage (from the repository root; Dynamo optional; results are appended, so a run resumes):
     .venv/bin/python tests/benchmarks/routing_matrix.py --workers 4      # ~20 min a policy here

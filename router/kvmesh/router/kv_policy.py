@@ -89,8 +89,10 @@ DEFAULT_ITL_PENALTY_CAP_MS = 0.0
 DEFAULT_DECODE_DELAY_WEIGHT = 1.0
 """The ttft policy's default weight of the delay a request's prefill adds to the requests running
 on the worker (x the fraction of its request slots taken), chosen by cross-validation over the
-routing matrix (tests/benchmarks/routing_matrix.py --cv): 1, a millisecond of every running
-request's decode counting as a millisecond of TTFT when the slots are full."""
+routing matrix (tests/benchmarks/routing_matrix.py --cv) among the weights never above
+round-robin: 1, a millisecond of every running request's decode counting as a millisecond of TTFT
+when the slots are full. By score alone CV prefers more (2, 4), which put conv bursts above
+round-robin."""
 
 
 class KvPolicyKind(enum.Enum):
