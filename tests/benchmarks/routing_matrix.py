@@ -28,13 +28,16 @@ cross-validation over the CV cells (every workload, both arrivals, 4 workers, th
 requests per worker) and the points of GRID (both policies): for each held-out workload, the
 point with the best score on the other workloads' cells is scored on the held-out one. Score of
 a cell: geometric mean of TTFT mean and p99, each relative to round-robin's in the same cell
-(lower is better). The defaults' rows are the matrix's own (params {}), so a CV run after a
-matrix run at 4 workers only replays the other points.
+(lower is better). Round-robin is the floor: a fold chooses among the points never above it (TTFT
+mean or p99) on its training cells, and the default among those never above it on any cell.
+The defaults' rows are the matrix's own (params {}), so a CV run after a matrix run at 4
+workers only replays the other points.
 
 Usage (from the repository root; Dynamo optional; results are appended, so a run resumes):
     .venv/bin/python tests/benchmarks/routing_matrix.py --workers 4      # ~20 min a policy here
     .venv/bin/python tests/benchmarks/routing_matrix.py                  # 2-16 workers: hours
     .venv/bin/python tests/benchmarks/routing_matrix.py --cv             # choose the default
+    .venv/bin/python tests/benchmarks/routing_matrix.py --cv --cv-points 2 5   # some points
     .venv/bin/python tests/benchmarks/routing_matrix.py --quick          # 2 workloads x 4 workers
   --jobs N: simulations in parallel (default 2); --out DIR (default .cache/routing_matrix).
 Simulated latencies do not depend on this machine's load; only wall times do.
@@ -103,11 +106,15 @@ GRID: list[tuple[str, dict[str, Any]]] = [
     ("kv-cost", {"router_overlap_weight": 2.0}),
     ("kv", {}),
     ("kv", {"router_itl_weight": 5.0, "router_itl_penalty_cap_ms": 300.0}),
+    ("kv", {"router_decode_delay_weight": 0.0}),
+    ("kv", {"router_decode_delay_weight": 2.0}),
 ]
 """The points cross-validation chooses from: (policy, ReplayConfig overrides; {} = defaults).
 cost: the overlap weight (blocks to prefill against blocks decoding); ttft: the ITL penalty
-(weight x expected output tokens x ms of ITL above the best worker's, capped). Small, so a CV
-run costs two matrix passes at 4 workers beyond the matrix's own."""
+(weight x expected output tokens x ms of ITL above the best worker's, capped) and the weight of
+the delay a request's prefill adds to the requests running on its worker (0: its own TTFT
+only; the default 1; 2). A CV run costs a matrix pass at 4 workers per point beyond the
+matrix's own (`--cv-points` runs some of them; the others' rows, if present, still count)."""
 DEFAULT_POLICY = "kv-cost" if KvPolicyFlags().router_policy is KvPolicyKind.COST else "kv"
 """The matrix policy that runs with the router's default policy."""
 
@@ -176,10 +183,12 @@ def matrix_cells(workloads: Iterable[str], workers: Iterable[int]) -> list[Cell]
     return cells
 
 
-def cv_cells() -> list[Cell]:
+def cv_cells(workers: Iterable[int] = (4,)) -> list[Cell]:
     return [
-        Cell(w, a, 4, load, SYNTHETIC_REQUESTS if w == "synthetic" else CV_REQUESTS_PER_WORKER * 4)
-        for w, a, load in itertools.product(WORKLOADS, ARRIVALS, ("light", "moderate", "overload"))
+        Cell(w, a, n, load, SYNTHETIC_REQUESTS if w == "synthetic" else CV_REQUESTS_PER_WORKER * n)
+        for w, a, n, load in itertools.product(
+            WORKLOADS, ARRIVALS, workers, ("light", "moderate", "overload")
+        )
     ]
 
 
@@ -300,12 +309,19 @@ def report(
     kv_rows: list[dict[str, Any]],
     dyn_rows: list[dict[str, Any]],
     primary: str = DEFAULT_POLICY,
+    before_rows: list[dict[str, Any]] | None = None,
 ) -> str:
     """The acceptance table (markdown) and the verdicts, for `primary` (the default policy)
-    beside the other KV policy, round-robin and Dynamo."""
+    beside the other KV policy (or, given `before_rows`, the same policy's rows of an earlier
+    run: "before"), round-robin and Dynamo."""
     kv = by_cell(kv_rows, "policy")
     dyn = by_cell(dyn_rows, "mode")
     other = "kv" if primary == "kv-cost" else "kv-cost"
+    if before_rows is not None:
+        other = f"{primary} before"
+        kv.update(
+            {(i, other): r for (i, p), r in by_cell(before_rows, "policy").items() if p == primary}
+        )
     lines = [
         f"| workload | arrival | W | load | {primary} TTFT mean / p99 | {other} | round-robin "
         f"| Dynamo KV | Dynamo RR | {primary} / Dynamo mean | {primary} / Dynamo p99 "
@@ -318,6 +334,11 @@ def report(
     ratios: list[float] = []
     p99_ratios: list[float] = []
     other_worse: list[str] = []
+    other_ratios: list[float] = []
+    other_p99_ratios: list[float] = []
+    rr_ratios: list[float] = []
+    rr_p99_ratios: list[float] = []
+    other_worse_rr: list[str] = []
     for c in cells:
         k = kv.get((c.id, primary))
         if k is None:
@@ -339,12 +360,20 @@ def report(
             ratio, p99_ratio = f"{x:.2f}", f"{y:.2f}"
             if x > 1 or y > 1:
                 worse_dyn.append(c.id)
+            if o is not None:
+                other_ratios.append(o["ttft_mean"] / d["mean_ttft_ms"])
+                other_p99_ratios.append(o["ttft_p99"] / d["p99_ttft_ms"])
+                if o["ttft_mean"] > d["mean_ttft_ms"] or o["ttft_p99"] > d["p99_ttft_ms"]:
+                    other_worse.append(c.id)
+        if rr is not None:
+            rr_ratios.append(k["ttft_mean"] / rr["ttft_mean"])
+            rr_p99_ratios.append(k["ttft_p99"] / rr["ttft_p99"])
+            if k["ttft_mean"] > rr["ttft_mean"] or k["ttft_p99"] > rr["ttft_p99"]:
+                worse_rr.append(c.id)
             if o is not None and (
-                o["ttft_mean"] > d["mean_ttft_ms"] or o["ttft_p99"] > d["p99_ttft_ms"]
+                o["ttft_mean"] > rr["ttft_mean"] or o["ttft_p99"] > rr["ttft_p99"]
             ):
-                other_worse.append(c.id)
-        if rr is not None and (k["ttft_mean"] > rr["ttft_mean"] or k["ttft_p99"] > rr["ttft_p99"]):
-            worse_rr.append(c.id)
+                other_worse_rr.append(c.id)
         reuse = f"{100 * k['reuse']:.1f}"
         reuse += f" / {100 * o['reuse']:.1f}" if o else " / -"
         reuse += f" / {100 * d['prefix_cache_reused_ratio']:.1f}" if d else " / -"
@@ -376,8 +405,17 @@ def report(
         f"cells where {primary}'s TTFT mean or p99 exceeds round-robin's: "
         f"{len(worse_rr)} {worse_rr}"
     )
-    if ratios:
-        lines.append(f"({other}: mean or p99 above Dynamo KV's in {len(other_worse)} cells)")
+    if rr_ratios:
+        lines.append(
+            f"{primary} TTFT mean / round-robin's: geometric mean {geo(rr_ratios):.2f}; p99: "
+            f"geometric mean {geo(rr_p99_ratios):.2f}"
+        )
+    if other_ratios:
+        lines.append(
+            f"({other}: mean or p99 above Dynamo KV's in {len(other_worse)} cells "
+            f"{other_worse}; TTFT mean / Dynamo KV's geometric mean {geo(other_ratios):.2f}, "
+            f"p99 {geo(other_p99_ratios):.2f}; above round-robin's in {len(other_worse_rr)})"
+        )
     return "\n".join(lines)
 
 
@@ -403,13 +441,27 @@ def cross_validate(cells: list[Cell], rows: list[dict[str, Any]]) -> str:
             scores.setdefault(point, {})[r["id"]] = cell_score(r, rr[r["id"]])
     scores = {p: v for p, v in scores.items() if len(v) == len(ids)}  # complete points only
     default = point_key(DEFAULT_POLICY, {})
+    # The floor: cells where a point's TTFT mean or p99 is above round-robin's.
+    above_rr: dict[str, set[str]] = {p: set() for p in scores}
+    for r in rows:
+        point = point_key(r["policy"], r.get("params", {}))
+        if point in above_rr and r["id"] in ids:
+            base = rr[r["id"]]
+            if r["ttft_mean"] > base["ttft_mean"] or r["ttft_p99"] > base["ttft_p99"]:
+                above_rr[point].add(r["id"])
+
+    def eligible(cell_ids: list[str]) -> list[str]:
+        """The points never above round-robin on `cell_ids` (all points if none is)."""
+        ok = [p for p in scores if not above_rr[p] & set(cell_ids)]
+        return ok or list(scores)
 
     def mean_log(point: str, cell_ids: list[str]) -> float:
         return sum(math.log(scores[point][i]) for i in cell_ids) / len(cell_ids)
 
     lines = [
         "leave-one-workload-out (score: geometric mean over cells of sqrt(mean ratio x p99 "
-        "ratio), ratios to round-robin; lower is better)"
+        "ratio), ratios to round-robin; lower is better; a fold chooses among the points never "
+        "above round-robin on its training cells)"
     ]
     chosen: list[str] = []
     for held in WORKLOADS:
@@ -417,20 +469,27 @@ def cross_validate(cells: list[Cell], rows: list[dict[str, Any]]) -> str:
         test = [c.id for c in cells if c.workload == held]
         if not train or not test:
             continue
-        best = min(scores, key=lambda p: mean_log(p, train))
+        best = min(eligible(train), key=lambda p: mean_log(p, train))
         chosen.append(best)
         oracle = min(scores, key=lambda p: mean_log(p, test))
         vs = f"; default {math.exp(mean_log(default, test)):.3f}" if default in scores else ""
+        floor = len(above_rr[best] & set(test))
         lines.append(
             f"  held out {held:9}: chosen {best} -> held-out score "
             f"{math.exp(mean_log(best, test)):.3f}{vs} "
-            f"(best possible {math.exp(mean_log(oracle, test)):.3f} with {oracle})"
+            f"(best possible {math.exp(mean_log(oracle, test)):.3f} with {oracle}); "
+            f"above round-robin in {floor} held-out cells"
         )
     everything = [c.id for c in cells]
-    lines.append("all points on all CV cells:")
+    lines.append("all points on all CV cells (cells above round-robin):")
     for p in sorted(scores, key=lambda p: mean_log(p, everything)):
-        lines.append(f"  {p}: {math.exp(mean_log(p, everything)):.3f}")
+        lines.append(
+            f"  {p}: {math.exp(mean_log(p, everything)):.3f} ({len(above_rr[p])}"
+            f"{': ' + ' '.join(sorted(above_rr[p])) if above_rr[p] else ''})"
+        )
     lines.append(f"folds chose: {sorted(set(chosen), key=chosen.index)}")
+    final = min(eligible(everything), key=lambda p: mean_log(p, everything))
+    lines.append(f"on all cells (never above round-robin) the choice is: {final}")
     return "\n".join(lines)
 
 
@@ -444,6 +503,28 @@ def main() -> None:
     parser.add_argument(
         "--cv", action="store_true", help="choose the default policy and its parameters"
     )
+    parser.add_argument(
+        "--cv-points",
+        nargs="+",
+        type=int,
+        default=None,
+        help="--cv: replay only these GRID points (indices; default all); points whose rows "
+        "are all in OUT (e.g. from an earlier run) still count",
+    )
+    parser.add_argument(
+        "--cv-workers",
+        nargs="+",
+        type=int,
+        default=[4],
+        help="--cv: the fleet sizes of the CV cells (default 4)",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="an earlier run's kvmesh.jsonl: its default-policy rows replace the other KV "
+        "policy's column (the default before a change)",
+    )
     parser.add_argument("--quick", action="store_true", help="conv and agentic, 4 workers only")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--workers", nargs="+", type=int, default=list(WORKERS))
@@ -456,7 +537,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cv:
-        cells = cv_cells()
+        cells = cv_cells(args.cv_workers)
     elif args.quick:
         cells = matrix_cells(["conv", "agentic"], [4])
     else:
@@ -482,7 +563,8 @@ def main() -> None:
         }
         if args.cv:
             jobs.append((cell, str(traces[c.id]), "round-robin", {}))
-            jobs += [(cell, str(traces[c.id]), pol, params) for pol, params in GRID]
+            points = GRID if args.cv_points is None else [GRID[i] for i in args.cv_points]
+            jobs += [(cell, str(traces[c.id]), pol, params) for pol, params in points]
         else:
             jobs += [(cell, str(traces[c.id]), p, {}) for p in args.policies]
     rows = run_jobs(jobs, args.out / "kvmesh.jsonl", args.jobs)
@@ -492,7 +574,10 @@ def main() -> None:
         print(text)
         return
     dyn_rows = run_dynamo(cells, traces, args.out, args.dynamo_python) if args.dynamo_python else []
-    text = report(cells, rows, dyn_rows)
+    before = None
+    if args.before is not None:
+        before = [json.loads(line) for line in args.before.read_text().splitlines()]
+    text = report(cells, rows, dyn_rows, before_rows=before)
     (args.out / "matrix.md").write_text(text + "\n")
     print(text)
 

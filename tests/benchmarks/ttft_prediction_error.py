@@ -3,10 +3,10 @@
 
 Replays cells of the routing matrix (tests/benchmarks/routing_matrix.py: same traces, loads and
 workers) with the KV router's default policy and compares, per request, the TTFT the policy
-predicted on the worker it chose (KvScheduler's Selection.cost, with the ITL penalty off) with
-the TTFT the request saw in the replay. Per cell and over all cells: bias (mean of predicted -
-realized), mean absolute error, that error over the mean realized TTFT, and the 90th percentile
-of the absolute error, in simulated ms.
+predicted on the worker it chose (KvScheduler's Selection.cost with the ITL penalty off and
+without the decode-delay term) with the TTFT the request saw in the replay. Per cell and over
+all cells: bias (mean of predicted - realized), mean absolute error, that error over the mean
+realized TTFT, and the 90th percentile of the absolute error, in simulated ms.
 
     .venv/bin/python tests/benchmarks/ttft_prediction_error.py                     # 4 workers
     .venv/bin/python tests/benchmarks/ttft_prediction_error.py --cells conv/steady  # a subset
@@ -21,8 +21,8 @@ import argparse
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,15 +37,40 @@ from kvmesh.sim.trace import load_trace
 
 
 class RecordingPolicy(KvPolicy):
-    """The replay's KV policy, keeping the predicted TTFT of every routed request."""
+    """The replay's KV policy, keeping the predicted TTFT of every routed request: the score of
+    the worker it chose without the decode-delay term (what its prefill costs the others, not
+    part of its own TTFT)."""
 
     def __init__(self, config: ReplayConfig, worker_ids: list[str]) -> None:
         super().__init__(config.kv_router(), worker_ids, config.mocker)
         self.predicted_ms: dict[str, float] = {}
 
-    def route(self, request_id: str, *args: Any, **kwargs: Any) -> Route:
-        r = super().route(request_id, *args, **kwargs)
-        self.predicted_ms[request_id] = r.score
+    def route(
+        self,
+        request_id: str,
+        prompt: list[int],
+        now: float,
+        *,
+        candidates: Sequence[int] | None = None,
+        expected_output_tokens: int = 0,
+    ) -> Route:
+        cfg = self.sched.config
+        ids = None if candidates is None else [self.worker_ids[c] for c in candidates]
+        weight, cfg.decode_delay_weight = cfg.decode_delay_weight, 0.0
+        try:  # select books nothing: the same state, scored by TTFT alone
+            own = self.sched.select(
+                prompt, now, candidates=ids, expected_output_tokens=expected_output_tokens
+            ).costs
+        finally:
+            cfg.decode_delay_weight = weight
+        r = super().route(
+            request_id,
+            prompt,
+            now,
+            candidates=candidates,
+            expected_output_tokens=expected_output_tokens,
+        )
+        self.predicted_ms[request_id] = own[self.worker_ids[r.worker]]
         return r
 
 

@@ -7,7 +7,13 @@ import math
 
 import pytest
 
-from kvmesh.router.kv_policy import KvPolicyFlags, KvPolicyKind, TtftPredictor, cost_score
+from kvmesh.router.kv_policy import (
+    DEFAULT_DECODE_DELAY_WEIGHT,
+    KvPolicyFlags,
+    KvPolicyKind,
+    TtftPredictor,
+    cost_score,
+)
 from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler, LoadSample
 from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 from kvmesh.runtime.timing import PolynomialTiming, TableTiming
@@ -54,6 +60,23 @@ def test_a_full_worker_adds_the_wait_for_free_slots() -> None:
     assert full.ttft_ms == pytest.approx(300 + POLY.prefill_ms(100))
     unlimited = p.predict(requests=10, completion_rate=10.0, **{**kw, "max_num_seqs": 0})  # type: ignore[arg-type]
     assert unlimited.ttft_ms == free.ttft_ms
+
+
+def test_decode_delay_is_a_step_of_its_own_or_the_tokens_joining_one() -> None:
+    """What a prefill adds to the steps of the requests running on a worker: with no prefill
+    queued there, a step's prefill of its own (fixed cost included); joining a queued one,
+    only its tokens' time (and over the chunk budget, the extra chunks')."""
+    p = TtftPredictor(chunk_tokens=8192)
+    assert p.decode_delay_ms(1000, 0) == pytest.approx(POLY.prefill_ms(1000))
+    joined = p.decode_delay_ms(1000, 2000)
+    assert joined == pytest.approx(POLY.prefill_ms(3000) - POLY.prefill_ms(2000))
+    assert joined < POLY.prefill_ms(1000) - 14.0  # the step's fixed cost (16.5) is paid
+    assert p.decode_delay_ms(0, 0) == pytest.approx(POLY.prefill_ms(1))  # the last token
+    chunked = p.decode_delay_ms(1000, 8000)  # spills into a second step
+    assert chunked == pytest.approx(
+        POLY.prefill_ms(8192) + POLY.prefill_ms(808) - POLY.prefill_ms(8000)
+    )
+    assert p.decode_delay_ms(20_000, 0) == pytest.approx(p.prefill_ms(20_000, 0.0))
 
 
 def test_a_measured_table_replaces_the_polynomial() -> None:
@@ -161,6 +184,62 @@ def test_full_request_slots_send_requests_elsewhere() -> None:
     assert sched.select(prompt, 0.0).worker_id == "w1"
 
 
+def busy(sched: KvScheduler, worker: str, running: int, decode_blocks: int = 0) -> None:
+    """A load sample: `running` requests decoding on `worker`, holding `decode_blocks`."""
+    sched.update_load(worker, LoadSample(kv_active_blocks=decode_blocks, num_running=running), 0.0)
+
+
+def test_a_prefill_costs_the_requests_running_there() -> None:
+    """w0 holds 1,024 of the prompt's 2,048 tokens but runs 200 requests of 256, w1 runs 10:
+    scoring only its own TTFT the cache wins; counting what its prefill adds to the 200
+    requests' steps (x 200 / 256) sends it to w1, whose decode batch is small."""
+    prompt = list(range(2048))
+
+    def pick(**cfg: float) -> tuple[str, dict[str, float]]:
+        sched = KvScheduler(KvRouterConfig(**cfg))  # type: ignore[arg-type]
+        for w in ("w0", "w1"):
+            sched.add_worker(w, block_size=BS, kv_total_blocks=65536, max_num_seqs=256)
+        cache(sched, "w0", prompt[:1024])
+        busy(sched, "w0", 200, 4096)
+        busy(sched, "w1", 10, 4096)
+        sel = sched.select(prompt, 0.0)
+        return sel.worker_id, sel.costs
+
+    own, own_costs = pick(decode_delay_weight=0.0)
+    assert own == "w0"
+    assert pick(decode_delay_weight=1.0)[0] == "w1"
+    chosen, costs = pick()  # the default weight
+    assert chosen == "w1"
+    d = DEFAULT_DECODE_DELAY_WEIGHT
+    assert costs["w0"] - own_costs["w0"] == pytest.approx(d * 200 / 256 * POLY.prefill_ms(1024))
+    assert costs["w1"] - own_costs["w1"] == pytest.approx(d * 10 / 256 * POLY.prefill_ms(2048))
+
+
+def test_a_prefill_joins_one_queued_rather_than_start_a_step() -> None:
+    """Both workers run 3 of 4 slots; w0 has 256 tokens queued to prefill. Its own TTFT is
+    lower on the idle w1 (by less than a near-tie: the lower prediction wins), but there it
+    costs the running requests a step of its own, on w0 only its tokens: it joins w0."""
+
+    def pick(**cfg: float) -> str:
+        sched = make(**cfg)
+        sel = sched.select(list(range(5000, 5256)), 0.0, candidates=["w0"])
+        sched.book("queued", sel, 0.0)
+        busy(sched, "w0", 2)  # + the queued one: 3 of 4
+        busy(sched, "w1", 3)
+        return sched.select(list(range(256)), 0.0).worker_id
+
+    assert pick(decode_delay_weight=0.0) == "w1"
+    assert pick(decode_delay_weight=1.0) == pick() == "w0"
+
+
+def test_decode_delay_weighs_nothing_on_idle_workers() -> None:
+    sched = make()
+    prompt = list(range(1600))
+    cache(sched, "w1", prompt[:1280])
+    costs = sched.select(prompt, 0.0).costs
+    assert costs == pytest.approx({"w0": POLY.prefill_ms(1600), "w1": POLY.prefill_ms(320)})
+
+
 def test_completion_rate_is_measured_between_load_samples() -> None:
     sched = make(1)
     w0 = sched.worker("w0")
@@ -206,7 +285,12 @@ def test_the_itl_penalty_is_bounded() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    for bad in ({"itl_weight": -1.0}, {"itl_penalty_cap_ms": math.nan}, {"chunk_tokens": 0}):
+    for bad in (
+        {"itl_weight": -1.0},
+        {"itl_penalty_cap_ms": math.nan},
+        {"chunk_tokens": 0},
+        {"decode_delay_weight": -1.0},
+    ):
         with pytest.raises(ValueError):
             KvRouterConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):

@@ -53,6 +53,12 @@ def test_one_cell_end_to_end(rm: Any, tmp_path: Path) -> None:
     assert f"exceeds Dynamo KV's: 1 ['{cell.id}']" in text
     worse_rr = primary["ttft_mean"] > rr["ttft_mean"] or primary["ttft_p99"] > rr["ttft_p99"]
     assert f"exceeds round-robin's: {int(worse_rr)}" in text
+    # --before: an earlier run's default-policy rows take the other policy's column
+    earlier = {**primary, "ttft_mean": 2 * dyn["mean_ttft_ms"]}
+    text = rm.report([cell], rows, [dyn], before_rows=[earlier, rr])
+    assert f"| {rm.DEFAULT_POLICY} before |" in text
+    assert f"({rm.DEFAULT_POLICY} before: mean or p99 above Dynamo KV's in 1 cells" in text
+    assert "geometric mean 2.00, p99 1.00" in text
 
 
 def test_cross_validation_picks_by_the_other_workloads(rm: Any) -> None:
@@ -74,7 +80,17 @@ def test_cross_validation_picks_by_the_other_workloads(rm: Any) -> None:
     assert 'held out conv     : chosen ["kv", {"router_itl_penalty_cap_ms": 300.0' in text
     assert "held-out score 0.900; default 0.800 (best possible 0.800" in text
     assert '"x": 1' not in text
-    assert text.splitlines()[-1].startswith("folds chose: [")
+    assert text.splitlines()[-2].startswith("folds chose: [")
+    assert "above round-robin in 0 held-out cells" in text
+    # The floor: a point above round-robin in a training cell is not chosen, however it scores.
+    worse = {**rows[1], "ttft_p99": 401.0}  # ("kv", good) on synthetic: p99 above round-robin
+    text = rm.cross_validate(cells, [rows[0], worse, *rows[2:]])
+    assert 'held out conv     : chosen ["kv", {}]' in text
+    assert 'held out synthetic: chosen ["kv", {"router_itl_penalty_cap_ms": 300.0' in text
+    assert "above round-robin in 1 held-out cells" in text
+    assert (
+        text.splitlines()[-1] == 'on all cells (never above round-robin) the choice is: ["kv", {}]'
+    )
 
 
 def test_prediction_error_pairs_each_prediction_with_the_realized_ttft(

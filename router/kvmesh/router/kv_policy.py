@@ -25,18 +25,38 @@ table), and adds a bounded penalty for the inter-token latency it would decode a
              + steps * decode_ms(u)                    each of those steps also decodes the
                                                        running batch, u = decode / capacity
     itl    = decode_ms((decode + prompt) / capacity)   the step time it would then decode at
-    score  = ttft + used * min(w * output * (itl - best itl), itl_penalty_cap_ms)
+    delay  = prefill_ms(queued + new) - prefill_ms(queued)   if prefill is queued there (the
+                                                       request joins that step), else
+             prefill_ms(new)                           (a step of its own, with the step's
+                                                       fixed cost): what its prefill adds to
+                                                       the steps of the requests running there
+    score  = ttft + d * used * delay
+             + used * min(w * output * (itl - best itl), itl_penalty_cap_ms)
 
 `output` is the request's expected output tokens (its max_tokens; the mean of past requests when
-unknown), `w` the `itl_weight`, `best itl` the lowest over the candidates, and `used` the
-fraction of the worker's request slots taken (requests running or waiting / max_num_seqs,
-capped at 1; 1 when the engine does not say): decode speed matters to everyone's TTFT when
-request slots run short, because then a new request waits for running ones to finish, which
-they do at the pace of the decode steps. The lowest score wins (near-ties, ties and temperature
-sampling: KvScheduler._choose_agreed, which makes router replicas agree). The penalty is
-relative to the best candidate, so it adds nothing when the fleet decodes evenly; it fades out
-on workers with free slots, and it is capped, so a worker's TTFT advantage is never traded away
-whole for ITL.
+unknown), `w` the `itl_weight`, `d` the `decode_delay_weight`, `best itl` the lowest over the
+candidates, and `used` the fraction of the worker's request slots taken (requests running or
+waiting / max_num_seqs, capped at 1; 1 for the ITL penalty and the KV usage for the delay when
+the engine does not say): decode speed matters to everyone's TTFT when request slots run short,
+because then a new request waits for running ones to finish, which they do at the pace of the
+decode steps. The lowest score wins (near-ties, ties and temperature sampling:
+KvScheduler._choose_agreed, which makes router replicas agree). The ITL penalty is relative to
+the best candidate, so it adds nothing when the fleet decodes evenly; it fades out on workers
+with free slots, and it is capped, so a worker's TTFT advantage is never traded away whole for
+ITL.
+
+The delay term is the cost the request's prefill puts on the others (TTFT alone is its own
+cost): every request running on the worker waits out its prefill in one more step. A worker
+whose decode batch is larger pays more, so the term balances decode batches (a worker's decode
+throughput saturates as its batch grows: decode_ms rises with KV usage), and a prefill that
+joins one already queued costs only its tokens, not a step's fixed cost (the mocker's 16.5 ms,
+about 1,100 tokens' worth), so it batches prefills. Without it the policy, scoring only the
+request's own TTFT, spread prefills over workers with no queue, one step each, and let decode
+batches drift apart by 40-50 requests of 256: the fleet decoded 3-8 % slower than Dynamo's
+(which balances decode blocks) and, in the cells where requests end up waiting for request
+slots, carried 20-30 more requests when the slots filled, which then waited 200 ms longer
+(conv steady moderate, 4 workers). Weighted by `used`, it costs nothing while workers are
+idle; `d` (DEFAULT_DECODE_DELAY_WEIGHT) is chosen by cross-validation.
 """
 
 from __future__ import annotations
@@ -49,6 +69,7 @@ from kvmesh.runtime.config import opt
 from kvmesh.runtime.timing import PolynomialTiming, TimingModel
 
 __all__ = [
+    "DEFAULT_DECODE_DELAY_WEIGHT",
     "DEFAULT_ITL_PENALTY_CAP_MS",
     "DEFAULT_ITL_WEIGHT",
     "DEFAULT_POLICY",
@@ -65,6 +86,13 @@ DEFAULT_ITL_WEIGHT = 0.0
 matrix (tests/benchmarks/routing_matrix.py --cv)."""
 DEFAULT_ITL_PENALTY_CAP_MS = 0.0
 """The ttft policy's default cap of the ITL penalty (ms), chosen with DEFAULT_ITL_WEIGHT."""
+DEFAULT_DECODE_DELAY_WEIGHT = 1.0
+"""The ttft policy's default weight of the delay a request's prefill adds to the requests running
+on the worker (x the fraction of its request slots taken), chosen by cross-validation over the
+routing matrix (tests/benchmarks/routing_matrix.py --cv) among the weights never above
+round-robin: 1, a millisecond of every running request's decode counting as a millisecond of TTFT
+when the slots are full. By score alone CV prefers more (2, 4), which put conv bursts above
+round-robin."""
 
 
 class KvPolicyKind(enum.Enum):
@@ -100,6 +128,11 @@ class KvPolicyFlags:
     )
     router_itl_penalty_cap_ms: float = opt(
         DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
+    )
+    router_decode_delay_weight: float = opt(
+        DEFAULT_DECODE_DELAY_WEIGHT,
+        "kv ttft: weight of the delay the request's prefill adds to the requests running on "
+        "the worker (x the fraction of its request slots taken); 0: score its own TTFT only",
     )
     router_inflight_prefixes: bool = opt(
         True,
@@ -162,6 +195,22 @@ class TtftPredictor:
         if rest > 0:
             ms += self.timing.prefill_ms(math.ceil(rest)) + decode_ms
         return ms
+
+    def decode_delay_ms(self, new_tokens: float, queued_prefill_tokens: float) -> float:
+        """What prefilling `new_tokens` adds to the steps of the requests running on a worker
+        with `queued_prefill_tokens` of prefill ahead of it: only its tokens' time when it joins
+        a queued prefill (chunked in `chunk_tokens` steps), else a step's prefill of its own,
+        fixed cost included. Positional, on the routing path."""
+        new = math.ceil(new_tokens) if new_tokens > 1.0 else 1
+        prefill_ms = self.timing.prefill_ms
+        if queued_prefill_tokens <= 0:
+            if new <= self.chunk_tokens:
+                return prefill_ms(new)
+            return self.prefill_ms(new, 0.0)
+        queued = math.ceil(queued_prefill_tokens)
+        if queued + new <= self.chunk_tokens:
+            return prefill_ms(queued + new) - prefill_ms(queued)
+        return self.prefill_ms(queued + new, 0.0) - self.prefill_ms(queued, 0.0)
 
     def predict(
         self,

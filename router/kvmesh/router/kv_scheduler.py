@@ -72,6 +72,7 @@ from xxhash import xxh3_64_intdigest
 from kvmesh.router.hashing import block_hashes
 from kvmesh.router.indexer import ApproxIndex, InflightIndex
 from kvmesh.router.kv_policy import (
+    DEFAULT_DECODE_DELAY_WEIGHT,
     DEFAULT_ITL_PENALTY_CAP_MS,
     DEFAULT_ITL_WEIGHT,
     DEFAULT_POLICY,
@@ -130,6 +131,10 @@ class KvRouterConfig:
     predicted ITL above the best candidate's count this many times in its score (>= 0)."""
     itl_penalty_cap_ms: float = DEFAULT_ITL_PENALTY_CAP_MS
     """ttft: the ITL penalty never exceeds this many ms (>= 0)."""
+    decode_delay_weight: float = DEFAULT_DECODE_DELAY_WEIGHT
+    """ttft: weight of the delay the request's prefill adds to the steps of the requests running
+    on the worker, times the fraction of its request slots taken (kvmesh.router.kv_policy;
+    0: the request's own TTFT only; >= 0)."""
     chunk_tokens: int = 8192
     """ttft: the engines' prefill token budget per step (vLLM's max_num_batched_tokens)."""
     timing_profile: str = ""
@@ -169,6 +174,8 @@ class KvRouterConfig:
         self.policy = KvPolicyKind(self.policy)
         if not self.itl_weight >= 0 or not self.itl_penalty_cap_ms >= 0:
             raise ValueError("itl_weight and itl_penalty_cap_ms must be >= 0")
+        if not self.decode_delay_weight >= 0:
+            raise ValueError("decode_delay_weight must be >= 0")
         if self.chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
         if not (0 <= self.host_hit_weight <= 1 and 0 <= self.disk_hit_weight <= 1):
@@ -598,9 +605,12 @@ class KvScheduler:
         penalty = bool(weight and cap)
         predictor = self.predictor
         ttft_ms = predictor.ttft_ms
+        delay_ms = predictor.decode_delay_ms
+        delay_weight = cfg.decode_delay_weight
         out_mean = self._output_mean
         costs: dict[str, float] = {}
         preds: dict[str, TtftPrediction] = {}
+        extra: dict[str, float] = {}
         for w, prefill, decode, n in views:
             bs = w.block_size
             slots = w.max_num_seqs
@@ -614,7 +624,16 @@ class KvScheduler:
                 per_slot * max(1.0, min(n, slots or math.inf)) if per_slot else 0.0,
                 out_mean,
             )
+            # What its prefill costs the requests running there (kv_policy's module doc).
+            if slots:
+                used = n / slots if n < slots else 1.0
+            else:  # the engine does not say: its KV usage
+                used = min(1.0, args[2] / args[3]) if args[3] > 0 else 0.0
+            delay = (
+                delay_weight * used * delay_ms(args[0], args[1]) if used and delay_weight else 0.0
+            )
             if penalty:
+                extra[w.worker_id] = delay
                 preds[w.worker_id] = predictor.predict(
                     new_tokens=args[0],
                     queued_prefill_tokens=args[1],
@@ -627,7 +646,7 @@ class KvScheduler:
                     output_tokens=out_mean,
                 )
             else:
-                costs[w.worker_id] = ttft_ms(*args)
+                costs[w.worker_id] = ttft_ms(*args) + delay
         if not penalty:
             return costs
         best_itl = min(p.itl_ms for p in preds.values())
@@ -639,6 +658,7 @@ class KvScheduler:
                 cap_ms=cap,
                 slots_used=n / w.max_num_seqs if w.max_num_seqs else 1.0,
             )
+            + extra[w.worker_id]
             for w, _, _, n in views
         }
 
