@@ -148,6 +148,30 @@ def test_after_the_first_token_the_computed_prefix_counts_until_its_events_can_b
     assert sched.select(again, now=20.0).overlap_blocks == 0
 
 
+def test_a_finished_request_does_not_linger_in_its_workers_load() -> None:
+    # A load sample may show a request the router thinks too young to show (a fast worker), or
+    # arrive after the request ended, measured while it ran: once the request is freed, its
+    # worker must not look busy with it until the next sample (the next turn, sent at once,
+    # would go elsewhere and miss the prefix that worker holds).
+    sched = make(1)
+    w0 = sched.worker("w0")
+    assert w0 is not None
+    running = LoadSample(kv_active_blocks=9, num_running=1)
+    prompt = list(range(32))  # 8 blocks, 1 more expected output
+    sched.book("a", sched.select(prompt, now=10.0), 10.0, expected_output_tokens=4)
+    sched.update_load("w0", running, now=10.01)  # showed "a", booked 10 ms before
+    assert w0.view(10.02, 2.0)[1:] == (9 + 9, 2)  # counted twice while it runs
+    assert sched.free("a", now=10.03)
+    assert w0.view(10.04, 2.0)[1:] == (0, 0)
+    sched.book("b", sched.select(prompt, now=20.0), 20.0, expected_output_tokens=4)
+    sched.update_load("w0", running, now=20.5)
+    assert sched.free("b", now=20.6)
+    sched.update_load("w0", running, now=20.62)  # measured before "b" ended
+    assert w0.view(20.63, 2.0)[1:] == (0, 0)
+    sched.update_load("w0", running, now=21.0)  # later: somebody else's request, counted
+    assert w0.view(21.01, 2.0)[1:] == (9, 1)
+
+
 def test_ties_are_broken_at_random_not_always_the_first() -> None:
     sched = make(4, seed=7)
     picks = Counter(sched.select([1, 2, 3, 4], now=0.0).worker_id for _ in range(400))

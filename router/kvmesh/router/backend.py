@@ -609,6 +609,10 @@ class MeshBackend:
                     out.usage = Usage(
                         progress.prompt_tokens, len(generated), out.usage.cached_tokens
                     )
+                if out.finish_reason is not None:
+                    # Done on the worker: free its booking now, before the caller answers the
+                    # client (who may send the next turn at once) and closes this generator.
+                    self._booking_ended(request.request_id)
                 yield out
         finally:
             await stream.aclose()  # type: ignore[attr-defined]

@@ -153,7 +153,7 @@ class KvRouter:
         self.scheduler.first_token(request_id, now=self.clock.now())
 
     def finished(self, request_id: str) -> None:
-        self.scheduler.free(request_id)
+        self.scheduler.free(request_id, now=self.clock.now())
         handle = self._booked.pop(request_id, None)
         if handle is not None:
             handle.inflight -= 1

@@ -239,6 +239,9 @@ class WorkerLoad:
     """Measured minus booked decode blocks when the last sample arrived."""
     recent: deque[tuple[float, _Booking]] = field(default_factory=deque)
     """Bookings of the last `load_settle_s`, oldest first (may hold freed ones)."""
+    freed: deque[tuple[float, int, int]] = field(default_factory=deque)
+    """(time, prefill, decode blocks) of the bookings freed in the last `load_settle_s`, oldest
+    first: a load sample arriving now may have been measured while they still ran."""
     max_num_seqs: int = 0
     """Requests the engine runs at once (model card; 0: unknown, no limit assumed)."""
     booked_requests: int = 0
@@ -326,6 +329,8 @@ class _Booking:
     decode: int
     live: bool = True
     inflight: Sequence[int] = ()
+    at: float | None = None
+    """When it was booked (None: no time given)."""
     """The prompt blocks it will compute (after the prefix its worker holds or computes for
     others), in the scheduler's InflightIndex until its first token."""
 
@@ -454,8 +459,21 @@ class KvScheduler:
                 young_prefill += b.prefill
                 young_decode += b.decode
                 young_requests += 1
-        # predicted = measured + what the measurement cannot show yet
-        measured_prefill = -(-sample.pending_prefill_tokens // load.block_size)
+        # What ended in the last `load_settle_s` may still show in the measurement (taken before
+        # it ended, on its way since): a worker that just finished a request must not look busy
+        # with it until the next sample (the next turn of a conversation, sent at once, would
+        # go elsewhere and miss the prefix this worker holds).
+        freed = load.freed
+        while freed and freed[0][0] <= settled:
+            freed.popleft()
+        gone_prefill = gone_decode = 0
+        for _, prefill, decode in freed:
+            gone_prefill += prefill
+            gone_decode += decode
+        # predicted = measured + what the measurement cannot show yet - what it shows too long
+        measured_prefill = max(
+            0, -(-sample.pending_prefill_tokens // load.block_size) - gone_prefill
+        )
         prefill_offset: float = measured_prefill - (load.booked_prefill - young_prefill)
         if prefill_offset < 0:
             # An engine that counts a step's tokens as computed when the step starts (the
@@ -465,8 +483,9 @@ class KvScheduler:
             # exceeds that is corrected away.
             prefill_offset = min(0.0, prefill_offset + self.config.chunk_tokens / load.block_size)
         load.prefill_offset = prefill_offset
-        load.decode_offset = sample.kv_active_blocks - (load.booked_decode - young_decode)
-        measured_requests = sample.num_running + sample.num_waiting
+        measured_decode = max(0, sample.kv_active_blocks - gone_decode)
+        load.decode_offset = measured_decode - (load.booked_decode - young_decode)
+        measured_requests = max(0, sample.num_running + sample.num_waiting - len(freed))
         load.requests_offset = measured_requests - (load.booked_requests - young_requests)
         load._measure_completions(now, COMPLETION_WINDOW_S)
 
@@ -799,7 +818,7 @@ class KvScheduler:
         load.booked_prefill += prefill
         load.booked_decode += decode
         load.booked_requests += 1
-        booking = _Booking(load, prefill, decode)
+        booking = _Booking(load, prefill, decode, at=now)
         self._bookings[(source, request_id)] = booking
         settle = self.config.load_settle_s
         if now is not None and settle > 0:
@@ -864,12 +883,27 @@ class KvScheduler:
                 )
         return True
 
-    def free(self, request_id: str, source: str = "") -> bool:
-        """The request ended (any reason): drop its booking. False if unknown."""
+    def free(self, request_id: str, source: str = "", now: float | None = None) -> bool:
+        """The request ended (any reason): drop its booking (with `now`, load samples of the
+        next `load_settle_s` may still show it: update_load). False if unknown."""
         b = self._drop_booking((source, request_id))
         if b is None:
             return False
         b.load.completed += 1
+        settle = self.config.load_settle_s
+        if now is not None and settle > 0:
+            load = b.load
+            freed = load.freed
+            while freed and freed[0][0] <= now - settle:  # bounded without load samples too
+                freed.popleft()
+            freed.append((now, b.prefill, b.decode))
+            if b.at is not None and load.sample_at - settle < b.at <= load.sample_at:
+                # The last sample took it for too young to show, and added it on top of what
+                # it measured; the sample may have shown it all the same (a fast worker): gone
+                # now, it must not stay in the offsets until the next sample.
+                load.prefill_offset -= b.prefill
+                load.decode_offset -= b.decode
+                load.requests_offset -= 1
         if not source and self._listeners:
             self._emit(LoadEvent(self.router_id, request_id, b.load.worker_id, LoadEventKind.FREED))
         return True
@@ -926,7 +960,7 @@ class KvScheduler:
         elif event.kind is LoadEventKind.FIRST_TOKEN:
             self.first_token(event.request_id, source)
         else:
-            self.free(event.request_id, source)
+            self.free(event.request_id, source, now)
 
     def drop_peer(self, source: str) -> None:
         """Forget every booking of a peer (its stream ended; a new one restarts from its
