@@ -103,12 +103,16 @@ def tree_cpu_s(root: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def server(kind: str, model: Path, log: Path, extra: list[str]) -> Iterator[tuple[str, int]]:
+def server(
+    kind: str, model: Path, log: Path, extra: list[str], env_extra: dict[str, str] | None = None
+) -> Iterator[tuple[str, int]]:
     """Start `kind` ("vllm": its own server with the flags in `extra`, "kvmesh": `kvmesh up`
-    with the flags in `extra`) on a free port; yields its base URL and pid."""
+    with the flags in `extra`) on a free port, with `env_extra` in its environment; yields its
+    base URL and pid."""
     port = free_port()
     env = worker_env()
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # the same 1 GiB KV cache as kvmesh's CPU default
+    env.update(env_extra or {})
     if kind == "kvmesh":
         mesh = start_mesh(
             log.parent,
@@ -331,6 +335,24 @@ def torch_vs_vllm(model: Path, max_tokens: int, threads: int) -> dict[str, Any]:
     }
 
 
+def parse_variant(spec: str) -> tuple[str, list[str], dict[str, str]]:
+    """A --variant's server kind (its first word if that is `vllm` or `kvmesh`; else kvmesh),
+    server flags, and environment (words NAME=VALUE with an upper-case NAME)."""
+    words = spec.split()
+    kind = "kvmesh"
+    if words and words[0] in ("vllm", "kvmesh"):
+        kind = words.pop(0)
+    env = {}
+    flags = []
+    for w in words:
+        key, eq, value = w.partition("=")
+        if eq and key.isupper() and key.replace("_", "").isalnum():
+            env[key] = value
+        else:
+            flags.append(w)
+    return kind, flags, env
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", "-n", type=int, default=400)
@@ -349,9 +371,11 @@ def main() -> None:
         "--variant",
         action="append",
         default=[],
-        metavar="NAME=FLAGS",
-        help="a kvmesh variant with extra `kvmesh up` flags, e.g. "
-        "'no-events=--no-vllm-kv-events' (then --servers ... no-events)",
+        metavar="NAME=[KIND] [FLAGS] [ENV=VALUE]",
+        help="a server variant: KIND vllm or kvmesh (default), extra server flags and "
+        "environment, e.g. 'no-events=--no-vllm-kv-events', or vLLM's own placement of its "
+        "engine core: 'vllm-stock=vllm KVMESH_VLLM_PIN_ENGINE_CORE=0' (then --servers ... "
+        "vllm-stock)",
     )
     p.add_argument("--torch", action="store_true", help="also torch engine vs vLLM engine")
     p.add_argument(
@@ -370,14 +394,17 @@ def run(a: argparse.Namespace, root: Path) -> None:
     model = create_vllm_tiny_model(root / MODEL, create_tiny_model(root / "tiny-llama"))
     log = Path(a.log)
     texts: dict[str, dict[int, str]] = {}
-    variants = {"vllm": ("vllm", []), "kvmesh": ("kvmesh", [])}
+    variants: dict[str, tuple[str, list[str], dict[str, str]]] = {
+        "vllm": ("vllm", [], {}),
+        "kvmesh": ("kvmesh", [], {}),
+    }
     for v in a.variant:
-        name, _, flags = v.partition("=")
-        variants[name] = ("kvmesh", flags.split())
+        name, _, spec = v.partition("=")
+        variants[name] = parse_variant(spec)
     for rnd in range(a.rounds):
         for name in a.servers:
-            kind, extra = variants[name]
-            with server(kind, model, log, extra) as (base, pid):
+            kind, extra, env_extra = variants[name]
+            with server(kind, model, log, extra, env_extra) as (base, pid):
                 for c in a.concurrency:
                     n = a.low_requests if c == 1 else a.requests
                     cpu0 = tree_cpu_s(pid)

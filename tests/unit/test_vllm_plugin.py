@@ -75,3 +75,64 @@ def test_no_nixl_connector_no_nixl_import(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv(vllm_plugin.NIXL_SIDE_CHANNEL_PORT, raising=False)
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # would fail if it were imported
     vllm_plugin._nixl_without_progress_thread()
+
+
+@pytest.mark.parametrize(
+    ("workers", "allowed", "mode", "expected"),
+    [
+        ([[0]], {0, 1}, "auto", {0}),  # 2 cores: the one left over is the serving processes' too
+        ([[0, 1, 2, 3, 4, 5, 6]], set(range(8)), "auto", set(range(7))),
+        ([[0, 1, 2, 3, 4, 5]], set(range(8)), "auto", None),  # two left over: vLLM's placement
+        ([[0, 1, 2, 3, 4, 5]], set(range(8)), "1", set(range(6))),
+        ([[0], [1]], {0, 1, 2}, "auto", {0, 1}),  # tensor parallel: every worker's cores
+        ([[0]], {0, 1}, "0", None),
+        ([], {0, 1}, "auto", None),  # vLLM binds no threads (VLLM_CPU_OMP_THREADS_BIND=nobind)
+        ([[0, 1]], {0, 1}, "1", None),  # nothing left over: nowhere else to go
+        ([[2, 3]], {0, 1}, "1", None),  # bound outside what this process may use
+    ],
+)
+def test_where_the_engine_core_runs(
+    workers: list[list[int]], allowed: set[int], mode: str, expected: set[int] | None
+) -> None:
+    assert vllm_plugin.engine_core_cpus(workers, allowed, mode) == expected
+
+
+def test_an_unknown_pin_mode_is_an_error() -> None:
+    with pytest.raises(ValueError, match="KVMESH_VLLM_PIN_ENGINE_CORE"):
+        vllm_plugin.engine_core_cpus([[0]], {0, 1}, "yes")
+
+
+def test_the_engine_core_moves_when_vllm_binds_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The executor's OMPProcessManager (created in the engine core's process before it starts
+    its workers) computes the workers' cores; the plugin moves the process onto them then
+    (tests/vllm_real runs real engines with the plugin; bench_vllm.py measures the effect)."""
+    import types
+
+    class OMPProcessManager:  # vllm.utils.ompmultiprocessing's, the part that matters here
+        def __init__(self, config: object) -> None:
+            self.cpu_lists = [[0]]
+
+    platform = types.SimpleNamespace(is_cpu=lambda: True)
+    monkeypatch.setitem(
+        sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform)
+    )
+    monkeypatch.setitem(
+        sys.modules,
+        "vllm.utils.ompmultiprocessing",
+        types.SimpleNamespace(OMPProcessManager=OMPProcessManager),
+    )
+    for name in ("vllm", "vllm.utils"):  # packages, so that `from vllm.utils import x` works
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    pinned: list[set[int]] = []
+    monkeypatch.setattr(vllm_plugin, "_pin_process", pinned.append)
+    monkeypatch.setattr(vllm_plugin.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv(vllm_plugin.PIN_ENGINE_CORE, "auto")
+    vllm_plugin._engine_core_beside_workers()
+    vllm_plugin._engine_core_beside_workers()  # idempotent: wrapped once
+    OMPProcessManager(None)
+    assert pinned == [{0}]
+    monkeypatch.setenv(vllm_plugin.PIN_ENGINE_CORE, "0")
+    OMPProcessManager(None)  # the mode is read when the plugin loads, once per process
+    assert pinned == [{0}, {0}]

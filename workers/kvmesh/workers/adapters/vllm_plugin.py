@@ -2,7 +2,20 @@
 
 vLLM loads its general plugins in every process it runs model code in: the caller (kvmesh's
 worker), the subprocess that inspects a model class, the engine core and its workers. This one
-does two things.
+does three things.
+
+The engine core beside its model workers on small CPU machines. On the CPU platform vLLM binds
+each model worker's OpenMP threads to cores of its own and leaves the rest ("reserved") to the
+engine core, which busy-waits (sched_yield) for its workers' results for a second after every
+step. Where one core is left over, as on this project's 2-core machines, that core is also all
+the serving processes get (kvmesh's worker and gateway, or vLLM's own API server), and a
+spinning engine core beside them delays their wake-ups by tens of milliseconds: through `kvmesh
+up --engine vllm`, one request at a time, the worker sent every token on time (tcpdump) while
+the gateway took them all at the end of the request in one burst (first token ~80 ms instead
+of ~6). The engine core waits for its workers while they compute, so it loses nothing on their
+cores: where fewer than two cores are left over, the plugin moves the engine core (every
+thread) onto its model workers' cores when vLLM binds them. `KVMESH_VLLM_PIN_ENGINE_CORE`: auto
+(that rule; the default), 1 (always, where vLLM binds threads), 0 (never: vLLM's placement).
 
 NIXL without a busy progress thread on CPUs. vLLM's NixlConnector creates its NIXL agent with
 NIXL's progress thread on, and NIXL's Python API runs that thread with no delay between
@@ -34,12 +47,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
     "NIXL_SIDE_CHANNEL_PORT",
+    "PIN_ENGINE_CORE",
     "TORCHVISION_MODULE",
+    "engine_core_cpus",
     "nixl_config_without_progress_thread",
     "register",
 ]
@@ -47,6 +62,9 @@ __all__ = [
 NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 """vLLM's NIXL handshake port variable: the vLLM adapter sets it whenever its engine uses a NIXL
 connector (kvmesh.workers.adapters.vllm_adapter), and its engine processes inherit it."""
+
+PIN_ENGINE_CORE = "KVMESH_VLLM_PIN_ENGINE_CORE"
+"""auto | 1 | 0: where the engine core runs on the CPU platform (see the module docstring)."""
 
 TORCHVISION_MODULE = "transformers.models.pixtral.image_processing_pixtral"
 PIL_MODULE = "transformers.models.pixtral.image_processing_pil_pixtral"
@@ -97,8 +115,70 @@ def _nixl_without_progress_thread() -> None:
         worker.nixl_agent_config = patched  # type: ignore[attr-defined]
 
 
+def engine_core_cpus(
+    worker_cpus: Iterable[Iterable[int]], allowed: Iterable[int], mode: str
+) -> set[int] | None:
+    """The CPUs the engine core should run on (None: leave it where it is), given the CPUs vLLM
+    binds each local model worker to (`worker_cpus`; none: it binds nothing), the CPUs the
+    engine core may run on now, and the KVMESH_VLLM_PIN_ENGINE_CORE mode."""
+    if mode == "0":
+        return None
+    if mode not in ("auto", "1"):
+        raise ValueError(f"{PIN_ENGINE_CORE} must be auto, 1 or 0, not {mode!r}")
+    allowed = set(allowed)
+    workers = {cpu for cpus in worker_cpus for cpu in cpus} & allowed
+    if not workers or workers == allowed:
+        return None
+    if mode == "auto" and len(allowed - workers) >= 2:
+        return None
+    return workers
+
+
+def _pin_process(cpus: set[int]) -> None:
+    """Every thread of this process (and so every thread it starts later) onto `cpus`."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+
+
+def _engine_core_beside_workers() -> None:
+    mode = os.environ.get(PIN_ENGINE_CORE, "auto")
+    if mode == "0" or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # not vLLM's process after all
+        return
+    if not current_platform.is_cpu():
+        return
+    try:
+        from vllm.utils import ompmultiprocessing
+    except ImportError:  # a vLLM without CPU thread binding
+        return
+    cls = ompmultiprocessing.OMPProcessManager
+    if getattr(cls, "_kvmesh_pins_engine_core", False):
+        return
+    init = cls.__init__
+
+    def bind(self: Any, *args: Any, **kwargs: Any) -> None:
+        # The executor creates this in the engine core's process before starting its workers,
+        # which inherit the affinity (theirs is a subset of it) and bind within it.
+        init(self, *args, **kwargs)
+        cpus = engine_core_cpus(
+            getattr(self, "cpu_lists", None) or [], os.sched_getaffinity(0), mode
+        )
+        if cpus is not None:
+            _pin_process(cpus)
+
+    cls.__init__ = bind
+    cls._kvmesh_pins_engine_core = True
+
+
 def register() -> None:
     """vLLM's plugin hook (see the module docstring); idempotent."""
+    _engine_core_beside_workers()
     _nixl_without_progress_thread()
     if TORCHVISION_MODULE in sys.modules or importlib.util.find_spec(PIL_MODULE) is None:
         return
