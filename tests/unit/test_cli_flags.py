@@ -25,7 +25,7 @@ from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
 from kvmesh.runtime.config import ConfigError, Flags, from_args, opt
-from kvmesh.runtime.process import GlobalConfig, LogLevel
+from kvmesh.runtime.process import CORE_SLOT_ENV, GlobalConfig, LogLevel, core_slice
 from kvmesh.runtime.types import Role
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.main import ENGINES
@@ -364,3 +364,65 @@ def test_every_listener_binds_loopback_by_default(parser: argparse.ArgumentParse
                 assert help_text.endswith("(default: '127.0.0.1')"), f"kvmesh {name} {action.dest}"
                 checked += 1
     assert checked >= 3  # worker, router, frontend (and up, which passes them on)
+
+
+def test_up_gives_each_worker_a_core_slot(
+    parser: argparse.ArgumentParser, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engines that bind threads to cores (vLLM on CPUs) take their slot's share of them rather
+    than all binding to the same ones (kvmesh.workers.adapters.vllm_adapter.omp_threads_bind)."""
+    import kvmesh.apps.up as up
+
+    class Child:  # up.Child without a process
+        def __init__(self, name: str, argv: list[str], metrics: str = "", env: Any = None) -> None:
+            self.name, self.env, self.live = name, env, True
+
+        def alive(self) -> bool:
+            return self.live
+
+    monkeypatch.setattr(up, "Child", Child)
+    monkeypatch.setattr(Supervisor, "write_targets", lambda self: None)
+
+    def supervisor(*flags: str) -> Supervisor:
+        sup = Supervisor(
+            UpArgs.from_args(parser.parse_args(["up", f"--model={tiny_model}", *flags]))
+        )
+        return sup
+
+    sup = supervisor("--workers", "2")
+    try:
+        sup.start_worker()
+        sup.start_worker()
+        slots = [w.env for w in sup.workers]  # type: ignore[attr-defined]
+        assert slots == [{CORE_SLOT_ENV: "0/2"}, {CORE_SLOT_ENV: "1/2"}]
+        sup.workers[0].live = False  # type: ignore[attr-defined]  # its replacement takes its slot
+        sup.start_worker()
+        assert sup.workers[-1].env == {CORE_SLOT_ENV: "0/2"}  # type: ignore[attr-defined]
+        sup.start_worker()  # more workers than slots (Scale): they share
+        assert sup.workers[-1].env[CORE_SLOT_ENV] in ("0/2", "1/2")  # type: ignore[attr-defined]
+    finally:
+        shutil.rmtree(sup.registry)  # type: ignore[arg-type]
+    sup = supervisor("--workers", "1")  # alone: no slot, the engine's own binding
+    try:
+        sup.start_worker()
+        assert sup.workers[0].env is None  # type: ignore[attr-defined]
+    finally:
+        shutil.rmtree(sup.registry)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("slot", "cores", "expected"),
+    [
+        ("0/2", [1, 0], [0]),
+        ("1/2", [0, 1], [1]),
+        ("1/2", range(8), [4, 5, 6, 7]),
+        ("2/3", range(8), [4, 5]),  # 8 // 3: two cores each, core 6 and 7 left out
+        ("0/1", range(8), None),  # a single slot: nothing to split
+        ("2/2", [0, 1], None),
+        ("0/4", [0, 1], None),  # more slots than cores: they share all
+        ("x/2", [0, 1], None),
+        (None, [0, 1], None),
+    ],
+)
+def test_core_slices(slot: str | None, cores: Any, expected: list[int] | None) -> None:
+    assert core_slice(slot, cores) == expected

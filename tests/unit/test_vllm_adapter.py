@@ -67,7 +67,12 @@ from kvmesh.runtime.types import (
 from kvmesh.runtime.types import SamplingParams as KvSampling
 from kvmesh.workers.adapters.config import VllmConfig
 from kvmesh.workers.adapters.kv_translate import KvEventTranslator, engine_hash
-from kvmesh.workers.adapters.vllm_adapter import VllmEngine, sampling_kwargs
+from kvmesh.workers.adapters.vllm_adapter import (
+    OMP_THREADS_BIND,
+    VllmEngine,
+    omp_threads_bind,
+    sampling_kwargs,
+)
 from kvmesh.workers.adapters.zmq_events import ZmqKvSubscriber
 from kvmesh.workers.engine import DisaggSettings
 
@@ -1021,3 +1026,25 @@ async def test_image_blocks_are_published_with_salted_placeholders(
             h[2]: (h[1], tuple(want[8:12]), ""),
         }
         assert want[2:6] != tokens[2:6]
+
+
+@pytest.mark.parametrize(
+    ("environ", "kwargs", "cores", "expected"),
+    [
+        ({"KVMESH_CORE_SLOT": "1/2"}, {}, {0, 1}, "1"),  # one core each: the engine core too
+        ({"KVMESH_CORE_SLOT": "0/2"}, {}, set(range(8)), "0,1,2"),  # the last for its engine core
+        ({"KVMESH_CORE_SLOT": "0/2", OMP_THREADS_BIND: "auto"}, {}, {0, 1}, None),  # the user's
+        ({"KVMESH_CORE_SLOT": "0/2"}, {"tensor_parallel_size": 2}, {0, 1, 2, 3}, None),
+        ({"KVMESH_CORE_SLOT": "0/2"}, {"kv_transfer_config": {"kv_connector": "x"}}, {0, 1}, None),
+        ({}, {}, {0, 1}, None),  # not started by kvmesh up in a slot: vLLM's own binding
+    ],
+)
+def test_vllm_threads_take_the_workers_core_slot(
+    environ: dict[str, str],
+    kwargs: dict[str, Any],
+    cores: set[int],
+    expected: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores)
+    assert omp_threads_bind(environ, kwargs) == expected

@@ -101,7 +101,7 @@ from kvmesh.runtime.grpcutil import (
 )
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.ports import free_port
-from kvmesh.runtime.process import ChildProcess, Entry, GlobalConfig, run
+from kvmesh.runtime.process import CORE_SLOT_ENV, ChildProcess, Entry, GlobalConfig, run
 from kvmesh.runtime.telemetry import TracingConfig
 from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
@@ -381,6 +381,9 @@ class Supervisor:
             self.frontend = replace(self.frontend, api_key=[])
         self.security = MeshSecurity.load(self.tls("kvmesh-up"))
         self.pools = {role: _Pool(role, n) for role, n in self.config.pool_sizes().items()}
+        self.core_slots = max(1, sum(self.config.pool_sizes().values()))
+        """Workers that share this machine's cores (the initial ones; CORE_SLOT_ENV)."""
+        self._slot_of: dict[str, int] = {}
         self.others: list[Child] = []  # frontend (first), router
         self.registered: set[str] = set()
         self.addresses: dict[str, str] = {}
@@ -437,7 +440,15 @@ class Supervisor:
         wid = f"{prefix}-{i}-{self._pid}"
         metrics = free_port(self.worker.host)
         argv = self.worker_argv(role, wid, f"{prefix}-{i}", metrics)
-        pool.children.append(Child(wid, argv, f"{_reachable(self.worker.host)}:{metrics}"))
+        env = None
+        if self.core_slots > 1:
+            live = {self._slot_of.get(w.name) for w in self.workers if w.alive()}
+            slot = next((k for k in range(self.core_slots) if k not in live), None)
+            if slot is None:  # more workers than slots (Scale added some): share round-robin
+                slot = len(self._slot_of) % self.core_slots
+            self._slot_of[wid] = slot
+            env = {CORE_SLOT_ENV: f"{slot}/{self.core_slots}"}
+        pool.children.append(Child(wid, argv, f"{_reachable(self.worker.host)}:{metrics}", env=env))
         self.write_targets()
 
     def start(self) -> Child:

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +27,30 @@ T = TypeVar("T")
 
 PARENT_PID_ENV = "KVMESH_PARENT_PID"
 """Set by ChildProcess to the pid of the process that started the child (`die_with_parent`)."""
+
+CORE_SLOT_ENV = "KVMESH_CORE_SLOT"
+"""`i/n`: `kvmesh up` started this worker as one of n sharing this machine's cores, in slot i.
+Engines that bind their threads to cores take slot i's share (`core_slice`) instead of binding
+every worker to the same ones (vLLM on CPUs: kvmesh.workers.adapters.vllm_adapter)."""
+
+
+def core_slice(slot: str | None, cores: Iterable[int]) -> list[int] | None:
+    """Slot `i/n`'s cores among `cores`: the i-th of n equal runs of them in order (the rest of
+    a division left out). None: no slot, a malformed one, a single slot, or fewer cores than
+    slots (nothing to split)."""
+    if not slot:
+        return None
+    index, _, count = slot.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        return None
+    ordered = sorted(cores)
+    if n < 2 or not 0 <= i < n or len(ordered) < n:
+        return None
+    share = len(ordered) // n
+    return ordered[i * share : (i + 1) * share]
+
 
 _PR_SET_PDEATHSIG = 1
 

@@ -54,7 +54,7 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvmesh.runtime.errors import (
@@ -70,6 +70,7 @@ from kvmesh.runtime.multimodal import (
     placeholder_positions,
     salt_id,
 )
+from kvmesh.runtime.process import CORE_SLOT_ENV, core_slice
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -415,7 +416,13 @@ class VllmEngine(StreamingAdapter[Any]):
         from kvmesh.workers.adapters import vllm_runtime
 
         vllm_runtime.check_version()
-        kwargs = self.engine_kwargs(cpu=vllm_runtime.is_cpu_platform())
+        cpu = vllm_runtime.is_cpu_platform()
+        kwargs = self.engine_kwargs(cpu=cpu)
+        if cpu:
+            bind = omp_threads_bind(os.environ, kwargs)
+            if bind is not None:
+                log.info("vLLM's CPU threads on cores %s (%s)", bind, CORE_SLOT_ENV)
+                os.environ[OMP_THREADS_BIND] = bind  # its engine processes inherit it
         engine_args = vllm_runtime.build_engine_args(kwargs)
         _nixl_side_channel_port(kwargs.get("kv_transfer_config"))
         if self.kv_events_endpoint is not None:
@@ -870,6 +877,37 @@ def _nixl_side_channel_port(transfer: Any) -> None:
     with socket.socket() as s:
         s.bind(("", 0))
         os.environ[NIXL_SIDE_CHANNEL_PORT] = str(s.getsockname()[1])
+
+
+OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def omp_threads_bind(environ: Mapping[str, str], kwargs: Mapping[str, Any]) -> str | None:
+    """vLLM's CPU thread binding for a worker `kvmesh up` started in a core slot (CORE_SLOT_ENV),
+    or None to leave vLLM's own. vLLM binds each engine's model worker as if it were alone on
+    the machine, so every worker of a mesh lands on the same cores: two on two cores served 2
+    requests/s one at a time (each engine busy-waits after its steps, beside the other's
+    compute) where one on each core served 7.5-9.4. A slot of one core takes it whole (the
+    engine core then shares it: kvmesh.workers.adapters.vllm_plugin); of more, all but its
+    last, which vLLM would keep for the engine core too. Only where the user set no binding,
+    the engine runs on one process (tensor and pipeline parallel size 1) and moves no KV over a
+    connector: vLLM keeps a core more free for its NIXL connector, and a disaggregated mesh
+    with each engine on one core of two never answered (tests/vllm_real/
+    test_vllm_disagg_mesh.py hung)."""
+    if OMP_THREADS_BIND in environ or not hasattr(os, "sched_getaffinity"):
+        return None
+    if kwargs.get("kv_transfer_config"):
+        return None
+    if (
+        int(kwargs.get("tensor_parallel_size") or 1)
+        * int(kwargs.get("pipeline_parallel_size") or 1)
+        != 1
+    ):
+        return None
+    cores = core_slice(environ.get(CORE_SLOT_ENV), os.sched_getaffinity(0))
+    if not cores:
+        return None
+    return ",".join(str(c) for c in (cores[:-1] if len(cores) > 1 else cores))
 
 
 def _engine_params(text: str) -> dict[str, Any]:
