@@ -173,7 +173,7 @@ def _engine_core_beside_workers() -> None:
             _pin_process(cpus)
 
     cls.__init__ = bind
-    cls._kvmesh_pins_engine_core = True
+    cls._kvmesh_pins_engine_core = True  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def register() -> None:
