@@ -106,6 +106,10 @@ def test_static_pool_hours_and_slo_attainment() -> None:
     assert {"t_s", "serving", "starting", "draining", "ttft_p90_ms", "itl_p90_ms"} <= set(
         result.timeline[0]
     )
+    # each interval's share of its arrivals within the SLO adds up to the whole run's
+    met = sum(row["slo_met"] * row["arrival_rps"] * 10.0 for row in result.timeline)
+    assert met / 30 == pytest.approx(result.slo_attainment, abs=1e-3)
+    assert all(row["slo_met"] == 1.0 for row in loose.timeline if row["arrival_rps"])
 
 
 class Scripted:

@@ -15,7 +15,8 @@ own: (last token - first token) / (tokens - 1)) <= --itl-slo-ms / all requests o
 the span: a static pool's workers the whole span, a planned pool's from the moment the planner
 asked for them (start-up included) until they exited after draining. `timeline`: one row per
 interval of the span: arrival rate, replicas (serving, starting, draining) at its end, and the
-p90 TTFT and p90 per-request mean ITL of the requests that arrived in it.
+p90 TTFT and p90 per-request mean ITL of the requests that arrived in it, and `slo_met`: the share
+of them that met the SLO as `slo_attainment` counts.
 """
 
 from __future__ import annotations
@@ -261,16 +262,19 @@ def mean_itl(t: Timeline, i: int) -> float:
     return (t.last_at[i] - t.first_at[i]) / (n - 1) if n > 1 else 0.0
 
 
+def met_slo(t: Timeline, i: int, ttft_s: float, itl_s: float) -> bool:
+    """Request `i` finished within both targets."""
+    return (
+        not math.isnan(t.finished_at[i])
+        and t.first_at[i] - t.arrival[i] <= ttft_s
+        and mean_itl(t, i) <= itl_s
+    )
+
+
 def slo_attainment(t: Timeline, ttft_s: float, itl_s: float) -> float:
     """Requests that finished within both targets / all requests."""
     n = len(t.arrival)
-    ok = 0
-    for i in range(n):
-        if math.isnan(t.finished_at[i]):
-            continue
-        if t.first_at[i] - t.arrival[i] <= ttft_s and mean_itl(t, i) <= itl_s:
-            ok += 1
-    return ok / n if n else 0.0
+    return sum(met_slo(t, i, ttft_s, itl_s) for i in range(n)) / n if n else 0.0
 
 
 def _p90_ms(xs: list[float]) -> float:
@@ -278,9 +282,15 @@ def _p90_ms(xs: list[float]) -> float:
 
 
 def interval_rows(
-    t: Timeline, start: float, end: float, interval_s: float, replicas: Sequence[ReplicaSample]
+    t: Timeline,
+    start: float,
+    end: float,
+    interval_s: float,
+    replicas: Sequence[ReplicaSample],
+    slo_s: tuple[float, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """The timeline: one row per `interval_s` from `start` to `end` (see the module doc)."""
+    """The timeline: one row per `interval_s` from `start` to `end` (see the module doc);
+    `slo_s`: the (TTFT, ITL) targets in seconds, for `slo_met` (left out without them)."""
     if end <= start or interval_s <= 0:
         return []
     n_rows = math.ceil((end - start) / interval_s)
@@ -307,6 +317,9 @@ def interval_rows(
                 "itl_p90_ms": round(_p90_ms([mean_itl(t, i) for i in done]), 3),
             }
         )
+        if slo_s is not None and arrivals[k]:
+            met = sum(met_slo(t, i, *slo_s) for i in arrivals[k])
+            rows[-1]["slo_met"] = round(met / len(arrivals[k]), 4)
     return rows
 
 
@@ -335,6 +348,7 @@ def summarize(
     if not replicas:
         replicas = [(t_start, {"serving": len(workers), "starting": 0, "draining": 0})]
     slo = config.planning
+    slo_s = (slo.ttft_slo_ms / 1e3, slo.itl_slo_ms / 1e3)
     prompt_tokens = sum(reqs[i].input_length for i in fin)
     per_worker = [
         WorkerResult(
@@ -380,9 +394,9 @@ def summarize(
         wall_s=time.perf_counter() - t_wall,
         ttft_slo_ms=slo.ttft_slo_ms,
         itl_slo_ms=slo.itl_slo_ms,
-        slo_attainment=slo_attainment(t, slo.ttft_slo_ms / 1e3, slo.itl_slo_ms / 1e3),
+        slo_attainment=slo_attainment(t, *slo_s),
         worker_hours=hours,
-        timeline=interval_rows(t, t_start, t_end, config.timeline_s, replicas),
+        timeline=interval_rows(t, t_start, t_end, config.timeline_s, replicas, slo_s),
         ttft_s=ttft,
     )
 
