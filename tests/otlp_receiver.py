@@ -132,10 +132,15 @@ class OtlpHttpReceiver(OtlpReceiver):
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            # Keep-alive, as collectors serve OTLP/HTTP (HTTP/1.0 would make an exporter open a
+            # connection per export: a cost no real deployment has).
+            protocol_version = "HTTP/1.1"
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 if self.path != "/v1/traces":
                     self.send_response(404)
+                    self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
                 receiver._add(tpb.ExportTraceServiceRequest.FromString(body))

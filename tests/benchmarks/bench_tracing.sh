@@ -6,10 +6,15 @@
 #   off  : this tree, tracing off (no OTEL endpoint)
 #   on   : this tree, every process tracing at 100 % sampling (parentbased_always_on), OTLP/gRPC
 #          to a span sink on this machine (tests/otlp_receiver.py, counting spans)
+#   on-grpc, on-http: as `on`, over OTLP/gRPC and OTLP http/protobuf (both in one run: their
+#          rounds interleave with `off`'s, so the two protocols meet the same machine)
 #   base-on: the code of BASE tracing as `on` does (has the cost of tracing itself moved?)
 #   bash tests/benchmarks/bench_tracing.sh            # N=4000 C=200 ROUNDS=3
 #   PROTOCOL=http/protobuf bash ...                   # the OTLP protocol of `on` (default grpc)
-# Ends with each mode's medians over the rounds and their ratios to `off`.
+#   MODES="off on-grpc on-http" ROUNDS=12 bash ...   # both protocols against off
+# Ends with each mode's medians over the rounds and their ratios to `off`, and the median of
+# the per-round ratios to the `off` run beside it (each round's modes ran back to back: the
+# machine's slower drifts cancel in those).
 # Server CPU counts the frontend and worker processes only (not the client, not the sink).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,6 +23,7 @@ N=${N:-4000}; C=${C:-200}; ROUNDS=${ROUNDS:-3}; BASE=${BASE:-main}; MODES=${MODE
 PROTOCOL=${PROTOCOL:-grpc}
 free_port() { "$PY" -c "from kvmesh.runtime.ports import free_port; print(free_port())"; }
 PORT=${PORT:-$(free_port)}; SINK_PORT=${SINK_PORT:-$(free_port)}
+HTTP_SINK_PORT=${HTTP_SINK_PORT:-$(free_port)}
 WORK=$(mktemp -d /tmp/kvmesh-bench-tracing.XXXXXX)
 git archive "$BASE" | tar -x -C "$WORK"
 BASE_PATH=$(printf "$WORK/%s:" gen runtime frontend router workers planner sim apps)
@@ -26,19 +32,29 @@ cpu_of() { # CPU ticks of the children of `kvmesh up` $1 (its frontend and worke
   local t=0; for p in $(pgrep -P "$1" || true); do
   t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done; echo $t; }
 
-SINK_ARGS=(); [ "$PROTOCOL" = http/protobuf ] && SINK_ARGS=(--http)
-"$PY" -m tests.otlp_receiver "$SINK_PORT" "${SINK_ARGS[@]}" >"$WORK/sink.log" 2>&1 &
+# one sink per protocol (an idle one costs nothing)
+if [ "$PROTOCOL" = http/protobuf ]; then ON_PORT=$HTTP_SINK_PORT; else ON_PORT=$SINK_PORT; fi
+"$PY" -m tests.otlp_receiver "$SINK_PORT" >"$WORK/sink.log" 2>&1 &
 SINK=$!
-trap 'kill $SINK 2>/dev/null || true; wait $SINK 2>/dev/null || true; cat "$WORK/sink.log"; rm -rf "$WORK"' EXIT
+"$PY" -m tests.otlp_receiver "$HTTP_SINK_PORT" --http >"$WORK/sink-http.log" 2>&1 &
+HTTP_SINK=$!
+trap 'kill $SINK $HTTP_SINK 2>/dev/null || true; wait $SINK $HTTP_SINK 2>/dev/null || true
+      cat "$WORK/sink.log" "$WORK/sink-http.log"; rm -rf "$WORK"' EXIT
 
 run_mode() { # mode round
   local mode=$1 env=(env -u OTEL_EXPORTER_OTLP_ENDPOINT -u OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
   case $mode in
     base) env+=(PYTHONPATH="$BASE_PATH") ;;
-    on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+    on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$ON_PORT"
               OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
-    base-on) env+=(PYTHONPATH="$BASE_PATH" OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+    on-grpc) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+                   OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
+    on-http) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$HTTP_SINK_PORT"
+                   OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf) ;;
+    base-on) env+=(PYTHONPATH="$BASE_PATH" OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$ON_PORT"
                    OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
+    off|base) ;;
+    *) echo "unknown mode $mode (base, off, on, on-grpc, on-http, base-on)" >&2; exit 2 ;;
   esac
   "${env[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
     --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
@@ -61,13 +77,26 @@ uptime
 "$PY" - "$WORK/rounds.txt" <<'PYEOF'
 import re, statistics, sys
 rows: dict[str, list[tuple[float, float, float]]] = {}
+by_round: dict[tuple[str, str], tuple[float, float, float]] = {}
 for line in open(sys.argv[1]):
-    m = re.match(r"(\S+) round \d+: +([\d.]+) req/s .* p99 +([\d.]+) ms .* CPU (\d+) us", line)
+    m = re.match(r"(\S+) round (\d+): +([\d.]+) req/s .* p99 +([\d.]+) ms .* CPU (\d+) us", line)
     if m:
-        rows.setdefault(m[1], []).append((float(m[2]), float(m[3]), float(m[4])))
+        row = (float(m[3]), float(m[4]), float(m[5]))
+        rows.setdefault(m[1], []).append(row)
+        by_round[m[1], m[2]] = row
 med = {k: [statistics.median(c) for c in zip(*v)] for k, v in rows.items()}
 off = med.get("off")
 for k, (rps, p99, cpu) in med.items():
     rel = f"  vs off: {rps / off[0]:.3f}x req/s, {cpu / off[2]:.3f}x CPU" if off else ""
     print(f"median {k}: {rps:7.1f} req/s  p99 {p99:6.1f} ms  CPU {cpu:5.0f} us/request{rel}")
+for k in med:
+    pairs = [(v, by_round["off", r]) for (m, r), v in by_round.items() if m == k and ("off", r) in by_round]
+    if k == "off" or not pairs:
+        continue
+    rps = [v[0] / o[0] for v, o in pairs]
+    cpu = [v[2] / o[2] for v, o in pairs]
+    print(f"per-round ratio {k}/off (median of {len(pairs)}): {statistics.median(rps):.3f}x req/s "
+          f"(quartiles {statistics.quantiles(rps, n=4)[0]:.3f}-{statistics.quantiles(rps, n=4)[2]:.3f}), "
+          f"{statistics.median(cpu):.3f}x CPU" if len(pairs) > 1 else
+          f"per-round ratio {k}/off: {rps[0]:.3f}x req/s, {cpu[0]:.3f}x CPU")
 PYEOF

@@ -98,3 +98,24 @@ def test_the_encoding_is_the_sdks_field_for_field() -> None:
 def test_an_empty_batch_is_a_valid_request() -> None:
     msg = ExportTraceServiceRequest.FromString(encode_request(b"", encode_scope("k", "1"), []))
     assert len(msg.resource_spans) == 1 and not msg.resource_spans[0].scope_spans[0].spans
+
+
+def test_values_equal_across_types_keep_their_own_types() -> None:
+    """The cache of encoded attributes answers `1` for the key it saw `1` under; `True` and
+    `1.0` are equal to it (and hash alike) but are a bool and a double on the wire."""
+    resource = Resource.create({"service.name": "kvmesh-frontend"})
+    scope = InstrumentationScope("kvmesh", "0.1.0")
+    ctx = TraceContext(TRACE, "3333333333333333", 1)
+    spans = [
+        Ended("a", ctx, None, False, 0, 1, 2, {"k": value, "s": "1"}, None)
+        for value in (1, True, 1.0, 0, False, 0.0)
+    ]
+    ours = ExportTraceServiceRequest.FromString(
+        encode_request(encode_resource(resource.attributes), encode_scope("kvmesh", "0.1.0"), spans)
+    )
+    assert ours == encode_spans([readable_span(r, resource, scope) for r in spans])
+    kinds = [
+        s.attributes[0].value.WhichOneof("value")
+        for s in ours.resource_spans[0].scope_spans[0].spans
+    ]
+    assert kinds == ["int_value", "bool_value", "double_value"] * 2

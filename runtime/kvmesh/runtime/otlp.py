@@ -219,38 +219,54 @@ keys in use, a few dozen)."""
 
 
 def _span(r: EndedSpan) -> bytes:
+    """A Span message (the ScopeSpans field around it is the caller's)."""
     ctx = r.context
-    parts = [_SPAN_TRACE_ID, bytes.fromhex(ctx.trace_id), _SPAN_SPAN_ID, bytes.fromhex(ctx.span_id)]
-    if ctx.tracestate:
-        parts.append(_field(_SPAN_TRACE_STATE, ctx.tracestate.encode()))
-    flags = _HAS_IS_REMOTE  # as the SDK's encoder: no trace flag bits
     parent = r.parent
-    if parent is not None:
-        parts += (_SPAN_PARENT, bytes.fromhex(parent.span_id))
-        if r.remote_parent:
-            flags |= _IS_REMOTE
     name = _NAMES.get(r.name)
     if name is None:
         if len(_NAMES) >= _STRINGS_MAX:
             _NAMES.clear()
         name = _NAMES[r.name] = _field(_SPAN_NAME, r.name.encode())
-    parts += (
+    head = _SPAN_TRACE_ID + _fromhex(ctx.trace_id) + _SPAN_SPAN_ID + _fromhex(ctx.span_id)
+    if ctx.tracestate:
+        head += _field(_SPAN_TRACE_STATE, ctx.tracestate.encode())
+    if parent is not None:
+        head += _SPAN_PARENT + _fromhex(parent.span_id)
+        flags = _REMOTE_FLAGS if r.remote_parent else _LOCAL_FLAGS
+    else:
+        flags = _LOCAL_FLAGS  # as the SDK's encoder: no trace flag bits
+    # The attributes: most values repeat (see _span_attribute), so the lookup comes first, here,
+    # without a call per attribute; floats and misses take the call.
+    memo = _STRINGS
+    parts = [
+        head,
         name,
         _KINDS[r.kind],
         _SPAN_START,
         _PACK_Q(r.start_ns),
         _SPAN_END,
         _PACK_Q(r.end_ns),
-    )
-    parts += [_span_attribute(k, v) for k, v in r.attributes.items()]
+    ]
+    for k, v in r.attributes.items():
+        kind = type(v)
+        # (only str and int: a bool or a float equal to a cached int must not match it)
+        if kind is str or kind is int:
+            parts.append(memo.get((k, v)) or _span_attribute(k, v))
+        else:
+            parts.append(_span_attribute(k, v))
     error = r.error_message
     if error is None:
         parts.append(_STATUS_UNSET)
     else:
         status = _field(_STATUS_MESSAGE, error.encode()) if error else b""
         parts.append(_field(_SPAN_STATUS, status + _STATUS_ERROR))
-    parts += (_SPAN_FLAGS, _PACK_I(flags))
+    parts.append(flags)
     return b"".join(parts)
+
+
+_fromhex = bytes.fromhex
+_LOCAL_FLAGS = _SPAN_FLAGS + _PACK_I(_HAS_IS_REMOTE)
+_REMOTE_FLAGS = _SPAN_FLAGS + _PACK_I(_HAS_IS_REMOTE | _IS_REMOTE)
 
 
 _NAMES: dict[str, bytes] = {}
@@ -272,7 +288,11 @@ def encode_request(
     resource: bytes, scope: bytes, records: Sequence[EndedSpan | SpanGroup]
 ) -> bytes:
     """An ExportTraceServiceRequest of `records` (one resource, one scope)."""
-    spans = b"".join(_field(_SCOPE_SPANS_SPAN, _span(r)) for r in spans_of(records))
+    parts: list[bytes] = []
+    for r in spans_of(records):
+        span = _span(r)
+        parts += (_SCOPE_SPANS_SPAN, _len(len(span)), span)
+    spans = b"".join(parts)
     scope_spans = _field(_SCOPE_SPANS_SCOPE, scope) + spans
     resource_spans = _field(_RESOURCE_SPANS_RESOURCE, resource) + _field(
         _RESOURCE_SPANS_SCOPE_SPANS, scope_spans
