@@ -22,8 +22,7 @@ PY=${PY:-$PWD/.venv/bin/python}
 N=${N:-4000}; C=${C:-200}; ROUNDS=${ROUNDS:-3}; BASE=${BASE:-main}; MODES=${MODES:-"base off on"}
 PROTOCOL=${PROTOCOL:-grpc}
 free_port() { "$PY" -c "from kvmesh.runtime.ports import free_port; print(free_port())"; }
-PORT=${PORT:-$(free_port)}; SINK_PORT=${SINK_PORT:-$(free_port)}
-HTTP_SINK_PORT=${HTTP_SINK_PORT:-$(free_port)}
+PORT=${PORT:-$(free_port)}
 WORK=$(mktemp -d /tmp/kvmesh-bench-tracing.XXXXXX)
 git archive "$BASE" | tar -x -C "$WORK"
 BASE_PATH=$(printf "$WORK/%s:" gen runtime frontend router workers planner sim apps)
@@ -32,14 +31,8 @@ cpu_of() { # CPU ticks of the children of `kvmesh up` $1 (its frontend and worke
   local t=0; for p in $(pgrep -P "$1" || true); do
   t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done; echo $t; }
 
-# one sink per protocol (an idle one costs nothing)
+source tests/benchmarks/otlp_sinks.sh
 if [ "$PROTOCOL" = http/protobuf ]; then ON_PORT=$HTTP_SINK_PORT; else ON_PORT=$SINK_PORT; fi
-"$PY" -m tests.otlp_receiver "$SINK_PORT" >"$WORK/sink.log" 2>&1 &
-SINK=$!
-"$PY" -m tests.otlp_receiver "$HTTP_SINK_PORT" --http >"$WORK/sink-http.log" 2>&1 &
-HTTP_SINK=$!
-trap 'kill $SINK $HTTP_SINK 2>/dev/null || true; wait $SINK $HTTP_SINK 2>/dev/null || true
-      cat "$WORK/sink.log" "$WORK/sink-http.log"; rm -rf "$WORK"' EXIT
 
 run_mode() { # mode round
   local mode=$1 env=(env -u OTEL_EXPORTER_OTLP_ENDPOINT -u OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)

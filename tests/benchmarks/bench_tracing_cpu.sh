@@ -17,13 +17,7 @@ N=${N:-1100}; MODES=${MODES:-"off on-grpc on-http"}
 command -v valgrind >/dev/null || { echo "needs valgrind (apt-get install valgrind)" >&2; exit 2; }
 free_port() { "$PY" -c "from kvmesh.runtime.ports import free_port; print(free_port())"; }
 WORK=$(mktemp -d /tmp/kvmesh-bench-tracing-cpu.XXXXXX)
-SINK_PORT=$(free_port); HTTP_SINK_PORT=$(free_port)
-"$PY" -m tests.otlp_receiver "$SINK_PORT" >"$WORK/sink.log" 2>&1 &
-SINK=$!
-"$PY" -m tests.otlp_receiver "$HTTP_SINK_PORT" --http >"$WORK/sink-http.log" 2>&1 &
-HTTP_SINK=$!
-trap 'kill $SINK $HTTP_SINK 2>/dev/null || true; wait $SINK $HTTP_SINK 2>/dev/null || true
-      cat "$WORK/sink.log" "$WORK/sink-http.log"; rm -rf "$WORK"' EXIT
+source tests/benchmarks/otlp_sinks.sh
 
 run_mode() { # mode -> "mode frontend workers" (instructions per request)
   local mode=$1 env=(env -u OTEL_EXPORTER_OTLP_ENDPOINT -u OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
