@@ -33,9 +33,12 @@ run_mode() { # mode -> "mode frontend workers" (instructions per request)
   local dir="$WORK/$mode" port; port=$(free_port); mkdir -p "$dir"
   "${env[@]}" valgrind --tool=callgrind --trace-children=yes --callgrind-out-file="$dir/cg.%p" \
     "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 --http-port "$port" \
-    --kserve-grpc-port -1 >"$dir/up.log" 2>&1 &
+    --kserve-grpc-port -1 --startup-timeout-s 900 >"$dir/up.log" 2>&1 &
   local up=$!
-  for _ in $(seq 600); do curl -sf "127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+  until curl -sf "127.0.0.1:$port/health" >/dev/null; do
+    kill -0 $up 2>/dev/null || { echo "kvmesh up ($mode) exited:" >&2; cat "$dir/up.log" >&2; exit 1; }
+    sleep 1
+  done
   "$PY" -m kvmesh bench --url "http://127.0.0.1:$port" -n 100 -c 8 --sequential 0 >/dev/null
   callgrind_control -z >/dev/null 2>&1
   # kvmesh bench sends 100 warm-up requests of its own before the N it times: N + 100 counted
