@@ -271,12 +271,6 @@ def met_slo(t: Timeline, i: int, ttft_s: float, itl_s: float) -> bool:
     )
 
 
-def slo_attainment(t: Timeline, ttft_s: float, itl_s: float) -> float:
-    """Requests that finished within both targets / all requests."""
-    n = len(t.arrival)
-    return sum(met_slo(t, i, ttft_s, itl_s) for i in range(n)) / n if n else 0.0
-
-
 def _p90_ms(xs: list[float]) -> float:
     return 1e3 * quantile(sorted(xs), 0.9) if xs else 0.0
 
@@ -287,10 +281,10 @@ def interval_rows(
     end: float,
     interval_s: float,
     replicas: Sequence[ReplicaSample],
-    slo_s: tuple[float, float] | None = None,
+    met: Sequence[bool] = (),
 ) -> list[dict[str, Any]]:
     """The timeline: one row per `interval_s` from `start` to `end` (see the module doc);
-    `slo_s`: the (TTFT, ITL) targets in seconds, for `slo_met` (left out without them)."""
+    `met`: per request, whether it met the SLO (`met_slo`), for `slo_met` (left out without)."""
     if end <= start or interval_s <= 0:
         return []
     n_rows = math.ceil((end - start) / interval_s)
@@ -317,9 +311,8 @@ def interval_rows(
                 "itl_p90_ms": round(_p90_ms([mean_itl(t, i) for i in done]), 3),
             }
         )
-        if slo_s is not None and arrivals[k]:
-            met = sum(met_slo(t, i, *slo_s) for i in arrivals[k])
-            rows[-1]["slo_met"] = round(met / len(arrivals[k]), 4)
+        if met and arrivals[k]:
+            rows[-1]["slo_met"] = round(sum(met[i] for i in arrivals[k]) / len(arrivals[k]), 4)
     return rows
 
 
@@ -348,7 +341,7 @@ def summarize(
     if not replicas:
         replicas = [(t_start, {"serving": len(workers), "starting": 0, "draining": 0})]
     slo = config.planning
-    slo_s = (slo.ttft_slo_ms / 1e3, slo.itl_slo_ms / 1e3)
+    met = [met_slo(t, i, slo.ttft_slo_ms / 1e3, slo.itl_slo_ms / 1e3) for i in range(n_req)]
     prompt_tokens = sum(reqs[i].input_length for i in fin)
     per_worker = [
         WorkerResult(
@@ -394,9 +387,9 @@ def summarize(
         wall_s=time.perf_counter() - t_wall,
         ttft_slo_ms=slo.ttft_slo_ms,
         itl_slo_ms=slo.itl_slo_ms,
-        slo_attainment=slo_attainment(t, *slo_s),
+        slo_attainment=sum(met) / n_req if n_req else 0.0,
         worker_hours=hours,
-        timeline=interval_rows(t, t_start, t_end, config.timeline_s, replicas, slo_s),
+        timeline=interval_rows(t, t_start, t_end, config.timeline_s, replicas, met),
         ttft_s=ttft,
     )
 
