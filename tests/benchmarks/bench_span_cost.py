@@ -23,8 +23,10 @@ import time
 
 from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.telemetry import (
+    AttributeValue,
     Protocol,
     SpanKind,
+    Step,
     TracingConfig,
     setup_tracing,
     shutdown_tracing,
@@ -35,96 +37,84 @@ from kvmesh.runtime.tracing import TraceContext
 
 
 def one_request(i: int) -> None:
+    """One aggregated chat request's spans, recorded as the gateway and the engine record them."""
     t = tracer()
     client = TraceContext.new()
+    rid = f"req-{i}"
+    attributes: dict[str, AttributeValue] = {
+        "http.request.method": "POST",
+        "http.route": "/v1/chat/completions",
+        "url.path": "/v1/chat/completions",
+    }
     server = t.start(
         "POST /v1/chat/completions",
         client,
         kind=SpanKind.SERVER,
         remote=True,
-        attributes={
-            "http.request.method": "POST",
-            "url.path": "/v1/chat/completions",
-            "url.scheme": "http",
-            "server.address": "127.0.0.1",
-            "kvmesh.request_id": f"req-{i}",
-        },
+        attributes=attributes,
     )
     ctx = server.context
+    if server.recording:  # the gateway writes its server span's attributes as they come
+        attributes["gen_ai.operation.name"] = "chat"
+        attributes["gen_ai.request.model"] = "mock-model"
+        attributes["gen_ai.request.temperature"] = 1.0
+        attributes["gen_ai.request.top_p"] = 1.0
     began = time.time_ns()
-    pre = t.start(
-        "preprocess",
+    preprocess = {
+        "kvmesh.preprocess.template_ms": 0.05 + i % 7 * 1e-3,
+        "kvmesh.preprocess.tokenize_ms": 0.02 + i % 5 * 1e-3,
+        "gen_ai.usage.input_tokens": 24,
+    }
+    t.record(ctx, (Step("preprocess", began, time.time_ns(), preprocess),))
+    began = time.time_ns()
+    route = {
+        "kvmesh.request_id": rid,
+        "kvmesh.route.worker_id": f"w-{i % 2}",
+        "kvmesh.route.role": "aggregated",
+        "kvmesh.route.overlap_blocks": 0,
+        "kvmesh.route.prompt_blocks": 1,
+        "kvmesh.route.cost": 1.5 + i % 11 * 0.1,
+        "kvmesh.route.policy": "kv-cost",
+        "kvmesh.route.overhead_us": 14.2 + i % 13,
+    }
+    t.record(ctx, (Step("route", began, time.time_ns(), route),))
+    now = time.monotonic()  # the worker: its spans are children of the gateway's server span
+    t.record(
         ctx,
-        attributes={
-            "kvmesh.preprocess.template_ms": 0.05,
-            "kvmesh.preprocess.tokenize_ms": 0.02,
-            "gen_ai.usage.input_tokens": 24,
-        },
-        start_ns=began,
-    )
-    pre.end()
-    route = t.start("route", ctx)
-    route.update(
-        {
-            "kvmesh.request_id": f"req-{i}",
-            "kvmesh.route.worker_id": f"w-{i % 2}",
-            "kvmesh.route.role": "aggregated",
-            "kvmesh.route.overlap_blocks": 0,
-            "kvmesh.route.prompt_blocks": 1,
-            "kvmesh.route.cost": 1.5,
-            "kvmesh.route.policy": "kv-cost",
-            "kvmesh.route.overhead_us": 14.2,
-        }
-    )
-    route.end()
-    worker = route.context  # the worker's spans are children of the propagated context
-    now = time.monotonic()
-    queue = t.start(
-        "queue", worker, remote=True, attributes={"kvmesh.request_id": f"req-{i}"},
-        start_ns=wall_ns(now - 0.002),
-    )  # fmt: skip
-    prefill = t.start(
-        "prefill",
-        worker,
-        remote=True,
-        attributes={
-            "kvmesh.request_id": f"req-{i}",
-            "gen_ai.usage.input_tokens": 24,
-            "kvmesh.cached_tokens": 0,
-        },
-        start_ns=wall_ns(now - 0.0019),
-    )
-    decode = t.start(
-        "decode",
-        worker,
-        remote=True,
-        attributes={
-            "kvmesh.request_id": f"req-{i}",
-            "gen_ai.usage.output_tokens": 8,
-            "gen_ai.server.time_per_output_token": 0.0001,
-            "gen_ai.server.time_to_first_token": 0.001,
-            "gen_ai.response.finish_reasons": ["length"],
-        },
-        start_ns=wall_ns(now - 0.001),
-    )
-    # as the engine records them: ended together, one queued item
-    t.end_together(
         [
-            (queue, wall_ns(now - 0.0019)),
-            (prefill, wall_ns(now - 0.001)),
-            (decode, wall_ns(now)),
-        ]
+            Step("queue", wall_ns(now - 0.002), wall_ns(now - 0.0019), {"kvmesh.request_id": rid}),
+            Step(
+                "prefill",
+                wall_ns(now - 0.0019),
+                wall_ns(now - 0.001),
+                {
+                    "kvmesh.request_id": rid,
+                    "gen_ai.usage.input_tokens": 24,
+                    "kvmesh.cached_tokens": 0,
+                },
+            ),
+            Step(
+                "decode",
+                wall_ns(now - 0.001),
+                wall_ns(now),
+                {
+                    "kvmesh.request_id": rid,
+                    "gen_ai.usage.output_tokens": 8,
+                    "gen_ai.server.time_per_output_token": 0.0001,
+                    "gen_ai.server.time_to_first_token": 0.001,
+                    "gen_ai.response.finish_reasons": ("length",),
+                },
+            ),
+        ],
+        remote=True,
     )
-    server.update(
-        {
-            "http.response.status_code": 200,
-            "gen_ai.operation.name": "chat",
-            "gen_ai.request.model": "mock-model",
-            "gen_ai.usage.input_tokens": 24,
-            "gen_ai.usage.output_tokens": 8,
-            "gen_ai.response.finish_reasons": ["length"],
-        }
-    )
+    if server.recording:
+        attributes["gen_ai.response.id"] = f"chatcmpl-{rid}"
+        attributes["gen_ai.response.model"] = "mock-model"
+        attributes["gen_ai.usage.input_tokens"] = 24
+        attributes["gen_ai.usage.output_tokens"] = 8
+        attributes["gen_ai.response.finish_reasons"] = ("length",)
+        attributes["http.response.status_code"] = 200
     server.end()
 
 

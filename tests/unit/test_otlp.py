@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from kvmesh.runtime import otlp
 from kvmesh.runtime.otlp import (
     encode_request,
     encode_resource,
@@ -119,3 +120,27 @@ def test_values_equal_across_types_keep_their_own_types() -> None:
         for s in ours.resource_spans[0].scope_spans[0].spans
     ]
     assert kinds == ["int_value", "bool_value", "double_value"] * 2
+
+
+def test_ids_are_not_cached_and_sequences_encode_as_lists_or_tuples() -> None:
+    """A key whose values never repeat (request ids) stops being cached after a few hundred, so
+    it does not push the repeating values out (a span after one with the same id reuses its
+    field); tuples and lists are the same array."""
+    resource = Resource.create({"service.name": "kvmesh-frontend"})
+    scope = InstrumentationScope("kvmesh", "0.1.0")
+    spans = [
+        Ended(
+            "route", TraceContext(TRACE, f"{i + 1:016x}", 1), None, False, 0, 1, 2,
+            {"kvmesh.request_id": f"req-{i // 2}", "kvmesh.route.policy": "kv",
+             "reasons": ("stop",) if i % 2 else ["stop"]},
+            None,
+        )
+        for i in range(4 * otlp._PER_KEY_MAX)
+    ]  # fmt: skip
+    ours = ExportTraceServiceRequest.FromString(
+        encode_request(encode_resource(resource.attributes), encode_scope("kvmesh", "0.1.0"), spans)
+    )
+    assert ours == encode_spans([readable_span(r, resource, scope) for r in spans])
+    assert "kvmesh.request_id" in otlp._UNCACHED
+    assert not any(key == "kvmesh.request_id" for key, _ in otlp._FIELDS)
+    assert ("kvmesh.route.policy", "kv") in otlp._FIELDS

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvmesh.runtime import telemetry
 from kvmesh.runtime.otlp import SpanGroup, encode_request, spans_of
@@ -21,6 +22,7 @@ from kvmesh.runtime.telemetry import (
     LogContext,
     Protocol,
     SpanKind,
+    Step,
     Tracer,
     TracingConfig,
     setup_tracing,
@@ -247,15 +249,14 @@ def test_a_requests_spans_in_one_process_are_queued_as_one_item() -> None:
     t.start("late", server.context).end()
     t.start("queue", CLIENT, remote=True).end()
     assert [getattr(i, "name", None) for i in processor.items[1:]] == ["late", "queue"]
-    # Spans ended together: one item, each at its time.
-    queue = t.start("queue", CLIENT, remote=True, start_ns=1)
-    decode = t.start("decode", CLIENT, remote=True, start_ns=2)
-    t.end_together([(queue, 3), (decode, 4)])
+    # Steps recorded together (an engine's, its parent remote): one item, each at its times.
+    t.record(CLIENT, [Step("queue", 1, 3, {}), Step("decode", 2, 4, {})], remote=True)
     group = processor.items[-1]
-    assert isinstance(group, SpanGroup) and [(s.name, s.end_ns) for s in group] == [
-        ("queue", 3),
-        ("decode", 4),
+    assert isinstance(group, SpanGroup) and [(s.name, s.start_ns, s.end_ns) for s in group] == [
+        ("queue", 1, 3),
+        ("decode", 2, 4),
     ]
+    assert all(s.remote_parent and s.parent == CLIENT for s in group)
     spans = list(spans_of(processor.items))
     assert len(spans) == 7
     assert encode_request(b"", b"", processor.items) == encode_request(b"", b"", spans)
@@ -272,3 +273,41 @@ def test_server_spans_never_ended_are_not_held_forever(monkeypatch: pytest.Monke
     t.start("GET /c", CLIENT, kind=SpanKind.SERVER, remote=True)  # /a is let go: its child is sent
     assert [s.name for s in spans_of(processor.items)] == ["route"]
     assert len(t._servers) == 2
+
+
+def test_a_step_timed_by_its_caller_is_recorded_in_one_call() -> None:
+    """`record`: a finished child span (times, attributes, error) joins its open server span's
+    item; nothing is recorded off, unsampled or without a parent."""
+    t, processor = recording_tracer()
+    assert CLIENT is not None
+    server = t.start("POST /v1/completions", CLIENT, kind=SpanKind.SERVER, remote=True)
+    t.record(server.context, [Step("preprocess", 10, 20, {"gen_ai.usage.input_tokens": 7})])
+    t.record(server.context, [Step("route", 21, 30, {}, ("Unavailable", "no worker"))])
+    unsampled = TraceContext(CLIENT.trace_id, server.context.span_id, 0)
+    t.record(unsampled, [Step("route", 1, 2, {})])
+    t.record(None, [Step("route", 1, 2, {})])
+    Tracer().record(server.context, [Step("route", 1, 2, {})])
+    assert processor.items == []
+    server.end()
+    (group,) = processor.items
+    top, pre, route = group
+    assert top is server
+    assert [(s.name, s.start_ns, s.end_ns) for s in (pre, route)] == [
+        ("preprocess", 10, 20),
+        ("route", 21, 30),
+    ]
+    for child in (pre, route):
+        assert child.parent == server.context and not child.remote_parent
+        assert child.context.trace_id == CLIENT.trace_id
+        assert child.context.span_id not in (server.context.span_id, CLIENT.span_id)
+    assert pre.context.span_id != route.context.span_id
+    assert pre.attributes == {"gen_ai.usage.input_tokens": 7} and pre.error_message is None
+    assert route.attributes == {"error.type": "Unavailable"}
+    assert route.error_message == "no worker"
+    # with no open server span (its parent from another process), it is queued alone
+    t.record(CLIENT, [Step("route", 1, 2, {})])
+    assert processor.items[-1].name == "route"
+    received = ExportTraceServiceRequest.FromString(encode_request(b"", b"", processor.items))
+    spans = received.resource_spans[0].scope_spans[0].spans
+    assert [s.name for s in spans] == ["POST /v1/completions", "preprocess", "route", "route"]
+    assert spans[2].status.code == 2 and spans[2].status.message == "no worker"

@@ -36,6 +36,7 @@ class Observed:
     once at the end (or `failed()`, which ends it too)."""
 
     __slots__ = (
+        "_attributes",
         "_done",
         "_http",
         "_service",
@@ -69,6 +70,9 @@ class Observed:
         self.span = span = tracer().start(
             span_name, parent, kind=SpanKind.SERVER, remote=True, attributes=attributes
         )
+        self._attributes = attributes if span.recording else None
+        """The server span's attributes while it records (set here directly: one dict, no
+        calls)."""
         self._done = False
         self._http = "rpc.system" not in attributes
         ctx = span.context
@@ -88,52 +92,42 @@ class Observed:
         self.model = model if self._service.model_info(model) is not None else UNKNOWN_MODEL
         self.request_type = "stream" if stream else "unary"
         self.metrics.started(self.model, self.endpoint, self.request_type)
-        span = self.span
-        if span.recording:
-            span.update({"gen_ai.operation.name": operation, "gen_ai.request.model": model})
-            if options is None:
-                return
-            span.update(
-                {
-                    "gen_ai.request.temperature": options.temperature,
-                    "gen_ai.request.top_p": options.top_p,
-                }
-            )
-            if options.max_tokens is not None:
-                span.set("gen_ai.request.max_tokens", options.max_tokens)
-            if options.seed is not None:
-                span.set("gen_ai.request.seed", options.seed)
-            if options.n != 1:
-                span.set("gen_ai.request.choice.count", options.n)
+        a = self._attributes
+        if a is None:
+            return
+        a["gen_ai.operation.name"] = operation
+        a["gen_ai.request.model"] = model
+        if options is None:
+            return
+        a["gen_ai.request.temperature"] = options.temperature
+        a["gen_ai.request.top_p"] = options.top_p
+        if options.max_tokens is not None:
+            a["gen_ai.request.max_tokens"] = options.max_tokens
+        if options.seed is not None:
+            a["gen_ai.request.seed"] = options.seed
+        if options.n != 1:
+            a["gen_ai.request.choice.count"] = options.n
 
     def result(self, result: CompletionResult) -> None:
         """A unary result."""
-        span = self.span
-        if span.recording:
-            span.update(
-                {
-                    "gen_ai.response.id": result.id,
-                    "gen_ai.response.model": result.model,
-                    "gen_ai.usage.input_tokens": result.usage.prompt_tokens,
-                    "gen_ai.usage.output_tokens": result.usage.completion_tokens,
-                    "gen_ai.response.finish_reasons": [c.finish_reason for c in result.choices],
-                }
-            )
+        a = self._attributes
+        if a is not None:
+            a["gen_ai.response.id"] = result.id
+            a["gen_ai.response.model"] = result.model
+            a["gen_ai.usage.input_tokens"] = result.usage.prompt_tokens
+            a["gen_ai.usage.output_tokens"] = result.usage.completion_tokens
+            a["gen_ai.response.finish_reasons"] = tuple(c.finish_reason for c in result.choices)
 
     def streamed(self, stream: CompletionStream, finish_reasons: list[str]) -> None:
         """A stream that ended (usage is final), and its choices' finish reasons."""
-        span = self.span
-        if span.recording:
+        a = self._attributes
+        if a is not None:
             usage = stream.usage
-            span.update(
-                {
-                    "gen_ai.response.id": stream.id,
-                    "gen_ai.response.model": stream.model,
-                    "gen_ai.usage.input_tokens": usage.prompt_tokens,
-                    "gen_ai.usage.output_tokens": usage.completion_tokens,
-                    "gen_ai.response.finish_reasons": finish_reasons,
-                }
-            )
+            a["gen_ai.response.id"] = stream.id
+            a["gen_ai.response.model"] = stream.model
+            a["gen_ai.usage.input_tokens"] = usage.prompt_tokens
+            a["gen_ai.usage.output_tokens"] = usage.completion_tokens
+            a["gen_ai.response.finish_reasons"] = tuple(finish_reasons)
 
     def done(self, status: int, *, error: str | None = None, grpc_code: int = 0) -> None:
         """End: count the request and end the span. `status`: the HTTP status (the REST doors'
@@ -146,13 +140,15 @@ class Observed:
         kind = error_type(status) if error is None else error
         self.metrics.finished(self.model, self.endpoint, self.request_type, kind)
         span = self.span
-        if span.recording:
+        a = self._attributes
+        if a is not None:
             if self._http:
-                span.set("http.response.status_code", status)
+                a["http.response.status_code"] = status
             else:
-                span.set("rpc.grpc.status_code", grpc_code)
+                a["rpc.grpc.status_code"] = grpc_code
             if kind:
                 span.error(kind)
+            self._attributes = None  # ended: queued for export, no longer written
         span.end()
 
 

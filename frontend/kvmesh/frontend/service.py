@@ -93,7 +93,7 @@ from kvmesh.runtime.errors import (
     Unimplemented,
 )
 from kvmesh.runtime.multimodal import expand_placeholders
-from kvmesh.runtime.telemetry import tracer
+from kvmesh.runtime.telemetry import Step, tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -1066,17 +1066,12 @@ def _preprocessed(
     trace: TraceContext, began_ns: int, template_s: float, tokenize_s: float, tokens: int
 ) -> None:
     """Record the `preprocess` span (chat template, tokenization), a child of `trace`."""
-    span = tracer().start(
-        "preprocess",
-        trace,
-        attributes={
-            "kvmesh.preprocess.template_ms": template_s * 1000.0,
-            "kvmesh.preprocess.tokenize_ms": tokenize_s * 1000.0,
-            "gen_ai.usage.input_tokens": tokens,
-        },
-        start_ns=began_ns,
-    )
-    span.end()
+    attributes = {
+        "kvmesh.preprocess.template_ms": template_s * 1000.0,
+        "kvmesh.preprocess.tokenize_ms": tokenize_s * 1000.0,
+        "gen_ai.usage.input_tokens": tokens,
+    }
+    tracer().record(trace, (Step("preprocess", began_ns, time.time_ns(), attributes),))
 
 
 class _OutputParser:

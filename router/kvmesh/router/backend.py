@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from kvmesh.runtime.config import opt
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import error_from_rpc
 from kvmesh.runtime.multimodal import salt_placeholders
-from kvmesh.runtime.telemetry import tracer
+from kvmesh.runtime.telemetry import AttributeValue, Step, tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -485,7 +486,7 @@ class MeshBackend:
         """Admit the request (or, once admitted, re-admit it at the head of the queue) and book a
         worker for it (a `route` span; after a migration it says why and from where)."""
         progress.worker = None
-        moved: dict[str, str | bool | int | float | list[str]] = {}
+        moved: dict[str, AttributeValue] = {}
         if progress.migration is not None:
             reason, source = progress.migration
             moved = {
@@ -757,7 +758,7 @@ class MeshBackend:
         *,
         role: Role | None = None,
         exclude: Sequence[str] = (),
-        attributes: Mapping[str, str | bool | int | float | list[str]] | None = None,
+        attributes: Mapping[str, AttributeValue] | None = None,
     ) -> RouteDecision:
         """The router's choice for `prompt` of `request` (booked under `request_id`), recorded
         as a `route` span (chosen worker, overlap, cost, policy, and `attributes`) when the trace
@@ -781,28 +782,25 @@ class MeshBackend:
         t = tracer()
         if trace is None or not trace.sampled or not t.enabled:
             return await route
-        span = t.start("route", trace)
-        if attributes:
-            span.update(attributes)
+        began = time.time_ns()
         try:
             decision = await route
         except BaseException as exc:
-            span.error(type(exc).__name__, str(exc))
-            span.end()
+            error = (type(exc).__name__, str(exc))
+            t.record(trace, (Step("route", began, time.time_ns(), dict(attributes or {}), error),))
             raise
-        span.update(
-            {
-                "kvmesh.request_id": request.request_id,
-                "kvmesh.route.worker_id": decision.worker.worker_id,
-                "kvmesh.route.role": decision.worker.info.role.value,
-                "kvmesh.route.overlap_blocks": decision.overlap_blocks,
-                "kvmesh.route.prompt_blocks": decision.prompt_blocks,
-                "kvmesh.route.cost": decision.cost,
-                "kvmesh.route.policy": decision.policy,
-                "kvmesh.route.overhead_us": decision.routing_overhead_s * 1e6,
-            }
-        )
-        span.end()
+        routed = {
+            **(attributes or {}),
+            "kvmesh.request_id": request.request_id,
+            "kvmesh.route.worker_id": decision.worker.worker_id,
+            "kvmesh.route.role": decision.worker.info.role.value,
+            "kvmesh.route.overlap_blocks": decision.overlap_blocks,
+            "kvmesh.route.prompt_blocks": decision.prompt_blocks,
+            "kvmesh.route.cost": decision.cost,
+            "kvmesh.route.policy": decision.policy,
+            "kvmesh.route.overhead_us": decision.routing_overhead_s * 1e6,
+        }
+        t.record(trace, (Step("route", began, time.time_ns(), routed),))
         return decision
 
     def _release_later(self, worker: WorkerHandle, transfer_id: str) -> None:

@@ -165,12 +165,6 @@ def _any(value: Any) -> bytes:
 
 
 _KEYS: dict[str, bytes] = {}
-_STRINGS: dict[tuple[str, str | int | tuple[str, ...]], bytes] = {}
-"""Span attribute fields of short string, integer and short string-list values, encoded once:
-most repeat from span to span (method, route, model, backend, worker id, token counts, finish
-reasons); bounded (cleared when full)."""
-_STRINGS_MAX = 4096
-_STRINGS_VALUE_MAX = 96
 
 
 def _key(key: str) -> bytes:
@@ -186,92 +180,156 @@ def _attribute(key: str, value: Any) -> bytes:
     return _key(key) + _field(_KV_VALUE, _any(value))
 
 
-def _span_attribute(key: str, value: Any) -> bytes:
-    """A span's attribute field (a KeyValue, tagged). Short strings, integers and short lists of
-    strings repeat from span to span (methods, models, worker ids, token counts, finish
-    reasons): theirs come from a cache; a float's is a per-key prefix and the value."""
-    kind = type(value)
-    memo: tuple[str, str | int | tuple[str, ...]]
-    if kind is int or (kind is str and len(value) <= _STRINGS_VALUE_MAX):
-        memo = (key, value)
-    elif kind is list and len(value) <= 4 and all(type(v) is str for v in value):
-        memo = (key, tuple(value))  # e.g. finish reasons: ["stop"]
-    elif kind is float:
-        prefix = _FLOAT_PREFIXES.get(key)
-        if prefix is None:
-            kv_key = _key(key)  # KeyValue: key field, then the value field: tag, length 9, double
-            prefix = _SPAN_ATTRIBUTE + _len(len(kv_key) + 11) + kv_key + _KV_VALUE + b"\x09"
-            prefix = _FLOAT_PREFIXES[key] = prefix + _ANY_DOUBLE
-        return prefix + _PACK_d(value)
-    else:
-        return _field(_SPAN_ATTRIBUTE, _attribute(key, value))
-    cached = _STRINGS.get(memo)
-    if cached is None:
-        if len(_STRINGS) >= _STRINGS_MAX:
-            _STRINGS.clear()
-        cached = _STRINGS[memo] = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
-    return cached
-
-
+# Span attributes: most values repeat from span to span (methods, routes, models, worker ids,
+# token counts, finish reasons), so their encoded fields are kept, looked up by the (key, value)
+# pair the attribute dict yields. `_FIELDS` holds strings and tuples of strings only: no value of
+# another type equals one, so a hit there needs no type test (True == 1 == 1.0, hence ints in
+# `_INTS`, looked up once the value is known to be an int). Floats take a per-key prefix.
+_FIELDS: dict[tuple[str, Any], bytes] = {}
+"""(key, short string or tuple of strings) -> the attribute's field."""
+_INTS: dict[tuple[str, int], bytes] = {}
+"""(key, int) -> the attribute's field."""
 _FLOAT_PREFIXES: dict[str, bytes] = {}
-"""Per attribute key, the bytes of a float attribute's field before the value (bounded by the
-keys in use, a few dozen)."""
+"""Per key, the bytes of a float attribute's field before the value (bounded by the keys in
+use, a few dozen)."""
+_DISTINCT: dict[str, int] = {}
+"""Per key, the values `_FIELDS` took so far; a key with more than _PER_KEY_MAX (ids: request,
+response) is no longer cached (`_UNCACHED`): its values would only push the others out."""
+_UNCACHED: set[str] = set()
+_LAST: dict[str, tuple[Any, bytes]] = {}
+"""Per uncached key, its last value and field: a request's spans in one batch carry the same
+request id one after another."""
+_CACHE_MAX = 4096
+_PER_KEY_MAX = 256
+_FIELDS_VALUE_MAX = 96
+"""Longer strings are encoded every time."""
+
+
+def _float_prefix(key: str) -> bytes:
+    """A float attribute's field before its 8 bytes (kept per key)."""
+    kv_key = _key(key)  # KeyValue: the key field, then the value field: tag, length 9, double
+    prefix = _SPAN_ATTRIBUTE + _len(len(kv_key) + 11) + kv_key + _KV_VALUE + b"\x09" + _ANY_DOUBLE
+    _FLOAT_PREFIXES[key] = prefix
+    return prefix
+
+
+def _other(key: str, value: Any) -> bytes:
+    """The field of an attribute not cached yet (or never), caching it where it may repeat."""
+    kind = type(value)
+    if kind is str:  # (ids come here every time: one join, or the field of the span before)
+        last = _LAST.get(key)
+        if last is not None and last[0] == value:
+            return last[1]
+        data = value.encode()
+        n = len(data)
+        key_field = _KEYS.get(key) or _key(key)
+        value_len = 1 + len(_len(n)) + n  # AnyValue: tag, length, the string
+        kv_len = len(key_field) + 1 + len(_len(value_len)) + value_len
+        field = b"".join(
+            (
+                _SPAN_ATTRIBUTE,
+                _len(kv_len),
+                key_field,
+                _KV_VALUE,
+                _len(value_len),
+                _ANY_STRING,
+                _len(n),
+                data,
+            )
+        )
+    else:
+        field = _field(_SPAN_ATTRIBUTE, _attribute(key, value))
+    if kind is int:
+        if len(_INTS) >= _CACHE_MAX:
+            _INTS.clear()
+        _INTS[(key, value)] = field
+        return field
+    if kind is list or kind is tuple:
+        if len(value) > 4 or any(type(v) is not str for v in value):
+            return field
+        value = tuple(value)  # e.g. finish reasons
+    elif kind is not str or len(value) > _FIELDS_VALUE_MAX:
+        return field
+    if key in _UNCACHED:
+        _LAST[key] = (value, field)
+    else:
+        seen = _DISTINCT.get(key, 0) + 1
+        if seen > _PER_KEY_MAX:  # an id: stop caching this key's values
+            _UNCACHED.add(key)
+            for memo in [m for m in _FIELDS if m[0] == key]:
+                del _FIELDS[memo]
+        else:
+            if len(_FIELDS) >= _CACHE_MAX:
+                _FIELDS.clear()
+                _DISTINCT.clear()
+                seen = 1
+            _DISTINCT[key] = seen
+            _FIELDS[(key, value)] = field
+    return field
 
 
 def _span(r: EndedSpan) -> bytes:
-    """A Span message (the ScopeSpans field around it is the caller's)."""
+    """A Span message (the ScopeSpans field around it is the caller's). Few parts, each made in
+    one step: every part costs the join a copy."""
     ctx = r.context
     parent = r.parent
-    name = _NAMES.get(r.name)
-    if name is None:
-        if len(_NAMES) >= _STRINGS_MAX:
-            _NAMES.clear()
-        name = _NAMES[r.name] = _field(_SPAN_NAME, r.name.encode())
-    head = _SPAN_TRACE_ID + _fromhex(ctx.trace_id) + _SPAN_SPAN_ID + _fromhex(ctx.span_id)
-    if ctx.tracestate:
-        head += _field(_SPAN_TRACE_STATE, ctx.tracestate.encode())
-    if parent is not None:
-        head += _SPAN_PARENT + _fromhex(parent.span_id)
-        flags = _REMOTE_FLAGS if r.remote_parent else _LOCAL_FLAGS
-    else:
+    # the ids after their tags (_SPAN_TRACE_ID, _SPAN_SPAN_ID, _SPAN_PARENT): one fromhex
+    if parent is None:
+        ids = _fromhex(f"0a10{ctx.trace_id}1208{ctx.span_id}")
         flags = _LOCAL_FLAGS  # as the SDK's encoder: no trace flag bits
-    # The attributes: most values repeat (see _span_attribute), so the lookup comes first, here,
-    # without a call per attribute; floats and misses take the call.
-    memo = _STRINGS
-    parts = [
-        head,
-        name,
-        _KINDS[r.kind],
-        _SPAN_START,
-        _PACK_Q(r.start_ns),
-        _SPAN_END,
-        _PACK_Q(r.end_ns),
-    ]
-    for k, v in r.attributes.items():
-        kind = type(v)
-        # (only str and int: a bool or a float equal to a cached int must not match it)
-        if kind is str or kind is int:
-            parts.append(memo.get((k, v)) or _span_attribute(k, v))
-        else:
-            parts.append(_span_attribute(k, v))
+    else:
+        ids = _fromhex(f"0a10{ctx.trace_id}1208{ctx.span_id}2208{parent.span_id}")
+        flags = _REMOTE_FLAGS if r.remote_parent else _LOCAL_FLAGS
+    named = _NAMES.get(r.name) or _name(r.name)
+    parts = [ids, named[r.kind], _PACK_TIMES(_START_TAG, r.start_ns, _END_TAG, r.end_ns)]
+    if ctx.tracestate:
+        parts.append(_field(_SPAN_TRACE_STATE, ctx.tracestate.encode()))
+    # The attributes, inline: one lookup for a cached string or int, a prefix for a float.
+    fields, ints, floats = _FIELDS.get, _INTS.get, _FLOAT_PREFIXES.get
+    for kv in r.attributes.items():
+        try:
+            field = fields(kv)
+        except TypeError:  # a list value (unhashable); kvmesh's spans record tuples
+            field = None
+        if field is None:
+            key, value = kv
+            kind = type(value)
+            if kind is float:
+                field = (floats(key) or _float_prefix(key)) + _PACK_d(value)
+            else:
+                field = (ints(kv) if kind is int else None) or _other(key, value)
+        parts.append(field)
     error = r.error_message
     if error is None:
-        parts.append(_STATUS_UNSET)
+        parts.append(_UNSET[flags])
     else:
         status = _field(_STATUS_MESSAGE, error.encode()) if error else b""
-        parts.append(_field(_SPAN_STATUS, status + _STATUS_ERROR))
-    parts.append(flags)
+        parts += (_field(_SPAN_STATUS, status + _STATUS_ERROR), flags)
     return b"".join(parts)
 
 
 _fromhex = bytes.fromhex
+assert (_SPAN_TRACE_ID + _SPAN_SPAN_ID + _SPAN_PARENT).hex() == "0a1012082208"  # as in _span
 _LOCAL_FLAGS = _SPAN_FLAGS + _PACK_I(_HAS_IS_REMOTE)
 _REMOTE_FLAGS = _SPAN_FLAGS + _PACK_I(_HAS_IS_REMOTE | _IS_REMOTE)
+_UNSET = {flags: _STATUS_UNSET + flags for flags in (_LOCAL_FLAGS, _REMOTE_FLAGS)}
+"""A span's last bytes when its status is unset: the empty status and its flags."""
+_PACK_TIMES = struct.Struct("<BQBQ").pack
+_START_TAG, _END_TAG = _SPAN_START[0], _SPAN_END[0]
 
 
-_NAMES: dict[str, bytes] = {}
-"""Span name fields, encoded once (a handful of names; bounded like _STRINGS)."""
+_NAMES: dict[str, tuple[bytes, bytes, bytes]] = {}
+"""Per span name, its name field with each kind's field after it, encoded once (a handful of
+names; bounded like the attribute caches)."""
 _KINDS = [_SPAN_KIND + _SMALL[k + 1] for k in range(3)]  # the proto's kinds start at UNSPECIFIED
+
+
+def _name(name: str) -> tuple[bytes, bytes, bytes]:
+    if len(_NAMES) >= _CACHE_MAX:
+        _NAMES.clear()
+    field = _field(_SPAN_NAME, name.encode())
+    named = _NAMES[name] = (field + _KINDS[0], field + _KINDS[1], field + _KINDS[2])
+    return named
 
 
 def encode_resource(attributes: Mapping[str, Any]) -> bytes:
@@ -287,17 +345,21 @@ def encode_scope(name: str, version: str) -> bytes:
 def encode_request(
     resource: bytes, scope: bytes, records: Sequence[EndedSpan | SpanGroup]
 ) -> bytes:
-    """An ExportTraceServiceRequest of `records` (one resource, one scope)."""
-    parts: list[bytes] = []
+    """An ExportTraceServiceRequest of `records` (one resource, one scope), in one join: the
+    enclosing messages' lengths are summed, not measured on copies."""
+    scope_field = _field(_SCOPE_SPANS_SCOPE, scope)
+    resource_field = _field(_RESOURCE_SPANS_RESOURCE, resource)
+    parts = [b"", resource_field, b"", scope_field]  # the two heads are filled in at the end
+    size = len(scope_field)  # of the ScopeSpans
     for r in spans_of(records):
         span = _span(r)
-        parts += (_SCOPE_SPANS_SPAN, _len(len(span)), span)
-    spans = b"".join(parts)
-    scope_spans = _field(_SCOPE_SPANS_SCOPE, scope) + spans
-    resource_spans = _field(_RESOURCE_SPANS_RESOURCE, resource) + _field(
-        _RESOURCE_SPANS_SCOPE_SPANS, scope_spans
-    )
-    return _field(_REQUEST_RESOURCE_SPANS, resource_spans)
+        n = len(span)
+        length = _SMALL[n] if n < 0x4000 else _varint(n)
+        parts += (_SCOPE_SPANS_SPAN, length, span)
+        size += 1 + len(length) + n
+    parts[2] = scope_head = _RESOURCE_SPANS_SCOPE_SPANS + _len(size)
+    parts[0] = _REQUEST_RESOURCE_SPANS + _len(len(resource_field) + len(scope_head) + size)
+    return b"".join(parts)
 
 
 # --- exporters ---------------------------------------------------------------------------------

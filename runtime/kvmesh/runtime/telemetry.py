@@ -18,6 +18,11 @@ SDK's `BatchSpanProcessor` (a queue append, no copy; encoding and export run on 
 thread, never on the event loop; kvmesh.runtime.otlp). Span ids are the W3C ids of
 `kvmesh.runtime.tracing.TraceContext`, which travels hop to hop as before: `span.context` is
 what the next hop gets as its parent.
+Steps the caller timed itself (start and end known together: preprocessing, routing, an
+engine's queue, prefill and decode) are `tracer().record(parent, [Step(name, start_ns, end_ns,
+attributes), ...])`: one call, a tuple per span, one queued item.
+Attribute values are strings, bools, ints, floats or tuples of strings (a list works too, at a
+cost to the encoder).
 A span records only when tracing is on and its trace is sampled; otherwise `start` returns a
 non-recording span whose context still carries the trace on (so the ids stay consistent
 across processes whatever each one samples). No SDK span object, lock or context
@@ -38,11 +43,11 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, opt
-from kvmesh.runtime.otlp import SpanGroup, grpc_exporter, http_exporter
+from kvmesh.runtime.otlp import EndedSpan, SpanGroup, grpc_exporter, http_exporter
 from kvmesh.runtime.tracing import TraceContext
 
 if TYPE_CHECKING:
@@ -52,10 +57,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOG_CONTEXT",
+    "AttributeValue",
     "LogContext",
     "Protocol",
     "Span",
     "SpanKind",
+    "Step",
     "Tracer",
     "TracingConfig",
     "setup_tracing",
@@ -65,6 +72,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+AttributeValue = str | bool | int | float | tuple[str, ...] | list[str]
+"""A span attribute's value (sequences: tuples, which the encoder caches; lists cost it more)."""
 
 SCOPE = "kvmesh"
 """The instrumentation scope of every kvmesh span."""
@@ -155,10 +165,10 @@ class Span:
     def __init__(self, context: TraceContext) -> None:
         self.context = context
 
-    def set(self, key: str, value: str | bool | int | float | list[str]) -> None:
+    def set(self, key: str, value: AttributeValue) -> None:
         """Set an attribute."""
 
-    def update(self, attributes: Mapping[str, str | bool | int | float | list[str]]) -> None:
+    def update(self, attributes: Mapping[str, AttributeValue]) -> None:
         """Set several attributes."""
 
     def error(self, error_type: str, message: str = "") -> None:
@@ -209,14 +219,14 @@ class _RecordingSpan(Span):
         self.end_ns = 0
         """0 until the span ends."""
         self.error_message: str | None = None
-        self.children: list[_RecordingSpan] | None = None
+        self.children: list[EndedSpan] | None = None
         """A server span's children that ended before it (queued with it)."""
 
-    def set(self, key: str, value: str | bool | int | float | list[str]) -> None:
+    def set(self, key: str, value: AttributeValue) -> None:
         if not self.end_ns:
             self.attributes[key] = value
 
-    def update(self, attributes: Mapping[str, str | bool | int | float | list[str]]) -> None:
+    def update(self, attributes: Mapping[str, AttributeValue]) -> None:
         if not self.end_ns:
             self.attributes.update(attributes)
 
@@ -230,6 +240,37 @@ class _RecordingSpan(Span):
             return
         self.end_ns = time.time_ns() if end_ns is None else end_ns
         self._tracer._ended(self)
+
+
+class _Finished(NamedTuple):
+    """A span recorded at its end (Tracer.record): a kvmesh.runtime.otlp.EndedSpan made in one
+    step, no object of its own to keep up to date."""
+
+    name: str
+    context: TraceContext
+    parent: TraceContext
+    remote_parent: bool
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error_message: str | None
+
+
+_finished = tuple.__new__
+
+
+class Step(NamedTuple):
+    """A step of a request timed by its caller, recorded as a span by `Tracer.record`."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    """ns since the epoch (`wall_ns` converts a monotonic reading)."""
+    attributes: dict[str, Any]
+    """Kept, not copied."""
+    error: tuple[str, str] | None = None
+    """(error.type, status message) of a failed step."""
 
 
 class Tracer:
@@ -320,6 +361,41 @@ class Tracer:
             servers[context.span_id] = span
         return span
 
+    def record(
+        self,
+        parent: TraceContext | None,
+        steps: Sequence[Step],
+        *,
+        remote: bool = False,
+    ) -> None:
+        """Record `steps` of one request, each a span that is a child of `parent` and ran from
+        its start to its end (ns since the epoch), timed by the caller: one call, one tuple per
+        span, one queued item (or, for a local parent, the item of its open server span).
+        `remote`: `parent` came from another process. Nothing when tracing is off or the trace
+        is not sampled. Attribute dicts are kept, not copied."""
+        if parent is None or not self.enabled or not parent.flags & 1:
+            return
+        spans: list[EndedSpan] = []
+        for name, start_ns, end_ns, attributes, error in steps:
+            message = None
+            if error is not None:
+                attributes["error.type"] = error[0]
+                message = error[1] or error[0]
+            context = parent.child()
+            spans.append(
+                _finished(
+                    _Finished,
+                    (name, context, parent, remote, 0, start_ns, end_ns, attributes, message),
+                )
+            )
+        server = None if remote else self._servers.get(parent.span_id)
+        if server is None:
+            self._queue(spans)
+        elif server.children is None:
+            server.children = spans
+        else:
+            server.children += spans
+
     def _ended(self, span: _RecordingSpan) -> None:
         """Queue an ended span: a server span with the children it holds; a child of an open
         server span in this process is held by it until it ends."""
@@ -344,18 +420,7 @@ class Tracer:
         if processor is not None:
             processor.on_end(span)  # type: ignore[arg-type]  # an EndedSpan: it only queues it
 
-    def end_together(self, ends: Sequence[tuple[Span, int]]) -> None:
-        """End each span at its time (ns since the epoch) and queue the recording ones as one
-        item (spans of one request recorded at once, e.g. an engine's queue, prefill and
-        decode)."""
-        ended: list[_RecordingSpan] = []
-        for span, end_ns in ends:
-            if isinstance(span, _RecordingSpan) and not span.end_ns:
-                span.end_ns = end_ns
-                ended.append(span)
-        self._queue(ended)
-
-    def _queue(self, spans: list[_RecordingSpan]) -> None:
+    def _queue(self, spans: Sequence[EndedSpan]) -> None:
         processor = self._processor
         if processor is not None and spans:
             item = spans[0] if len(spans) == 1 else SpanGroup(spans)

@@ -58,7 +58,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable
 from kvmesh.runtime.kv_events import CachedBlock, KvEventLog, KvTier
-from kvmesh.runtime.telemetry import SpanKind, tracer, wall_ns
+from kvmesh.runtime.telemetry import SpanKind, Step, tracer, wall_ns
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -717,42 +717,29 @@ class BatchingEngine(Engine, Generic[SchedT]):
         if not t.enabled:
             return
         rid = out.request_id
-        queue = t.start(
-            "queue",
-            trace,
-            remote=True,
-            attributes={"kvmesh.request_id": rid},
-            start_ns=wall_ns(req.arrived),
-        )
-        ends = [(queue, wall_ns(admitted))]
+        epoch = wall_ns(0.0)  # the wall clock at monotonic 0: one reading for the six times
+        arrived, admitted_ns = epoch + int(req.arrived * 1e9), epoch + int(admitted * 1e9)
+        steps = [Step("queue", arrived, admitted_ns, {"kvmesh.request_id": rid})]
         if prefilled_here:
-            prefill = t.start(
-                "prefill",
-                trace,
-                remote=True,
-                attributes={
-                    "kvmesh.request_id": rid,
-                    "gen_ai.usage.input_tokens": req.prompt_tokens,
-                    "kvmesh.cached_tokens": usage.cached_tokens if usage is not None else 0,
-                },
-                start_ns=wall_ns(admitted),
-            )
-            ends.append((prefill, wall_ns(first)))
+            prefill = {
+                "kvmesh.request_id": rid,
+                "gen_ai.usage.input_tokens": req.prompt_tokens,
+                "kvmesh.cached_tokens": usage.cached_tokens if usage is not None else 0,
+            }
+            steps.append(Step("prefill", admitted_ns, epoch + int(first * 1e9), prefill))
         if not out.handoff:
-            attributes: dict[str, Any] = {
+            decode: dict[str, Any] = {
                 "kvmesh.request_id": rid,
                 "gen_ai.usage.output_tokens": generated,
                 "gen_ai.server.time_per_output_token": (now - first) / gaps if gaps > 0 else 0.0,
             }
             if prefilled_here:
-                attributes["gen_ai.server.time_to_first_token"] = first - req.arrived
+                decode["gen_ai.server.time_to_first_token"] = first - req.arrived
             if out.finish_reason is not None:
-                attributes["gen_ai.response.finish_reasons"] = [out.finish_reason.value]
-            decode = t.start(
-                "decode", trace, remote=True, attributes=attributes, start_ns=wall_ns(decode_from)
-            )
-            ends.append((decode, wall_ns(now)))
-        t.end_together(ends)  # one queued item for the request's engine spans
+                decode["gen_ai.response.finish_reasons"] = (out.finish_reason.value,)
+            decode_ns = epoch + int(decode_from * 1e9)
+            steps.append(Step("decode", decode_ns, epoch + int(now * 1e9), decode))
+        t.record(trace, steps, remote=True)  # one queued item for the request's engine spans
 
     def _transferred(
         self,
