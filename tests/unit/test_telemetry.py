@@ -311,3 +311,28 @@ def test_a_step_timed_by_its_caller_is_recorded_in_one_call() -> None:
     spans = received.resource_spans[0].scope_spans[0].spans
     assert [s.name for s in spans] == ["POST /v1/completions", "preprocess", "route", "route"]
     assert spans[2].status.code == 2 and spans[2].status.message == "no worker"
+
+
+def test_recorded_steps_under_a_remote_parent_are_sampled_as_started_spans_are() -> None:
+    """A sampler that is not parent-based decides again for a remote parent, for `record` as
+    for `start`: always_on records under an unsampled caller (its spans say sampled), a ratio
+    of 0 records nothing under a sampled one; parent-based follows the caller."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
+
+    assert CLIENT is not None
+    unsampled = TraceContext(CLIENT.trace_id, CLIENT.span_id, 0)
+    for sampler, parent, recorded in (
+        (ALWAYS_ON, unsampled, True),
+        (TraceIdRatioBased(0.0), CLIENT, False),
+        (ParentBased(TraceIdRatioBased(0.0)), CLIENT, True),
+        (ParentBased(ALWAYS_ON), unsampled, False),
+    ):
+        processor = CapturingProcessor()
+        t = Tracer(TracerProvider(sampler=sampler), processor, sampler)  # type: ignore[arg-type]
+        t.record(parent, [Step("queue", 1, 2, {}), Step("decode", 2, 3, {})], remote=True)
+        started = t.start("prefill", parent, remote=True)
+        assert started.recording is recorded, sampler
+        spans = list(spans_of(processor.items))
+        assert [s.name for s in spans] == (["queue", "decode"] if recorded else []), sampler
+        assert all(s.context.sampled and s.parent == parent for s in spans)

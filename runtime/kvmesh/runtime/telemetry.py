@@ -371,9 +371,16 @@ class Tracer:
         """Record `steps` of one request, each a span that is a child of `parent` and ran from
         its start to its end (ns since the epoch), timed by the caller: one call, one tuple per
         span, one queued item (or, for a local parent, the item of its open server span).
-        `remote`: `parent` came from another process. Nothing when tracing is off or the trace
-        is not sampled. Attribute dicts are kept, not copied."""
-        if parent is None or not self.enabled or not parent.flags & 1:
+        `remote`: `parent` came from another process (sampled as `start` samples: a sampler
+        that is not parent-based decides again). Nothing when tracing is off or the trace is
+        not sampled. Attribute dicts are kept, not copied."""
+        if parent is None or not self.enabled or not steps:
+            return
+        flags = parent.flags
+        if remote and not self._parent_based:
+            sampled = self._sample(parent, parent.trace_id, steps[0].name, SpanKind.INTERNAL)
+            flags = (flags | 1) if sampled else (flags & ~1)
+        if not flags & 1:
             return
         spans: list[EndedSpan] = []
         for name, start_ns, end_ns, attributes, error in steps:
@@ -382,6 +389,8 @@ class Tracer:
                 attributes["error.type"] = error[0]
                 message = error[1] or error[0]
             context = parent.child()
+            if flags != parent.flags:  # sampled here, not by the parent
+                context = TraceContext(context.trace_id, context.span_id, flags, parent.tracestate)
             spans.append(
                 _finished(
                     _Finished,
