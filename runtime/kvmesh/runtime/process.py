@@ -163,8 +163,9 @@ YOUNG_OBJECTS = 10_000
 `freeze_heap`. Python's 700 is about seven requests' worth at a gateway: what a request makes
 and the spans kept for the exporter's next batch outlive that and get walked again by the older
 generations' collections. At 10,000 most of it is gone (refcounts) before the collector looks;
-callgrind of `kvmesh up` (tests/benchmarks/bench_tracing_cpu.sh) with tracing at 100 %: the
-frontend's extra instructions per request -9 %, the workers' -22 %; no change with tracing off."""
+callgrind of `kvmesh up` (tests/benchmarks/bench_tracing_cpu.sh) with tracing at 100 %, one run
+each (runs spread about +-1 point): the frontend's extra instructions per request -9 %, the
+workers' -22 %; no change with tracing off."""
 
 
 async def wait_for_signal() -> None:

@@ -717,7 +717,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         if not t.enabled:
             return
         rid = out.request_id
-        epoch = wall_ns(0.0)  # the wall clock at monotonic 0: one reading for the six times
+        epoch = wall_ns(0.0)  # the wall clock at monotonic 0: one clock reading for every time
         arrived, admitted_ns = epoch + int(req.arrived * 1e9), epoch + int(admitted * 1e9)
         steps = [Step("queue", arrived, admitted_ns, {"kvmesh.request_id": rid})]
         if prefilled_here:
