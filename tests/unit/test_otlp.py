@@ -5,9 +5,6 @@ attributes of every type, status), the resource and the scope."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -16,6 +13,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from kvmesh.runtime import otlp
 from kvmesh.runtime.otlp import (
+    FinishedSpan,
     encode_request,
     encode_resource,
     encode_scope,
@@ -47,32 +45,17 @@ ATTRS = {
 }
 
 
-@dataclass
-class Ended:
-    """An ended span as the encoder reads it (kvmesh.runtime.otlp.EndedSpan)."""
-
-    name: str
-    context: TraceContext
-    parent: TraceContext | None
-    remote_parent: bool
-    kind: int
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-    error_message: str | None
-
-
-def records() -> list[Ended]:
+def records() -> list[FinishedSpan]:
     def ctx(span_id: str, state: str = "") -> TraceContext:
         return TraceContext(TRACE, span_id, 1, state)
 
     return [
-        Ended("POST /v1/chat/completions", ctx("00f067aa0ba902b7", "vendor=value"),
+        FinishedSpan("POST /v1/chat/completions", ctx("00f067aa0ba902b7", "vendor=value"),
               ctx("a0b1c2d3e4f5a6b7"), True, 1, 1_700_000_000_000_000_000,
               1_700_000_000_500_000_000, ATTRS, None),
-        Ended("route", ctx("1111111111111111"), ctx("00f067aa0ba902b7"), False, 0,
+        FinishedSpan("route", ctx("1111111111111111"), ctx("00f067aa0ba902b7"), False, 0,
               1_700_000_000_100_000_000, 1_700_000_000_100_050_000, {}, "no worker"),
-        Ended("kv_transfer", ctx("2222222222222222"), None, False, 2, 5, 6,
+        FinishedSpan("kv_transfer", ctx("2222222222222222"), None, False, 2, 5, 6,
               {"kvmesh.kv_transfer.bytes": 8388608}, ""),
     ]  # fmt: skip
 
@@ -108,7 +91,7 @@ def test_values_equal_across_types_keep_their_own_types() -> None:
     scope = InstrumentationScope("kvmesh", "0.1.0")
     ctx = TraceContext(TRACE, "3333333333333333", 1)
     spans = [
-        Ended("a", ctx, None, False, 0, 1, 2, {"k": value, "s": "1"}, None)
+        FinishedSpan("a", ctx, None, False, 0, 1, 2, {"k": value, "s": "1"}, None)
         for value in (1, True, 1.0, 0, False, 0.0)
     ]
     ours = ExportTraceServiceRequest.FromString(
@@ -129,7 +112,7 @@ def test_ids_are_not_cached_and_sequences_encode_as_lists_or_tuples() -> None:
     resource = Resource.create({"service.name": "kvmesh-frontend"})
     scope = InstrumentationScope("kvmesh", "0.1.0")
     spans = [
-        Ended(
+        FinishedSpan(
             "route", TraceContext(TRACE, f"{i + 1:016x}", 1), None, False, 0, 1, 2,
             {"kvmesh.request_id": f"req-{i // 2}", "kvmesh.route.policy": "kv",
              "reasons": ("stop",) if i % 2 else ["stop"]},

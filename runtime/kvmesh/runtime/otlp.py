@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvmesh.runtime.tracing import TraceContext
 
 __all__ = [
     "EndedSpan",
+    "FinishedSpan",
     "SpanGroup",
     "encode_request",
     "grpc_exporter",
@@ -69,6 +70,21 @@ class EndedSpan(Protocol):
     def error_message(self) -> str | None:
         """Status message of a failed span; None: status unset."""
         ...
+
+
+class FinishedSpan(NamedTuple):
+    """An EndedSpan as a tuple, made in one step when a span is recorded at its end
+    (kvmesh.runtime.telemetry's `Tracer.record`)."""
+
+    name: str
+    context: TraceContext
+    parent: TraceContext | None
+    remote_parent: bool
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error_message: str | None
 
 
 class SpanGroup(list[EndedSpan]):

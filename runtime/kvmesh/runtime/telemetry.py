@@ -47,7 +47,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, opt
-from kvmesh.runtime.otlp import EndedSpan, SpanGroup, grpc_exporter, http_exporter
+from kvmesh.runtime.otlp import (
+    EndedSpan,
+    FinishedSpan,
+    SpanGroup,
+    grpc_exporter,
+    http_exporter,
+)
 from kvmesh.runtime.tracing import TraceContext
 
 if TYPE_CHECKING:
@@ -242,22 +248,9 @@ class _RecordingSpan(Span):
         self._tracer._ended(self)
 
 
-class _Finished(NamedTuple):
-    """A span recorded at its end (Tracer.record): a kvmesh.runtime.otlp.EndedSpan made in one
-    step, no object of its own to keep up to date."""
-
-    name: str
-    context: TraceContext
-    parent: TraceContext
-    remote_parent: bool
-    kind: int
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-    error_message: str | None
-
-
 _finished = tuple.__new__
+"""Makes a FinishedSpan from a tuple of its fields without the NamedTuple's Python-level
+__new__ (on every recorded span)."""
 
 
 class Step(NamedTuple):
@@ -393,7 +386,7 @@ class Tracer:
                 context = TraceContext(context.trace_id, context.span_id, flags, parent.tracestate)
             spans.append(
                 _finished(
-                    _Finished,
+                    FinishedSpan,
                     (name, context, parent, remote, 0, start_ns, end_ns, attributes, message),
                 )
             )
