@@ -140,6 +140,9 @@ async def test_a_restarted_router_rebuilds_its_index_from_snapshots(
     pool2, router2 = await kv_router(tmp_path)
     try:
         await until(lambda: holders(router2, prompt(7, 0)) == {owner: 7})
+        # every worker's snapshot, not only the owner's (they arrive in any order)
+        indexer = router2.scheduler.indexer
+        await until(lambda: all(indexer.stats(w.worker_id).snapshots for w in workers))
         for w in workers:
             stats = router2.scheduler.indexer.stats(w.worker_id)
             assert stats.snapshots >= 1 and stats.log_id
