@@ -9,6 +9,8 @@
 #   on-grpc, on-http: as `on`, over OTLP/gRPC and OTLP http/protobuf (both in one run: their
 #          rounds interleave with `off`'s, so the two protocols meet the same machine)
 #   base-on: the code of BASE tracing as `on` does (has the cost of tracing itself moved?)
+#   on-grpc-py, on-http-py: as on-grpc / on-http with spans encoded in Python
+#          (KVMESH_OTLP_ENCODER=python) rather than by the compiled encoder
 #   bash tests/benchmarks/bench_tracing.sh            # N=4000 C=200 ROUNDS=3
 #   PROTOCOL=http/protobuf bash ...                   # the OTLP protocol of `on` (default grpc)
 #   MODES="off on-grpc on-http" ROUNDS=12 bash ...   # both protocols against off
@@ -40,15 +42,16 @@ run_mode() { # mode round
     base) env+=(PYTHONPATH="$BASE_PATH") ;;
     on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$ON_PORT"
               OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
-    on-grpc) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+    on-grpc|on-grpc-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
                    OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
-    on-http) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$HTTP_SINK_PORT"
+    on-http|on-http-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$HTTP_SINK_PORT"
                    OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf) ;;
     base-on) env+=(PYTHONPATH="$BASE_PATH" OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$ON_PORT"
                    OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
     off|base) ;;
-    *) echo "unknown mode $mode (base, off, on, on-grpc, on-http, base-on)" >&2; exit 2 ;;
+    *) echo "unknown mode $mode (base, off, on, on-grpc, on-http, on-grpc-py, on-http-py, base-on)" >&2; exit 2 ;;
   esac
+  [[ $mode == *-py ]] && env+=(KVMESH_OTLP_ENCODER=python)  # kvmesh.runtime.otlp's Python encoder
   "${env[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
     --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
   local up=$!

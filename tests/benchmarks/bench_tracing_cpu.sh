@@ -4,7 +4,8 @@
 # shared 2-core machine spreads by +-15 % a round. Same mesh as bench_tracing.sh (`kvmesh up`,
 # 2 instant mocker workers, streamed chat, 8 tokens), run under callgrind (~50x slower: start-up
 # ~1-2 min a mode); counters zeroed after a warm-up, N requests at 8 concurrent, then dumped.
-# Modes: off, on-grpc, on-http (100 % sampling, OTLP to a sink outside callgrind).
+# Modes: off, on-grpc, on-http (100 % sampling, OTLP to a sink outside callgrind); on-grpc-py,
+# on-http-py: the same with spans encoded in Python (KVMESH_OTLP_ENCODER=python), not compiled.
 # The batch processor exports full batches only (OTEL_BSP_SCHEDULE_DELAY 10 min), as at a busy
 # gateway: at callgrind's ~30 requests/s its 5 s schedule would export small batches instead.
 #   bash tests/benchmarks/bench_tracing_cpu.sh            # N=1100 MODES="off on-grpc on-http"
@@ -24,12 +25,13 @@ run_mode() { # mode -> "mode frontend workers" (instructions per request)
                      OTEL_BSP_SCHEDULE_DELAY=600000)
   case $mode in
     off) ;;
-    on-grpc) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+    on-grpc|on-grpc-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
                    OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
-    on-http) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$HTTP_SINK_PORT"
+    on-http|on-http-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$HTTP_SINK_PORT"
                    OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf) ;;
-    *) echo "unknown mode $mode (off, on-grpc, on-http)" >&2; exit 2 ;;
+    *) echo "unknown mode $mode (off, on-grpc, on-http, on-grpc-py, on-http-py)" >&2; exit 2 ;;
   esac
+  [[ $mode == *-py ]] && env+=(KVMESH_OTLP_ENCODER=python)  # kvmesh.runtime.otlp's Python encoder
   local dir="$WORK/$mode" port; port=$(free_port); mkdir -p "$dir"
   "${env[@]}" valgrind --tool=callgrind --trace-children=yes --callgrind-out-file="$dir/cg.%p" \
     "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 --http-port "$port" \

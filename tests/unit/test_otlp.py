@@ -1,7 +1,8 @@
 """kvmesh.runtime.otlp writes the same ExportTraceServiceRequest as the OpenTelemetry SDK's own
 encoder (given the same spans as SDK ReadableSpans, which is also how older SDKs' HTTP exporter
 gets them): every field of every span (ids, parent and its remoteness, trace state, kind, times,
-attributes of every type, status), the resource and the scope."""
+attributes of every type, status), the resource and the scope. Both of its encoders, the Python
+one and the compiled one (kvmesh.runtime._otlpc), and the two byte for byte."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from kvmesh.runtime import otlp
+from kvmesh.runtime import otlp, telemetry
 from kvmesh.runtime.otlp import (
+    Encoder,
     FinishedSpan,
-    encode_request,
+    SpanGroup,
+    encode_request_python,
     encode_resource,
     encode_scope,
     readable_span,
@@ -22,6 +25,26 @@ from kvmesh.runtime.otlp import (
 from kvmesh.runtime.tracing import TraceContext
 
 pytestmark = pytest.mark.unit
+
+
+def _compiled() -> Encoder:
+    from kvmesh.runtime import _otlpc
+
+    return _otlpc.encode_request
+
+
+ENCODERS = [
+    pytest.param(encode_request_python, id="python"),
+    pytest.param(_compiled, id="c"),
+]
+
+
+@pytest.fixture(params=ENCODERS)
+def encode_request(request: pytest.FixtureRequest) -> Encoder:
+    """Each encoder in turn (the compiled one is built by `pip install -e .`: hatch_build.py)."""
+    encoder: Encoder = request.param
+    return _compiled() if encoder is _compiled else encoder
+
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 ATTRS = {
@@ -60,7 +83,7 @@ def records() -> list[FinishedSpan]:
     ]  # fmt: skip
 
 
-def test_the_encoding_is_the_sdks_field_for_field() -> None:
+def test_the_encoding_is_the_sdks_field_for_field(encode_request: Encoder) -> None:
     resource = Resource.create({"service.name": "kvmesh-worker", "kvmesh.role": "decode"})
     scope = InstrumentationScope("kvmesh", "0.1.0")
     first, again = (
@@ -79,12 +102,12 @@ def test_the_encoding_is_the_sdks_field_for_field() -> None:
     assert spans[1].status.code == 2 and spans[1].status.message == "no worker"
 
 
-def test_an_empty_batch_is_a_valid_request() -> None:
+def test_an_empty_batch_is_a_valid_request(encode_request: Encoder) -> None:
     msg = ExportTraceServiceRequest.FromString(encode_request(b"", encode_scope("k", "1"), []))
     assert len(msg.resource_spans) == 1 and not msg.resource_spans[0].scope_spans[0].spans
 
 
-def test_values_equal_across_types_keep_their_own_types() -> None:
+def test_values_equal_across_types_keep_their_own_types(encode_request: Encoder) -> None:
     """The cache of encoded attributes answers `1` for the key it saw `1` under; `True` and
     `1.0` are equal to it (and hash alike) but are a bool and a double on the wire."""
     resource = Resource.create({"service.name": "kvmesh-frontend"})
@@ -121,9 +144,108 @@ def test_ids_are_not_cached_and_sequences_encode_as_lists_or_tuples() -> None:
         for i in range(4 * otlp._PER_KEY_MAX)
     ]  # fmt: skip
     ours = ExportTraceServiceRequest.FromString(
-        encode_request(encode_resource(resource.attributes), encode_scope("kvmesh", "0.1.0"), spans)
+        encode_request_python(
+            encode_resource(resource.attributes), encode_scope("kvmesh", "0.1.0"), spans
+        )
     )
     assert ours == encode_spans([readable_span(r, resource, scope) for r in spans])
     assert "kvmesh.request_id" in otlp._UNCACHED
     assert not any(key == "kvmesh.request_id" for key, _ in otlp._FIELDS)
     assert ("kvmesh.route.policy", "kv") in otlp._FIELDS
+
+
+class _Retain:
+    def __init__(self) -> None:
+        self.items: list[object] = []
+
+    def on_end(self, item: object) -> None:
+        self.items.append(item)
+
+
+class _Provider:
+    def force_flush(self, timeout_millis: int = 0) -> bool:
+        return True
+
+
+def _traced_requests(n: int) -> list[object]:
+    """What a gateway's tracer queues for `n` requests: a server span (an object, not a tuple)
+    with its steps as one group, varied values of every attribute type."""
+    retain = _Retain()
+    t = telemetry.Tracer(_Provider(), retain)  # type: ignore[arg-type]  # only on_end is used
+    for i in range(n):
+        parent = None if i % 3 else TraceContext(TRACE, f"{i + 1:016x}", 1, "k=v" * (i % 2))
+        span = t.start(
+            "POST /v1/chat/completions",
+            parent,
+            kind=telemetry.SpanKind.SERVER,
+            remote=True,
+            attributes={"http.route": "/v1/chat/completions", "n": i, "neg": -i, "f": i / 7},
+        )
+        ctx = span.context
+        t.record(ctx, [telemetry.Step("preprocess", 10 + i, 20 + i, {"t_ms": 0.1 * i})])
+        t.record(ctx, [
+            telemetry.Step("route", 20, 30, {"id": f"req-{i}", "ok": i % 2 == 0,
+                                             "u": "\u00e9\u4e2d" * (i % 3), "big": 2**70 + i,
+                                             "list": ["a", 1, 2.5, True, ["nested"]]}),
+            telemetry.Step("queue", 30, 31, {}, ("Timeout", "" if i % 2 else "too long")),
+        ])  # fmt: skip
+        span.set("gen_ai.response.finish_reasons", ("stop",) * (i % 3))
+        if i % 5 == 0:
+            span.error("Internal", "boom")
+        span.end(1_700_000_000_000_000_000 + i)
+        t.record(TraceContext(TRACE, "0000000000000abc", 1), [
+            telemetry.Step("kv_transfer", 1, 2, {"kvmesh.kv_transfer.bytes": i * 4096}),
+        ], remote=True)  # fmt: skip
+    return retain.items
+
+
+def test_the_compiled_encoder_writes_the_python_encoders_bytes() -> None:
+    items = _traced_requests(600)
+    assert any(type(item) is SpanGroup for item in items)
+    resource = encode_resource(
+        Resource.create(
+            {"service.name": "kvmesh-frontend", "service.instance.id": "0" * 32}
+        ).attributes
+    )
+    assert len(resource) > 127  # a length of 2 bytes
+    scope = encode_scope("kvmesh", "0.1.0")
+    compiled = _compiled()
+    for start in range(0, len(items), 97):  # batches of several sizes of a warm Python encoder
+        batch = items[start : start + 97]
+        assert compiled(resource, scope, batch) == encode_request_python(resource, scope, batch)
+    big = compiled(resource, scope, items)  # lengths of 2 and 3 bytes (outer messages)
+    assert big == encode_request_python(resource, scope, items) and len(big) > 2**14
+
+
+@pytest.mark.parametrize(
+    "span",
+    [
+        FinishedSpan("a", TraceContext("xyz", "1", 1), None, False, 0, 1, 2, {}, None),
+        FinishedSpan("a", TraceContext(TRACE, "zz" * 8, 1), None, False, 0, 1, 2, {}, None),
+    ],
+    ids=["short-trace-id", "not-hex"],
+)
+def test_bad_ids_are_refused_by_both_encoders(span: FinishedSpan) -> None:
+    for encoder in (encode_request_python, _compiled()):
+        with pytest.raises(ValueError):
+            encoder(b"", b"", [span])
+
+
+def test_the_compiled_encoder_is_built_and_used() -> None:
+    """`pip install -e .` builds it (a C compiler and Python's headers are on every machine the
+    tests run on); kvmesh uses it unless it was built from another _otlpc.c or is refused."""
+    assert otlp.ENCODER == "c", "kvmesh.runtime._otlpc is not built: pip install -e ."
+    assert otlp.encode_request is _compiled()
+
+
+def test_a_stale_or_refused_compiled_encoder_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvmesh.runtime import _otlpc
+
+    assert otlp._compiled_encoder() is _otlpc.encode_request
+    monkeypatch.setenv("KVMESH_OTLP_ENCODER", "python")
+    assert otlp._compiled_encoder() is None
+    monkeypatch.delenv("KVMESH_OTLP_ENCODER")
+    monkeypatch.setattr(_otlpc, "SOURCE", "0" * 64)  # built from another version of the source
+    assert otlp._compiled_encoder() is None

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, opt
 from kvmesh.runtime.otlp import (
+    ENCODER,
     EndedSpan,
     FinishedSpan,
     SpanGroup,
@@ -553,10 +554,11 @@ def setup_tracing(
     provider.add_span_processor(processor)
     _TRACER = Tracer(provider, processor, provider.sampler)
     log.info(
-        "tracing: exporting to %s over %s as %s",
+        "tracing: exporting to %s over %s as %s (span encoder: %s)",
         endpoint,
         protocol,
         provider.resource.attributes.get("service.name"),
+        ENCODER,
     )
     return _TRACER
 
