@@ -116,7 +116,16 @@ async def test_router_indexes_tiers_and_credits_host_hits(
         stats = indexer.stats("tiered")
         assert stats.host_blocks >= len(hashes) and stats.disk_blocks == 0
         # The router credits the host copy: with both workers idle it picks "tiered" (without
-        # the credit it would pick "plain", whose cache is emptier).
+        # the credit it would pick "plain", whose cache is emptier). Idle as the router sees
+        # them: a load sample taken while the last request ran would weigh against "tiered".
+        loads = subscriber.loads
+        await _until(
+            lambda: all(
+                w in loads and not (loads[w].num_running or loads[w].num_waiting)
+                for w in ("tiered", "plain")
+            ),
+            "both workers' load samples to read idle",
+        )
         assert scheduler.select(PROMPT, 0.0).worker_id == "tiered"
         indexer.host_hit_weight = 0.0  # without the credit, the emptier cache wins
         assert "tiered" not in indexer.find_credits(hashes)
