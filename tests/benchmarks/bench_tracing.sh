@@ -14,6 +14,9 @@
 #   bash tests/benchmarks/bench_tracing.sh            # N=4000 C=200 ROUNDS=3
 #   PROTOCOL=http/protobuf bash ...                   # the OTLP protocol of `on` (default grpc)
 #   MODES="off on-grpc on-http" ROUNDS=12 bash ...   # both protocols against off
+#   PIN=1 bash ...   # the mesh on CPU 0, the load generator and the span sinks on the others:
+#                    # the serving processes' own capacity, without the client's and the
+#                    # sink's CPU in the way (on 2 cores the client takes a third of it)
 # Ends with each mode's medians over the rounds and their ratios to `off`, and the median of
 # the per-round ratios to the `off` run beside it (each round's modes ran back to back: the
 # machine's slower drifts cancel in those).
@@ -33,6 +36,12 @@ cpu_of() { # CPU ticks of the children of `kvmesh up` $1 (its frontend and worke
   local t=0; for p in $(pgrep -P "$1" || true); do
   t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done; echo $t; }
 
+MESH=()
+if [ "${PIN:-0}" = 1 ]; then
+  [ "$(nproc)" -ge 2 ] || { echo "PIN=1 needs 2 CPUs or more" >&2; exit 2; }
+  taskset -c -p "1-$(( $(nproc) - 1 ))" $$ >/dev/null  # this script, its client and sinks
+  MESH=(taskset -c 0)
+fi
 source tests/benchmarks/otlp_sinks.sh
 if [ "$PROTOCOL" = http/protobuf ]; then ON_PORT=$HTTP_SINK_PORT; else ON_PORT=$SINK_PORT; fi
 
@@ -52,7 +61,7 @@ run_mode() { # mode round
     *) echo "unknown mode $mode (base, off, on, on-grpc, on-http, on-grpc-py, on-http-py, base-on)" >&2; exit 2 ;;
   esac
   [[ $mode == *-py ]] && env+=(KVMESH_OTLP_ENCODER=python)  # kvmesh.runtime.otlp's Python encoder
-  "${env[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
+  "${env[@]}" "${MESH[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
     --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
   local up=$!
   for _ in $(seq 150); do curl -sf "127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.2; done

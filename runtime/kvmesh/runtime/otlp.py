@@ -110,11 +110,16 @@ class SpanGroup(list[EndedSpan]):
 
     __slots__ = ()
 
-    @property
-    def context(self) -> TraceContext:
-        """What the batch processor reads before it queues an item (the first span's flags:
-        every span of a group is sampled)."""
-        return self[0].context
+    class _Sampled:
+        """What the batch processor reads of an item before it queues it,
+        `item.context.trace_flags.sampled`, as plain class attributes (no call): every span of
+        a group is sampled. Its spans' own contexts are theirs."""
+
+        sampled = True
+        trace_flags: SpanGroup._Sampled
+
+    _Sampled.trace_flags = _Sampled()
+    context = _Sampled()
 
 
 def spans_of(items: Sequence[EndedSpan | SpanGroup]) -> Iterator[EndedSpan]:

@@ -55,7 +55,7 @@ from kvmesh.runtime.otlp import (
     grpc_exporter,
     http_exporter,
 )
-from kvmesh.runtime.tracing import TraceContext
+from kvmesh.runtime.tracing import TraceContext, new_span_id
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -249,7 +249,8 @@ class _RecordingSpan(Span):
         self._tracer._ended(self)
 
 
-_finished = tuple.__new__
+_tuple_new = tuple.__new__
+_finished = _tuple_new
 """Makes a FinishedSpan from a tuple of its fields without the NamedTuple's Python-level
 __new__ (on every recorded span)."""
 
@@ -370,10 +371,10 @@ class Tracer:
         not sampled. Attribute dicts are kept, not copied."""
         if parent is None or not self.enabled or not steps:
             return
-        flags = parent.flags
+        trace_id, parent_id, flags, tracestate = parent
         if remote and not self._parent_based:
-            sampled = self._sample(parent, parent.trace_id, steps[0].name, SpanKind.INTERNAL)
-            flags = (flags | 1) if sampled else (flags & ~1)
+            sampled = self._sample(parent, trace_id, steps[0].name, SpanKind.INTERNAL)
+            flags = (flags | 1) if sampled else (flags & ~1)  # sampled here, not by the parent
         if not flags & 1:
             return
         spans: list[EndedSpan] = []
@@ -382,16 +383,15 @@ class Tracer:
             if error is not None:
                 attributes["error.type"] = error[0]
                 message = error[1] or error[0]
-            context = parent.child()
-            if flags != parent.flags:  # sampled here, not by the parent
-                context = TraceContext(context.trace_id, context.span_id, flags, parent.tracestate)
+            # a child context (parent.child(), with the flags above)
+            context = _tuple_new(TraceContext, (trace_id, new_span_id(), flags, tracestate))
             spans.append(
                 _finished(
                     FinishedSpan,
                     (name, context, parent, remote, 0, start_ns, end_ns, attributes, message),
                 )
             )
-        server = None if remote else self._servers.get(parent.span_id)
+        server = None if remote else self._servers.get(parent_id)
         if server is None:
             self._queue(spans)
         elif server.children is None:
