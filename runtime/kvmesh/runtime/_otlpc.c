@@ -1,11 +1,11 @@
 /* kvmesh.runtime._otlpc: the OTLP span encoder of kvmesh.runtime.otlp, compiled.
  *
  * `encode_request(resource, scope, records)` returns the same bytes as the pure-Python
- * `kvmesh.runtime.otlp.encode_request` (tests/unit/test_otlp.py checks the two byte for byte,
- * and both against the OpenTelemetry SDK's encoder): an ExportTraceServiceRequest of one
+ * `kvmesh.runtime.otlp.encode_request_python` (tests/unit/test_otlp.py checks the two byte for
+ * byte, and both against the OpenTelemetry SDK's encoder): an ExportTraceServiceRequest of one
  * resource and one scope, in protobuf's wire format, fields in the same order. It runs on the
- * batch span processor's thread; in Python the encoding is most of what tracing costs a serving
- * process (about 10 us of a gateway request's ~14 us at 100 % sampling), here well under 1 us.
+ * batch span processor's thread. In Python, encoding a gateway request's three spans took
+ * ~10 us, more than recording them on the request path; here ~1.3 us.
  *
  * A record is an ended span or a list of them (kvmesh.runtime.otlp.SpanGroup). A span is read
  * by position when it is a tuple of 9 (kvmesh.runtime.otlp.FinishedSpan: name, context,
