@@ -9,8 +9,10 @@ gateway's WorkerPool + MeshBackend watching it. OUTAGE_S is 10 s here;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,9 +28,21 @@ from tests.etcd_server import ETCD_BINARY, MISSING_REASON, EtcdServer
 
 from ..integration.test_worker_contract import make_engine
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Every wait below is bounded (at most ~190 s together), under pytest-timeout's limit for this
+# test: a slow phase fails the test saying which, instead of the limit ending the whole run.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
 OUTAGE_S = float(os.environ.get("KVMESH_ETCD_OUTAGE_S", "10"))
+
+
+@contextlib.asynccontextmanager
+async def _phase(what: str, timeout_s: float) -> AsyncIterator[None]:
+    """A bounded wait that fails the test naming what it waited for."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except TimeoutError:
+        pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
 async def test_serving_survives_an_etcd_outage(tiny_model: Path, tmp_path: Path) -> None:
@@ -85,15 +99,19 @@ async def test_serving_survives_an_etcd_outage(tiny_model: Path, tmp_path: Path)
         etcd.restart(wipe=True)
         print(f"etcd back after {time.monotonic() - t:.1f} s")
         # Changes resume: the workers registered again, and a new one joins and takes work.
-        await add("w2")
-        async with asyncio.timeout(60):
+        t = time.monotonic()
+        async with _phase("w2 to start and register", 60):
+            await add("w2")
+        async with _phase("the pool to see w2", 60):
             while not any(h.worker_id == "w2" for h in pool.workers()):  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
-        async with asyncio.timeout(30):
+        async with _phase("w2 to serve a request", 30):
             while not workers[2].engine.load().requests_finished_total:  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
+        print(f"w2 registered, routed to and serving {time.monotonic() - t:.1f} s after")
         stop.set()
-        await asyncio.gather(*clients)
+        async with _phase("the clients to finish", 30):
+            await asyncio.gather(*clients)
         print(f"{done} ({during} served while etcd was down for {OUTAGE_S:g} s)")
         assert done["failed"] == 0, errors[:5]
         assert during > 0
