@@ -51,16 +51,12 @@ run_mode() { # mode round
     base) env+=(PYTHONPATH="$BASE_PATH") ;;
     on) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$ON_PORT"
               OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
-    on-grpc|on-grpc-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
-                   OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
-    on-http|on-http-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$HTTP_SINK_PORT"
-                   OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf) ;;
     base-on) env+=(PYTHONPATH="$BASE_PATH" OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$ON_PORT"
                    OTEL_EXPORTER_OTLP_PROTOCOL="$PROTOCOL") ;;
     off|base) ;;
-    *) echo "unknown mode $mode (base, off, on, on-grpc, on-http, on-grpc-py, on-http-py, base-on)" >&2; exit 2 ;;
+    *) sink_env env "$mode" || { echo "unknown mode $mode (base, off, on, on-grpc, on-http," \
+                                      "on-grpc-py, on-http-py, base-on)" >&2; exit 2; } ;;
   esac
-  [[ $mode == *-py ]] && env+=(KVMESH_OTLP_ENCODER=python)  # kvmesh.runtime.otlp's Python encoder
   "${env[@]}" "${MESH[@]}" "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 \
     --http-port "$PORT" --kserve-grpc-port -1 >"$WORK/up-$mode.log" 2>&1 &
   local up=$!

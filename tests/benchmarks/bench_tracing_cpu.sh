@@ -25,13 +25,9 @@ run_mode() { # mode -> "mode frontend workers" (instructions per request)
                      OTEL_BSP_SCHEDULE_DELAY=600000)
   case $mode in
     off) ;;
-    on-grpc|on-grpc-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
-                   OTEL_EXPORTER_OTLP_PROTOCOL=grpc) ;;
-    on-http|on-http-py) env+=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$HTTP_SINK_PORT"
-                   OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf) ;;
-    *) echo "unknown mode $mode (off, on-grpc, on-http, on-grpc-py, on-http-py)" >&2; exit 2 ;;
+    *) sink_env env "$mode" || { echo "unknown mode $mode (off, on-grpc, on-http, on-grpc-py," \
+                                      "on-http-py)" >&2; exit 2; } ;;
   esac
-  [[ $mode == *-py ]] && env+=(KVMESH_OTLP_ENCODER=python)  # kvmesh.runtime.otlp's Python encoder
   local dir="$WORK/$mode" port; port=$(free_port); mkdir -p "$dir"
   "${env[@]}" valgrind --tool=callgrind --trace-children=yes --callgrind-out-file="$dir/cg.%p" \
     "$PY" -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 --http-port "$port" \

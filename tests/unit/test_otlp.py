@@ -26,6 +26,7 @@ from kvmesh.runtime.otlp import (
     readable_span,
 )
 from kvmesh.runtime.tracing import TraceContext
+from tests.unit.test_telemetry import recording_tracer
 
 pytestmark = pytest.mark.unit
 
@@ -43,17 +44,10 @@ def _compiled() -> Encoder:
     return _otlpc.encode_request
 
 
-ENCODERS = [
-    pytest.param(encode_request_python, id="python"),
-    pytest.param(_compiled, id="c"),
-]
-
-
-@pytest.fixture(params=ENCODERS)
+@pytest.fixture(params=["python", "c"])
 def encode_request(request: pytest.FixtureRequest) -> Encoder:
     """Each encoder in turn (the compiled one is built by `pip install -e .`: hatch_build.py)."""
-    encoder: Encoder = request.param
-    return _compiled() if encoder is _compiled else encoder
+    return encode_request_python if request.param == "python" else _compiled()
 
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -164,24 +158,10 @@ def test_ids_are_not_cached_and_sequences_encode_as_lists_or_tuples() -> None:
     assert ("kvmesh.route.policy", "kv") in otlp._FIELDS
 
 
-class _Retain:
-    def __init__(self) -> None:
-        self.items: list[object] = []
-
-    def on_end(self, item: object) -> None:
-        self.items.append(item)
-
-
-class _Provider:
-    def force_flush(self, timeout_millis: int = 0) -> bool:
-        return True
-
-
 def _traced_requests(n: int) -> list[object]:
     """What a gateway's tracer queues for `n` requests: a server span (an object, not a tuple)
     with its steps as one group, varied values of every attribute type."""
-    retain = _Retain()
-    t = telemetry.Tracer(_Provider(), retain)  # type: ignore[arg-type]  # only on_end is used
+    t, processor = recording_tracer()
     for i in range(n):
         parent = None if i % 3 else TraceContext(TRACE, f"{i + 1:016x}", 1, "k=v" * (i % 2))
         span = t.start(
@@ -206,7 +186,7 @@ def _traced_requests(n: int) -> list[object]:
         t.record(TraceContext(TRACE, "0000000000000abc", 1), [
             telemetry.Step("kv_transfer", 1, 2, {"kvmesh.kv_transfer.bytes": i * 4096}),
         ], remote=True)  # fmt: skip
-    return retain.items
+    return processor.items
 
 
 def test_the_compiled_encoder_writes_the_python_encoders_bytes() -> None:

@@ -31,6 +31,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple, Protocol
 
 from kvmesh.runtime.tracing import TraceContext
@@ -110,16 +111,10 @@ class SpanGroup(list[EndedSpan]):
 
     __slots__ = ()
 
-    class _Sampled:
-        """What the batch processor reads of an item before it queues it,
-        `item.context.trace_flags.sampled`, as plain class attributes (no call): every span of
-        a group is sampled. Its spans' own contexts are theirs."""
-
-        sampled = True
-        trace_flags: SpanGroup._Sampled
-
-    _Sampled.trace_flags = _Sampled()
-    context = _Sampled()
+    context = SimpleNamespace(trace_flags=SimpleNamespace(sampled=True))
+    """What the batch processor reads of an item before it queues it
+    (`item.context.trace_flags.sampled`), as plain attributes, no call: every span of a group is
+    sampled. Its spans' own contexts are theirs."""
 
 
 def spans_of(items: Sequence[EndedSpan | SpanGroup]) -> Iterator[EndedSpan]:

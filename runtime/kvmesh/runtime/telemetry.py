@@ -250,9 +250,8 @@ class _RecordingSpan(Span):
 
 
 _tuple_new = tuple.__new__
-_finished = _tuple_new
-"""Makes a FinishedSpan from a tuple of its fields without the NamedTuple's Python-level
-__new__ (on every recorded span)."""
+"""Makes a FinishedSpan (or a TraceContext) from a tuple of its fields without the NamedTuple's
+Python-level __new__ (on every recorded span)."""
 
 
 class Step(NamedTuple):
@@ -386,7 +385,7 @@ class Tracer:
             # a child context (parent.child(), with the flags above)
             context = _tuple_new(TraceContext, (trace_id, new_span_id(), flags, tracestate))
             spans.append(
-                _finished(
+                _tuple_new(
                     FinishedSpan,
                     (name, context, parent, remote, 0, start_ns, end_ns, attributes, message),
                 )
