@@ -6,10 +6,11 @@ span encoder, runtime/kvmesh/runtime/_otlpc.c), with the C compiler Python was b
 
 Optional: without a compiler or Python's headers the build goes on (a warning says so) and
 kvmesh encodes spans in Python (kvmesh.runtime.otlp), slower but the same bytes.
-KVMESH_BUILD_EXTENSION=0 skips it: a pure-Python wheel, for any Python (the container images'
-wheel, installed into engine images whose Python differs). The extension carries the SHA-256 of
-the source it was built from; kvmesh.runtime.otlp does not load one built from another version
-of the source (an editable checkout edited since its install).
+KVMESH_BUILD_EXTENSION=0 skips it: a pure-Python wheel, for any Python. (The container images
+build their wheel on the engine's own base image, with its Python: deploy/container/Dockerfile.)
+The extension carries the SHA-256 of the source it was built from; kvmesh.runtime.otlp does not
+load one built from another version of the source (an editable checkout edited since its
+install).
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from collections.abc import Iterator
@@ -102,30 +104,32 @@ def test_build_context_holds_what_the_stages_copy() -> None:
 @pytest.mark.integration
 def test_wheel_stage_builds_from_the_context(tmp_path: Path) -> None:
     """What the wheel stage runs, on exactly the files the build context holds (pip fetches
-    the build backend from PyPI, as the stage does)."""
+    the build backend from PyPI, as the stage does): a wheel for this Python carrying the
+    compiled span encoder (the stage runs on the engine's base image, with a C compiler; a
+    machine without one gets the pure-Python wheel, as a base without one would)."""
+    text = DOCKERFILE.read_text()
+    stage = text[text.index(" AS wheel\n") : text.index(" AS runtime\n")]
+    assert "FROM base-${ENGINE} AS wheel" in text  # the engine's Python builds it
+    (command,) = re.findall(r"^RUN (python3 -m pip wheel .*)$", stage, flags=re.M)
+    assert command.split()[:4] == ["python3", "-m", "pip", "wheel"] and command.endswith(" .")
     ctx = tmp_path / "ctx"
     for rel in context_files():
         dst = ctx / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes((ROOT / rel).read_bytes())
-    out = run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "-w",
-            str(tmp_path / "w"),
-            str(ctx),
-        ],
-        timeout=300,
-        env={**os.environ, "KVMESH_BUILD_EXTENSION": "0"},  # as the stage (ENV) builds it
-    )
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_BUILD_EXTENSION"}
+    argv = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "w")]
+    out = run([*argv, str(ctx)], timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    (wheel,) = (tmp_path / "w").glob("kvmesh-*-py3-none-any.whl")  # one wheel for any Python
+    (wheel,) = (tmp_path / "w").glob("kvmesh-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
+        assert wheel.name.endswith("-py3-none-any.whl")  # no compiler: spans encoded in Python
+    else:
+        assert f"kvmesh/runtime/_otlpc{suffix}" in names, names
+        interpreter = f"cp{sys.version_info.major}{sys.version_info.minor}"
+        assert f"-{interpreter}-{interpreter}-" in wheel.name, wheel.name  # for this Python only
     for module in ("kvmesh/apps/cli.py", "kvmesh/api/worker/v1/worker_service_pb2.py"):
         assert module in names
     assert not any(n.startswith("kvmesh/__init__") for n in names)  # namespace package
