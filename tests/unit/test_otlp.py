@@ -6,8 +6,11 @@ one and the compiled one (kvmesh.runtime._otlpc), and the two byte for byte."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import sysconfig
+from typing import Any
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -24,6 +27,7 @@ from kvmesh.runtime.otlp import (
     encode_resource,
     encode_scope,
     readable_span,
+    spans_of,
 )
 from kvmesh.runtime.tracing import TraceContext
 from tests.unit.test_telemetry import recording_tracer
@@ -31,8 +35,8 @@ from tests.unit.test_telemetry import recording_tracer
 pytestmark = pytest.mark.unit
 
 
-def _compiled() -> Encoder:
-    """The compiled encoder; a test of it is skipped only on a machine with no C compiler (where
+def _module() -> Any:
+    """kvmesh.runtime._otlpc; a test of it is skipped only on a machine with no C compiler (where
     `pip install` cannot build it), and fails where one is and the module is missing."""
     try:
         from kvmesh.runtime import _otlpc
@@ -41,7 +45,12 @@ def _compiled() -> Encoder:
         if shutil.which(cc) is None:
             pytest.skip(f"no C compiler ({cc}): kvmesh encodes spans in Python here")
         raise AssertionError("kvmesh.runtime._otlpc is not built: pip install -e .") from None
-    return _otlpc.encode_request
+    return _otlpc
+
+
+def _compiled() -> Encoder:
+    """The compiled encoder (see `_module`)."""
+    return _module().encode_request  # type: ignore[no-any-return]
 
 
 @pytest.fixture(params=["python", "c"])
@@ -235,9 +244,74 @@ def test_a_stale_or_refused_compiled_encoder_is_not_used(
     _compiled()  # (skips where it cannot be built)
     from kvmesh.runtime import _otlpc
 
-    assert otlp._compiled_encoder() is _otlpc.encode_request
+    assert otlp._compiled() is _otlpc
     monkeypatch.setenv("KVMESH_OTLP_ENCODER", "python")
-    assert otlp._compiled_encoder() is None
+    assert otlp._compiled() is None
     monkeypatch.delenv("KVMESH_OTLP_ENCODER")
     monkeypatch.setattr(_otlpc, "SOURCE", "0" * 64)  # built from another version of the source
-    assert otlp._compiled_encoder() is None
+    assert otlp._compiled() is None
+
+
+def test_record_builds_the_same_spans_in_c_as_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Tracer.record` builds its spans in C where kvmesh.runtime._otlpc is used: the spans its
+    Python loop builds (names, times, parent, remoteness, kind, the attribute dicts themselves,
+    errors and their messages, flags, trace state), but for the new span ids."""
+    module = _module()
+    assert telemetry._record_spans is module.record_spans
+    parent = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", 1, "k=v")
+
+    def record(built_in: Any, remote: bool) -> list[FinishedSpan]:
+        monkeypatch.setattr(telemetry, "_record_spans", built_in)
+        t, processor = recording_tracer()
+        steps = [
+            telemetry.Step("queue", 10, 20, {"kvmesh.request_id": "r"}),
+            telemetry.Step("prefill", 20, 35, {"n": 3}, ("Unavailable", "")),  # message: the type
+            ("decode", 35, 90, {"x": 1.5}, ("Cancelled", "client went away")),  # plain tuples too
+        ]
+        t.record(parent, steps, remote=remote)
+        (group,) = processor.items
+        spans = list(spans_of(group))
+        for step, span in zip(steps, spans, strict=True):
+            assert span.attributes is step[3]  # kept, not copied
+        return spans
+
+    for remote in (True, False):
+        python, c = record(None, remote), record(module.record_spans, remote)
+        assert [type(s) for s in c] == [FinishedSpan] * 3
+        assert [type(s.context) for s in c] == [TraceContext] * 3
+        ids = [s.context.span_id for s in python + c]
+        assert all(re.fullmatch("[0-9a-f]{16}", i) and i != "0" * 16 for i in ids)
+        assert len(set(ids)) == 6
+        same = [s._replace(context=s.context._replace(span_id="")) for s in python]
+        assert [s._replace(context=s.context._replace(span_id="")) for s in c] == same
+        assert [s.error_message for s in c] == [None, "Unavailable", "client went away"]
+        assert c[1].attributes["error.type"] == "Unavailable" and c[0].remote_parent is remote
+
+
+def test_record_spans_refuses_what_is_not_a_step() -> None:
+    module = _module()
+    parent = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", 1, "")
+    for steps in ([("queue", 1, 2, {})], [None], 5, [("queue", 1, 2, [], ("E", ""))]):
+        with pytest.raises(TypeError):
+            module.record_spans(TraceContext, FinishedSpan, parent, steps, 1, False)
+    with pytest.raises(TypeError):
+        module.record_spans(TraceContext, FinishedSpan, ("a", "b"), [], 1, False)
+    with pytest.raises(ValueError):
+        module.seed(b"short")
+
+
+def test_a_forked_child_draws_other_span_ids() -> None:
+    """The compiled span id generator is seeded again in a forked child (else parent and child
+    would give their next spans the same ids)."""
+    module = _module()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.write(write, module.span_id().encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert re.fullmatch("[0-9a-f]{16}", child)
+    assert child != module.span_id()

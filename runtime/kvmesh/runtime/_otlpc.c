@@ -1,4 +1,5 @@
-/* kvmesh.runtime._otlpc: the OTLP span encoder of kvmesh.runtime.otlp, compiled.
+/* kvmesh.runtime._otlpc: the OTLP span encoder of kvmesh.runtime.otlp, compiled, and the span
+ * building of Tracer.record.
  *
  * `encode_request(resource, scope, records)` returns the same bytes as the pure-Python
  * `kvmesh.runtime.otlp.encode_request_python` (tests/unit/test_otlp.py checks the two byte for
@@ -12,6 +13,10 @@
  * parent, remote_parent, kind, start_ns, end_ns, attributes, error_message), else by attribute
  * name (kvmesh.runtime.otlp.EndedSpan). A context is a TraceContext (trace_id, span_id, flags,
  * tracestate), read by position when it is a tuple, else by name.
+ *
+ * On the request path, `record_spans` builds the spans of kvmesh.runtime.telemetry.Tracer.record
+ * (the same tuples as its Python loop, which tests/unit/test_otlp.py compares; span ids from a
+ * generator of its own, `span_id`, seeded by kvmesh.runtime.otlp through `seed`).
  *
  * Built by hatch_build.py when kvmesh is installed (a C compiler and Python's headers are
  * needed; without them kvmesh uses the Python encoder). Plain CPython C API, no other library.
@@ -429,10 +434,175 @@ done:
     return result;
 }
 
+
+/* --- the request path: the spans of Tracer.record, built here ------------------------------- */
+
+/* Span ids: xoshiro256** (https://prng.di.unimi.it/), seeded from os.urandom by
+ * kvmesh.runtime.otlp at import and again in a forked child (`seed`). Ids must be unique and
+ * random, not secret: the OpenTelemetry SDK uses Python's Mersenne Twister for them. */
+static uint64_t rng[4] = {0x9e3779b97f4a7c15ull, 0xbf58476d1ce4e5b9ull, 0x94d049bb133111ebull,
+                          0x2545f4914f6cdd1dull};
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t next_u64(void) {
+    uint64_t result = rotl(rng[1] * 5, 7) * 9, t = rng[1] << 17;
+    rng[2] ^= rng[0];
+    rng[3] ^= rng[1];
+    rng[1] ^= rng[2];
+    rng[0] ^= rng[3];
+    rng[2] ^= t;
+    rng[3] = rotl(rng[3], 45);
+    return result;
+}
+
+static PyObject *seed(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (view.len != (Py_ssize_t)sizeof(rng)) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "seed takes %zu bytes", sizeof(rng));
+        return NULL;
+    }
+    memcpy(rng, view.buf, sizeof(rng));
+    PyBuffer_Release(&view);
+    if (!(rng[0] | rng[1] | rng[2] | rng[3])) rng[0] = 1; /* the one state it must not have */
+    Py_RETURN_NONE;
+}
+
+static PyObject *new_span_id_str(void) {
+    uint64_t v = next_u64();
+    if (v == 0) v = 1; /* all zero is invalid */
+    PyObject *s = PyUnicode_New(16, 127);
+    if (s == NULL) return NULL;
+    Py_UCS1 *out = PyUnicode_1BYTE_DATA(s);
+    static const char digits[] = "0123456789abcdef";
+    for (int i = 15; i >= 0; i--, v >>= 4) out[i] = (Py_UCS1)digits[v & 15];
+    return s;
+}
+
+static PyObject *span_id(PyObject *module, PyObject *unused) { return new_span_id_str(); }
+
+/* A `type` (a subclass of tuple with no instance dict: a NamedTuple) holding the `n` items,
+ * references stolen; NULL (and the references released) on failure. */
+static PyObject *new_tuple_of(PyTypeObject *type, PyObject **items, Py_ssize_t n) {
+    PyObject *t = type->tp_alloc(type, n);
+    if (t == NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(items[i]);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, items[i]);
+    return t;
+}
+
+/* record_spans(context_type, span_type, parent, steps, flags, remote) -> list: the spans of
+ * kvmesh.runtime.telemetry.Tracer.record, as its Python loop builds them (which is used where
+ * this module is not built): per step (name, start_ns, end_ns, attributes, error), a
+ * span_type (FinishedSpan) of (name, context, parent, remote, 0, start_ns, end_ns, attributes,
+ * message), its context a context_type (TraceContext) of (parent's trace id, a new span id,
+ * flags, parent's tracestate); a failed step's error (type, message) sets the attribute
+ * error.type and the message (the type when empty). */
+static PyObject *record_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "record_spans takes 6 arguments");
+        return NULL;
+    }
+    PyTypeObject *ctx_type = (PyTypeObject *)args[0], *span_type = (PyTypeObject *)args[1];
+    PyObject *parent = args[2], *steps = args[3], *flags = args[4], *remote = args[5];
+    if (!PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+        !PyType_IsSubtype(ctx_type, &PyTuple_Type) ||
+        !PyType_IsSubtype(span_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "record_spans: the context and span types are tuples");
+        return NULL;
+    }
+    if (!PyTuple_Check(parent) || PyTuple_GET_SIZE(parent) != 4) {
+        PyErr_SetString(PyExc_TypeError, "record_spans: the parent is a TraceContext");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(steps, "record_spans: steps is a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **step_items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *trace_id = PyTuple_GET_ITEM(parent, 0), *tracestate = PyTuple_GET_ITEM(parent, 3);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *step = step_items[i];
+        if (!PyTuple_Check(step) || PyTuple_GET_SIZE(step) != 5) {
+            PyErr_SetString(PyExc_TypeError,
+                            "record_spans: a step is (name, start_ns, end_ns, attributes, error)");
+            goto fail;
+        }
+        PyObject *attributes = PyTuple_GET_ITEM(step, 3), *error = PyTuple_GET_ITEM(step, 4);
+        PyObject *message = Py_None;
+        Py_INCREF(message);
+        if (error != Py_None) {
+            if (!PyTuple_Check(error) || PyTuple_GET_SIZE(error) != 2 || !PyDict_Check(attributes)) {
+                Py_DECREF(message);
+                PyErr_SetString(PyExc_TypeError,
+                                "record_spans: a step's error is (type, message), its attributes "
+                                "a dict");
+                goto fail;
+            }
+            PyObject *kind = PyTuple_GET_ITEM(error, 0), *text = PyTuple_GET_ITEM(error, 1);
+            if (PyDict_SetItemString(attributes, "error.type", kind) < 0) {
+                Py_DECREF(message);
+                goto fail;
+            }
+            int truthy = PyObject_IsTrue(text);
+            if (truthy < 0) {
+                Py_DECREF(message);
+                goto fail;
+            }
+            Py_SETREF(message, Py_NewRef(truthy ? text : kind));
+        }
+        PyObject *ctx_items[4] = {Py_NewRef(trace_id), new_span_id_str(), Py_NewRef(flags),
+                                  Py_NewRef(tracestate)};
+        if (ctx_items[1] == NULL) {
+            Py_DECREF(ctx_items[0]);
+            Py_DECREF(ctx_items[2]);
+            Py_DECREF(ctx_items[3]);
+            Py_DECREF(message);
+            goto fail;
+        }
+        PyObject *context = new_tuple_of(ctx_type, ctx_items, 4);
+        if (context == NULL) {
+            Py_DECREF(message);
+            goto fail;
+        }
+        PyObject *span_items[9] = {
+            Py_NewRef(PyTuple_GET_ITEM(step, 0)), context, Py_NewRef(parent), Py_NewRef(remote),
+            PyLong_FromLong(0), Py_NewRef(PyTuple_GET_ITEM(step, 1)),
+            Py_NewRef(PyTuple_GET_ITEM(step, 2)), Py_NewRef(attributes), message,
+        };
+        if (span_items[4] == NULL) {
+            for (int k = 0; k < 9; k++) Py_XDECREF(span_items[k]);
+            goto fail;
+        }
+        PyObject *span = new_tuple_of(span_type, span_items, 9);
+        if (span == NULL) goto fail;
+        PyList_SET_ITEM(out, i, span);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"encode_request", (PyCFunction)(void (*)(void))encode_request, METH_FASTCALL,
      "encode_request(resource, scope, records) -> bytes: an ExportTraceServiceRequest, the same "
      "bytes as kvmesh.runtime.otlp's Python encoder."},
+    {"record_spans", (PyCFunction)(void (*)(void))record_spans, METH_FASTCALL,
+     "record_spans(context_type, span_type, parent, steps, flags, remote) -> list: the spans "
+     "kvmesh.runtime.telemetry.Tracer.record queues."},
+    {"span_id", span_id, METH_NOARGS, "span_id() -> str: a new span id (16 hex digits)."},
+    {"seed", seed, METH_O, "seed(bytes of 32): seeds the span id generator."},
     {NULL, NULL, 0, NULL},
 };
 

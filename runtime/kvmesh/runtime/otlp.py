@@ -20,7 +20,9 @@ The same encoder is compiled (`kvmesh.runtime._otlpc`, from `_otlpc.c`, built by
 when kvmesh is installed): `encode_request` is that one when it is built from this tree's
 source, the Python one (`encode_request_python`) otherwise, or when `KVMESH_OTLP_ENCODER=python`.
 Same bytes (tests/unit/test_otlp.py compares them); the compiled one takes well under a tenth
-of the Python one's CPU, which was most of what tracing cost a serving process.
+of the Python one's CPU, which was most of what tracing cost a serving process. The same module
+builds the spans of `Tracer.record` on the request path (`record_spans`: the spans its Python
+loop builds, a quarter of the CPU), under the same conditions.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvmesh.runtime.tracing import TraceContext
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "COMPILED",
     "ENCODER",
     "Encoder",
     "EndedSpan",
@@ -397,9 +400,9 @@ Encoder = Callable[[bytes, bytes, Sequence[EndedSpan | SpanGroup]], bytes]
 """`encode_request`'s signature: (resource, scope, records) -> the request's bytes."""
 
 
-def _compiled_encoder() -> Encoder | None:
-    """The compiled encoder, if it is built, from this tree's `_otlpc.c`, and not refused by
-    KVMESH_OTLP_ENCODER=python."""
+def _compiled() -> Any:
+    """`kvmesh.runtime._otlpc`, if it is built, from this tree's `_otlpc.c`, and not refused by
+    KVMESH_OTLP_ENCODER=python; else None."""
     choice = os.environ.get("KVMESH_OTLP_ENCODER", "").strip().lower()
     if choice == "python":
         return None
@@ -418,15 +421,25 @@ def _compiled_encoder() -> Encoder | None:
             source,
         )
         return None
-    return _otlpc.encode_request
+    return _otlpc
 
 
-_COMPILED = _compiled_encoder()
-encode_request: Encoder = _COMPILED or encode_request_python
+def _seed() -> None:
+    COMPILED.seed(os.urandom(32))
+
+
+COMPILED: Any = _compiled()
+"""`kvmesh.runtime._otlpc` when it is used (see the module docstring), else None: its
+`encode_request`, and the span building of `Tracer.record` (`record_spans`, with span ids from
+its own generator, seeded from os.urandom here and in a forked child)."""
+encode_request: Encoder = COMPILED.encode_request if COMPILED is not None else encode_request_python
 """An ExportTraceServiceRequest of `records` (one resource, one scope): the compiled encoder
 when there is one (see the module docstring), else `encode_request_python`."""
-ENCODER = "c" if _COMPILED is not None else "python"
-"""Which encoder `encode_request` is."""
+ENCODER = "c" if COMPILED is not None else "python"
+"""Which encoder `encode_request` is (and whether `Tracer.record` builds its spans in C)."""
+if COMPILED is not None:
+    _seed()
+    os.register_at_fork(after_in_child=_seed)  # a forked child must not draw the same span ids
 
 
 # --- exporters ---------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvmesh.runtime import __version__
 from kvmesh.runtime.config import ConfigError, opt
 from kvmesh.runtime.otlp import (
+    COMPILED,
     ENCODER,
     EndedSpan,
     FinishedSpan,
@@ -249,6 +250,9 @@ class _RecordingSpan(Span):
         self._tracer._ended(self)
 
 
+_record_spans = COMPILED.record_spans if COMPILED is not None else None
+"""`Tracer.record`'s spans built in C, where kvmesh.runtime._otlpc is used (else its loop)."""
+
 _tuple_new = tuple.__new__
 """Makes a FinishedSpan (or a TraceContext) from a tuple of its fields without the NamedTuple's
 Python-level __new__ (on every recorded span)."""
@@ -376,20 +380,25 @@ class Tracer:
             flags = (flags | 1) if sampled else (flags & ~1)  # sampled here, not by the parent
         if not flags & 1:
             return
-        spans: list[EndedSpan] = []
-        for name, start_ns, end_ns, attributes, error in steps:
-            message = None
-            if error is not None:
-                attributes["error.type"] = error[0]
-                message = error[1] or error[0]
-            # a child context (parent.child(), with the flags above)
-            context = _tuple_new(TraceContext, (trace_id, new_span_id(), flags, tracestate))
-            spans.append(
-                _tuple_new(
-                    FinishedSpan,
-                    (name, context, parent, remote, 0, start_ns, end_ns, attributes, message),
-                )
+        if _record_spans is not None:  # the same spans, built in C (kvmesh.runtime._otlpc)
+            spans: list[EndedSpan] = _record_spans(
+                TraceContext, FinishedSpan, parent, steps, flags, remote
             )
+        else:
+            spans = []
+            for name, start_ns, end_ns, attributes, error in steps:
+                message = None
+                if error is not None:
+                    attributes["error.type"] = error[0]
+                    message = error[1] or error[0]
+                # a child context (parent.child(), with the flags above)
+                context = _tuple_new(TraceContext, (trace_id, new_span_id(), flags, tracestate))
+                spans.append(
+                    _tuple_new(
+                        FinishedSpan,
+                        (name, context, parent, remote, 0, start_ns, end_ns, attributes, message),
+                    )
+                )
         server = None if remote else self._servers.get(parent_id)
         if server is None:
             self._queue(spans)
