@@ -9,8 +9,8 @@
 #   on-grpc, on-http: as `on`, over OTLP/gRPC and OTLP http/protobuf (both in one run: their
 #          rounds interleave with `off`'s, so the two protocols meet the same machine)
 #   base-on: the code of BASE tracing as `on` does (has the cost of tracing itself moved?)
-#   on-grpc-py, on-http-py: as on-grpc / on-http with spans encoded in Python
-#          (KVMESH_OTLP_ENCODER=python) rather than by the compiled encoder
+#   on-grpc-py, on-http-py: as on-grpc / on-http with spans recorded and encoded in Python
+#          (KVMESH_OTLP_ENCODER=python) rather than by kvmesh.runtime._otlpc
 #   bash tests/benchmarks/bench_tracing.sh            # N=4000 C=200 ROUNDS=3
 #   PROTOCOL=http/protobuf bash ...                   # the OTLP protocol of `on` (default grpc)
 #   MODES="off on-grpc on-http" ROUNDS=12 bash ...   # both protocols against off

@@ -5,7 +5,7 @@
 # 2 instant mocker workers, streamed chat, 8 tokens), run under callgrind (~50x slower: start-up
 # ~1-2 min a mode); counters zeroed after a warm-up, N requests at 8 concurrent, then dumped.
 # Modes: off, on-grpc, on-http (100 % sampling, OTLP to a sink outside callgrind); on-grpc-py,
-# on-http-py: the same with spans encoded in Python (KVMESH_OTLP_ENCODER=python), not compiled.
+# on-http-py: the same with spans recorded and encoded in Python (KVMESH_OTLP_ENCODER=python).
 # The batch processor exports full batches only (OTEL_BSP_SCHEDULE_DELAY 10 min), as at a busy
 # gateway: at callgrind's ~30 requests/s its 5 s schedule would export small batches instead.
 #   bash tests/benchmarks/bench_tracing_cpu.sh            # N=1100 MODES="off on-grpc on-http"

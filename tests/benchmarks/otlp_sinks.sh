@@ -12,8 +12,8 @@ trap 'kill $SINK $HTTP_SINK 2>/dev/null || true; wait $SINK $HTTP_SINK 2>/dev/nu
 
 # sink_env ARRAY MODE: appends to the array named ARRAY the environment of the tracing modes the
 # benchmarks share: on-grpc / on-http (100 % sampling, to the sink of that protocol) and
-# on-grpc-py / on-http-py (the same, spans encoded in Python: KVMESH_OTLP_ENCODER=python, not
-# by the compiled encoder). Fails for any other mode.
+# on-grpc-py / on-http-py (the same, spans recorded and encoded in Python:
+# KVMESH_OTLP_ENCODER=python, not by kvmesh.runtime._otlpc). Fails for any other mode.
 sink_env() {
   local -n _env=$1
   case $2 in
