@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tracing overhead at the gateway: streaming chat throughput and server CPU per request of
 # `kvmesh up` (2 instant mocker workers, 200 clients, 8 tokens), in three modes, rounds
-# interleaved so the machine's noise hits each mode alike:
+# interleaved so the machine's noise hits each mode alike (round r starts at the r-th mode of
+# MODES and goes round: no mode always runs first, or right after the same one):
 #   base : the code of BASE (default main: `git archive`, no tracing code at all)
 #   off  : this tree, tracing off (no OTEL endpoint)
 #   on   : this tree, every process tracing at 100 % sampling (parentbased_always_on), OTLP/gRPC
@@ -71,8 +72,9 @@ print(f'$mode round $2: {c[\"req_per_s\"]:7.1f} req/s  p50 {c[\"lat_ms_p50\"]:6.
 }
 
 uptime
+read -ra modes <<<"$MODES"
 for r in $(seq 1 "$ROUNDS"); do
-  for mode in $MODES; do run_mode "$mode" "$r"; done
+  for i in "${!modes[@]}"; do run_mode "${modes[(r - 1 + i) % ${#modes[@]}]}" "$r"; done
 done
 uptime
 "$PY" - "$WORK/rounds.txt" <<'PYEOF'
