@@ -22,7 +22,7 @@ source, the Python one (`encode_request_python`) otherwise, or when `KVMESH_OTLP
 Same bytes (tests/unit/test_otlp.py compares them); the compiled one takes well under a tenth
 of the Python one's CPU, which was most of what tracing cost a serving process. The same module
 builds the spans of `Tracer.record` on the request path (`record_spans`: the spans its Python
-loop builds, a quarter of the CPU), under the same conditions.
+loop builds; a one-step record 16.6 k -> 11.9 k instructions), under the same conditions.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ Real OpenTelemetry spans slot in later: a span exporter only needs the ids kept 
 
 Ids come from the `random` module's global generator (re-seeded by Python after `fork`), not
 from `os.urandom`: trace ids must be unique, not secret, and this is on every request's path.
+(The spans `Tracer.record` builds in C take theirs from kvmesh.runtime._otlpc's generator,
+seeded from `os.urandom` at import and after `fork`: kvmesh.runtime.otlp.)
 """
 
 from __future__ import annotations
