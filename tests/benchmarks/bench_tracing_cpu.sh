@@ -3,9 +3,10 @@
 # callgrind: load-independent, where bench_tracing.sh's throughput on a shared 2-core machine
 # spreads by +-15 % a round. Not exact either: the same tree's `off` has measured 2.44-2.48 M
 # (frontend) and 1.80-1.88 M (workers) instructions a request from run to run (which worker a
-# request meets, when collections run), so a ratio from one run is good to ~+-2 %; repeat it. Same mesh as bench_tracing.sh (`kvmesh up`,
-# 2 instant mocker workers, streamed chat, 8 tokens), run under callgrind (~50x slower: start-up
-# ~1-2 min a mode); counters zeroed after a warm-up, N requests at 8 concurrent, then dumped.
+# request meets, when collections run), so a ratio from one run is good to ~+-2 %; repeat it.
+# Same mesh as bench_tracing.sh (`kvmesh up`, 2 instant mocker workers, streamed chat, 8
+# tokens), run under callgrind (~50x slower: start-up ~1-2 min a mode); counters zeroed after a
+# warm-up, N requests at 8 concurrent, then dumped.
 # Modes: off, on-grpc, on-http (100 % sampling, OTLP to a sink outside callgrind); on-grpc-py,
 # on-http-py: the same with spans recorded and encoded in Python (KVMESH_OTLP_ENCODER=python).
 # The batch processor exports full batches only (OTEL_BSP_SCHEDULE_DELAY 10 min), as at a busy
