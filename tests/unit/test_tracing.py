@@ -23,6 +23,9 @@ VALID = f"00-{TRACE}-{SPAN}-01"
         (f"cc-{TRACE}-{SPAN}-01", (TRACE, SPAN, 1)),
         (f"00-{TRACE}-{SPAN}-01-extra", None),  # version 00 must be exactly 55 chars
         (f"01-{TRACE}-{SPAN}-01x", None),  # future version: extra must follow a dash
+        (f"01-{TRACE}-{SPAN}-01-", (TRACE, SPAN, 1)),  # an empty extra field
+        (f"01-{TRACE}-{SPAN}-01-a\nb", (TRACE, SPAN, 1)),  # extra fields are not read
+        (f"00-{TRACE}-{SPAN}-01\n", None),  # only spaces and tabs are trimmed
         (f"ff-{TRACE}-{SPAN}-01", None),  # forbidden version
         (f"00-{TRACE.upper()}-{SPAN}-01", None),  # uppercase hex is invalid
         (f"00-{'0' * 32}-{SPAN}-01", None),  # all-zero trace id

@@ -30,7 +30,6 @@ TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 """Header / gRPC metadata key of the vendor trace state."""
 
-_HEX = frozenset("0123456789abcdef")
 _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
 _MAX_TRACESTATE_MEMBERS = 32
@@ -40,11 +39,12 @@ _MAX_TRACESTATE_LEN = 512
 _TS_KEY = re.compile(
     r"^(?:[a-z][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})$"
 )
+_TRACEPARENT = re.compile(
+    r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.DOTALL
+)
+"""version-trace_id-parent_id-flags, lowercase hex; a version after 00 may append fields after a
+'-' (section 3.2 of the specification; the checks the pattern cannot make are in the parser)."""
 _TS_VALUE = re.compile(r"^[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]$")
-
-
-def _is_hex(value: str, length: int) -> bool:
-    return len(value) == length and _HEX.issuperset(value)
 
 
 _tuple_new = tuple.__new__
@@ -130,26 +130,15 @@ class TraceContext(NamedTuple):
         Version 00 must be exactly 55 characters. Higher versions (not ff) may append fields
         after the flags, separated by '-', which are ignored (forward compatibility).
         """
-        value = value.strip(" \t")
-        if len(value) < 55:
+        match = _TRACEPARENT.fullmatch(value.strip(" \t"))
+        if match is None:
             return None
-        version, trace_id, span_id, flags = value[0:2], value[3:35], value[36:52], value[53:55]
-        if value[2] != "-" or value[35] != "-" or value[52] != "-":
+        version, trace_id, span_id, flags, rest = match.groups()
+        if version == "ff" or (version == "00" and rest is not None):
             return None
-        if not _is_hex(version, 2) or version == "ff":
+        if trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
             return None
-        if version == "00":
-            if len(value) != 55:
-                return None
-        elif len(value) > 55 and value[55] != "-":
-            return None
-        if not _is_hex(trace_id, 32) or trace_id == _ZERO_TRACE:
-            return None
-        if not _is_hex(span_id, 16) or span_id == _ZERO_SPAN:
-            return None
-        if not _is_hex(flags, 2):
-            return None
-        return cls(trace_id, span_id, int(flags, 16))
+        return _tuple_new(cls, (trace_id, span_id, int(flags, 16), ""))
 
     @classmethod
     def from_headers(cls, traceparent: str | None, tracestate: str | None) -> TraceContext | None:
