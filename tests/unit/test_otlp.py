@@ -241,9 +241,7 @@ def test_the_compiled_encoder_is_built_and_used() -> None:
 def test_a_stale_or_refused_compiled_encoder_is_not_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _compiled()  # (skips where it cannot be built)
-    from kvmesh.runtime import _otlpc
-
+    _otlpc = _module()  # (skips where it cannot be built)
     assert otlp._compiled() is _otlpc
     monkeypatch.setenv("KVMESH_OTLP_ENCODER", "python")
     assert otlp._compiled() is None
@@ -258,7 +256,7 @@ def test_record_builds_the_same_spans_in_c_as_in_python(monkeypatch: pytest.Monk
     errors and their messages, flags, trace state), but for the new span ids."""
     module = _module()
     assert telemetry._record_spans is module.record_spans
-    parent = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", 1, "k=v")
+    parent = TraceContext(TRACE, "00f067aa0ba902b7", 1, "k=v")
 
     def record(built_in: Any, remote: bool) -> list[FinishedSpan]:
         monkeypatch.setattr(telemetry, "_record_spans", built_in)
@@ -290,7 +288,7 @@ def test_record_builds_the_same_spans_in_c_as_in_python(monkeypatch: pytest.Monk
 
 def test_record_spans_refuses_what_is_not_a_step() -> None:
     module = _module()
-    parent = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", 1, "")
+    parent = TraceContext(TRACE, "00f067aa0ba902b7", 1, "")
     for steps in ([("queue", 1, 2, {})], [None], 5, [("queue", 1, 2, [], ("E", ""))]):
         with pytest.raises(TypeError):
             module.record_spans(TraceContext, FinishedSpan, parent, steps, 1, False)

@@ -434,7 +434,6 @@ done:
     return result;
 }
 
-
 /* --- the request path: the spans of Tracer.record, built here ------------------------------- */
 
 /* Span ids: xoshiro256** (https://prng.di.unimi.it/), seeded from os.urandom by
