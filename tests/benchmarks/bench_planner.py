@@ -27,6 +27,11 @@ Prints a Markdown table (SLO attainment, worker-hours, ratio to the reference) a
 PNG per trace (load, replicas, latency over the day). About 10-30 minutes on 2 cores.
 
     python tests/benchmarks/bench_planner.py --out /tmp/planner-bench [--traces conv,mooncake]
+        [--seeds 0,1,2] [--sla-flags '--scale-down-delay-s 12']
+
+`--seeds`: one day per seed of the arrival process (the same requests in the same order, other
+arrival times), so a setting is judged on several realisations of each day, not one; the
+summary under the table gives each day's verdict against the issue's criteria.
 """
 
 from __future__ import annotations
@@ -163,18 +168,24 @@ def one_worker(case: Case, day_path: Path) -> tuple[float, float]:
     return cap, max(1.0, round(cap * (lat.ttft_ms + (osl - 1) * lat.itl_ms) / 1e3, 1))
 
 
-def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
+def run_case(
+    key: str, case: Case, out: Path, jobs: int, seed: int = 0, sla_flags: tuple[str, ...] = ()
+) -> dict[str, Any]:
     day = reshape_day(
         source_trace(case),
         duration_s=case.duration_s,
         low_rps=case.low_rps,
         peak_rps=case.peak_rps,
-        seed=0,
+        seed=seed,
         shape=case.shape,
     )
+    key = f"{key}@{seed}" if seed else key
     path = out / f"{key}_day.jsonl"
     write_trace(day, str(path))
-    print(f"{case.name}: {len(day.requests)} requests over {case.duration_s:g} s", file=sys.stderr)
+    print(
+        f"{case.name}, seed {seed}: {len(day.requests)} requests over {case.duration_s:g} s",
+        file=sys.stderr,
+    )
     # Every replay of the day is independent: they run `jobs` at a time. The static search
     # starts with first_guess - 1 .. + 1 and extends upward (or downward) until it brackets
     # the smallest pool meeting the SLO for >= 95 %; the planned runs go alongside it, their
@@ -184,8 +195,9 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     guess = case.first_guess or max(1, math.ceil(case.peak_rps / cap))
     planned = ["--min-workers", "1", "--max-workers", str(2 * guess),
                "--worker-startup-s", str(case.startup_s)]  # fmt: skip
-    sla_f = pool.submit(replay, case, path, "--planner", "sla", *planned)
-    plain_f = pool.submit(replay, case, path, "--planner", "sla", *planned, "--surge-check-s", "0")
+    sla = ("--planner", "sla", *planned, *sla_flags)
+    sla_f = pool.submit(replay, case, path, *sla)
+    plain_f = pool.submit(replay, case, path, *sla, "--surge-check-s", "0")
     targets = [target] if case.held_out else [target, round(target / 2, 1), round(target * 2, 1)]
     queue_f = {
         t: pool.submit(replay, case, path, "--planner", "queue", *planned, "--queue-target", str(t))
@@ -217,6 +229,7 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
         print(f"  no plot: {exc.message}", file=sys.stderr)
     return {
         "case": case,
+        "seed": seed,
         "requests": len(day.requests),
         "static": static,
         "ref_n": ref_n,
@@ -227,6 +240,23 @@ def run_case(key: str, case: Case, out: Path, jobs: int) -> dict[str, Any]:
     }
 
 
+def verdict(res: dict[str, Any]) -> str:
+    """The issue's criteria on one day: the planner meets the SLO for at least as many requests
+    as the static reference, with at most 0.7x its worker-hours, and for more requests than
+    the queue baseline at its load-test target."""
+    ref = res["static"][res["ref_n"]]
+    sla = res["sla"]
+    queue = res["queues"][res["queue_target"]]
+    misses = []
+    if sla["slo_attainment"] < ref["slo_attainment"]:
+        misses.append("SLO met below the reference's")
+    if sla["worker_hours"] > 0.7 * ref["worker_hours"]:
+        misses.append(f"{sla['worker_hours'] / ref['worker_hours']:.2f}x worker-hours")
+    if sla["slo_attainment"] <= queue["slo_attainment"]:
+        misses.append("SLO met not above the queue baseline's")
+    return "meets the criteria" if not misses else "misses: " + ", ".join(misses)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| trace | policy | SLO met | worker-hours | vs static ref |",
@@ -235,8 +265,9 @@ def table(results: list[dict[str, Any]]) -> str:
     for res in results:
         case: Case = res["case"]
         ref = res["static"][res["ref_n"]]
+        seed = f" (seed {res['seed']})" if res["seed"] else ""
         name = (
-            f"{'(held out) ' if case.held_out else ''}{case.name}: {res['requests']} req, "
+            f"{'(held out) ' if case.held_out else ''}{case.name}{seed}: {res['requests']} req, "
             f"{case.low_rps:g}->{case.peak_rps:g}->{case.low_rps:g} req/s over "
             f"{case.duration_s:g} s; TTFT <= {case.ttft_slo_ms:g} ms, ITL <= "
             f"{case.itl_slo_ms:g} ms, start-up {case.startup_s:g} s"
@@ -252,6 +283,10 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"| {name if i == 0 else ''} | {policy} | {100 * r['slo_attainment']:.2f} % | "
                 f"{r['worker_hours']:.3f} | {r['worker_hours'] / ref['worker_hours']:.2f}x |"
             )
+    lines.append("")
+    for res in results:
+        seed = f" (seed {res['seed']})" if res["seed"] else ""
+        lines.append(f"- {res['case'].name}{seed}: SLA planner {verdict(res)}")
     return "\n".join(lines)
 
 
@@ -264,6 +299,18 @@ def main() -> None:
         help=f"of {', '.join(CASES)}; held-out: {', '.join(HELD_OUT)}",
     )
     parser.add_argument("--jobs", type=int, default=4, help="replays run at once")
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="seeds of the day's arrival process, comma-separated: each case is replayed on "
+        "one day per seed (the same requests in the same order, other arrival times)",
+    )
+    parser.add_argument(
+        "--sla-flags",
+        default="",
+        help="extra flags for the SLA planner's replays (an A/B of its settings), e.g. "
+        "'--scale-down-delay-s 12'",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -272,7 +319,9 @@ def main() -> None:
     unknown = [k for k in keys if k not in CASES]
     if unknown:
         parser.error(f"unknown case {', '.join(unknown)}: of {', '.join(CASES)}, held-out")
-    results = [run_case(k, CASES[k], out, args.jobs) for k in keys]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    flags = tuple(args.sla_flags.split())
+    results = [run_case(k, CASES[k], out, args.jobs, s, flags) for k in keys for s in seeds]
     text = table(results)
     (out / "results.md").write_text(text + "\n")
     (out / "results.json").write_text(
