@@ -105,16 +105,21 @@ GRID: list[tuple[str, dict[str, Any]]] = [
     ("kv-cost", {}),
     ("kv-cost", {"router_overlap_weight": 2.0}),
     ("kv", {}),
-    ("kv", {"router_itl_weight": 5.0, "router_itl_penalty_cap_ms": 300.0}),
+    ("kv", {"router_itl_weight": 0.0}),
+    ("kv", {"router_itl_penalty_ratio": 1.0}),
+    ("kv", {"router_itl_penalty_ratio": 1.5}),
+    ("kv", {"router_itl_weight": 3.0}),
     ("kv", {"router_decode_delay_weight": 0.0}),
     ("kv", {"router_decode_delay_weight": 2.0}),
 ]
 """The points cross-validation chooses from: (policy, ReplayConfig overrides; {} = defaults).
 cost: the overlap weight (blocks to prefill against blocks decoding); ttft: the ITL penalty
-(weight x expected output tokens x ms of ITL above the best worker's, capped) and the weight of
-the delay a request's prefill adds to the requests running on its worker (0: its own TTFT
-only; the default 1; 2). A CV run costs a matrix pass at 4 workers per point beyond the
-matrix's own (`--cv-points` runs some of them; the others' rows, if present, still count)."""
+(weight x expected output tokens x ms of predicted ITL above a ratio of the best worker's,
+capped; weight 0: TTFT and the delay term alone, the default until the penalty's ratio came;
+ratio 1, 1.5 and the default 2; weight 3) and the weight of the delay a request's prefill adds
+to the requests running on its worker (0: its own TTFT only; the default 1; 2). A CV run costs
+a matrix pass at 4 workers per point beyond the matrix's own (`--cv-points` runs some of them;
+the others' rows, if present, still count)."""
 DEFAULT_POLICY = "kv-cost" if KvPolicyFlags().router_policy is KvPolicyKind.COST else "kv"
 """The matrix policy that runs with the router's default policy."""
 

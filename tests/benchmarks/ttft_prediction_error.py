@@ -39,7 +39,7 @@ from kvmesh.sim.trace import load_trace
 class RecordingPolicy(KvPolicy):
     """The replay's KV policy, keeping the predicted TTFT of every routed request: the score of
     the worker it chose without the decode-delay term (what its prefill costs the others, not
-    part of its own TTFT)."""
+    part of its own TTFT) and without the ITL penalty."""
 
     def __init__(self, config: ReplayConfig, worker_ids: list[str]) -> None:
         super().__init__(config.kv_router(), worker_ids, config.mocker)
@@ -56,13 +56,15 @@ class RecordingPolicy(KvPolicy):
     ) -> Route:
         cfg = self.sched.config
         ids = None if candidates is None else [self.worker_ids[c] for c in candidates]
-        weight, cfg.decode_delay_weight = cfg.decode_delay_weight, 0.0
+        delay, cfg.decode_delay_weight = cfg.decode_delay_weight, 0.0
+        itl, cfg.itl_weight = cfg.itl_weight, 0.0
         try:  # select books nothing: the same state, scored by TTFT alone
             own = self.sched.select(
                 prompt, now, candidates=ids, expected_output_tokens=expected_output_tokens
             ).costs
         finally:
-            cfg.decode_delay_weight = weight
+            cfg.decode_delay_weight = delay
+            cfg.itl_weight = itl
         r = super().route(
             request_id,
             prompt,
@@ -84,8 +86,8 @@ def errors(c: rm.Cell, out: Path) -> tuple[list[float], list[float]]:
         trace_block_size=c.trace_block_size,
         limit=c.requests,
     )
-    if config.router_policy is not KvPolicyKind.TTFT or config.router_itl_weight:
-        raise SystemExit("the default policy is not the ttft policy without ITL penalty")
+    if config.router_policy is not KvPolicyKind.TTFT:
+        raise SystemExit("the default policy is not the ttft policy")
     worker_ids = [f"w{i}" for i in range(c.workers)]
     policy = RecordingPolicy(config, worker_ids)
     cluster = Cluster(load_trace(trace_path, c.requests), config, worker_ids, policy)

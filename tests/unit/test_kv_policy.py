@@ -257,11 +257,22 @@ def test_completion_rate_is_measured_between_load_samples() -> None:
     assert w0.completion_rate == pytest.approx(5.0)
 
 
+def _pick_beside_a_busy_decoder(decoding: int, **cfg: float) -> str:
+    """w1 holds 1,280 of a 1,600-token prompt and decodes `decoding` tokens of one request (1 of
+    its 4 request slots); w0 is idle. Where the request of 500 output tokens goes."""
+    prompt = list(range(1600))
+    sched = make(**cfg)
+    cache(sched, "w1", prompt[:1280])
+    sel = sched.select(list(range(50_000, 50_000 + decoding)), 0.0, candidates=["w1"])
+    sched.book("long", sel, 0.0)
+    sched.first_token("long")
+    return sched.select(prompt, 0.0, expected_output_tokens=500).worker_id
+
+
 def test_the_itl_penalty_is_bounded() -> None:
-    """w1 holds the prompt but decodes a lot: with no penalty the cache wins; a penalty that
+    """With no penalty the cache wins; a penalty (against the best worker's ITL: ratio 1) that
     outweighs the prefill it saves sends the request to w0, scaled by the share of w1's request
     slots in use; a cap below that saving keeps it on w1."""
-    prompt = list(range(1600))
     decoding = 100_000  # tokens decoding on w1: u = 0.095 of 65,536 blocks x 16
     capacity = 65536 * BS
     saving = POLY.prefill_ms(1600) - POLY.prefill_ms(320) - POLY.decode_ms(decoding / capacity)
@@ -269,14 +280,9 @@ def test_the_itl_penalty_is_bounded() -> None:
     assert saving > 0 and itl_gap > 0
 
     def pick(**cfg: float) -> str:
-        sched = make(**cfg)
-        cache(sched, "w1", prompt[:1280])
-        sel = sched.select(list(range(50_000, 50_000 + decoding)), 0.0, candidates=["w1"])
-        sched.book("long", sel, 0.0)
-        sched.first_token("long")
-        return sched.select(prompt, 0.0, expected_output_tokens=500).worker_id
+        return _pick_beside_a_busy_decoder(decoding, itl_penalty_ratio=1.0, **cfg)
 
-    assert pick() == "w1"
+    assert pick(itl_weight=0.0) == "w1"
     # w1 has 1 of its 4 request slots taken: the penalty counts a quarter
     weight = 2 * saving / (500 * itl_gap)  # twice what the cache saves, a half at 1/4 slots
     assert pick(itl_weight=weight, itl_penalty_cap_ms=1e6) == "w1"
@@ -284,10 +290,27 @@ def test_the_itl_penalty_is_bounded() -> None:
     assert pick(itl_weight=4 * weight, itl_penalty_cap_ms=2 * saving) == "w1"  # capped
 
 
+def test_the_itl_penalty_counts_only_decode_slower_than_a_ratio_of_the_best() -> None:
+    """The defaults: a worker decoding within 2x of the best one's ITL keeps what its cache
+    saves; one decoding several times slower (the prefix holder whose decode batch grew, beside
+    an idle worker) pays the request's own lost decode time, and the request goes elsewhere."""
+    capacity = 65536 * BS
+    best = POLY.decode_ms(1600 / capacity)
+    near, far = 100_000, 300_000
+    assert POLY.decode_ms((near + 1600) / capacity) < 2 * best
+    assert POLY.decode_ms((far + 1600) / capacity) > 3 * best
+    assert _pick_beside_a_busy_decoder(near) == "w1"
+    assert _pick_beside_a_busy_decoder(far) == "w0"
+    assert _pick_beside_a_busy_decoder(far, itl_weight=0.0) == "w1"  # TTFT alone: the cache
+    assert _pick_beside_a_busy_decoder(far, itl_penalty_ratio=4.0) == "w1"  # within 4x
+
+
 def test_bad_settings_are_refused() -> None:
     for bad in (
         {"itl_weight": -1.0},
         {"itl_penalty_cap_ms": math.nan},
+        {"itl_penalty_ratio": 0.5},
+        {"itl_penalty_ratio": math.inf},
         {"chunk_tokens": 0},
         {"decode_delay_weight": -1.0},
     ):

@@ -31,19 +31,31 @@ table), and adds a bounded penalty for the inter-token latency it would decode a
                                                        fixed cost): what its prefill adds to
                                                        the steps of the requests running there
     score  = ttft + d * used * delay
-             + used * min(w * output * (itl - best itl), itl_penalty_cap_ms)
+             + used * min(w * output * max(0, itl - r * best itl), itl_penalty_cap_ms)
 
 `output` is the request's expected output tokens (its max_tokens; the mean of past requests when
 unknown), `w` the `itl_weight`, `d` the `decode_delay_weight`, `best itl` the lowest over the
-candidates, and `used` the fraction of the worker's request slots taken (requests running or
-waiting / max_num_seqs, capped at 1; 1 for the ITL penalty and the KV usage for the delay when
-the engine does not say): decode speed matters to everyone's TTFT when request slots run short,
-because then a new request waits for running ones to finish, which they do at the pace of the
-decode steps. The lowest score wins (near-ties, ties and temperature sampling:
-KvScheduler._choose_agreed, which makes router replicas agree). The ITL penalty is relative to
-the best candidate, so it adds nothing when the fleet decodes evenly; it fades out on workers
-with free slots, and it is capped, so a worker's TTFT advantage is never traded away whole for
-ITL.
+candidates, `r` the `itl_penalty_ratio`, and `used` the fraction of the worker's request slots
+taken (requests running or waiting / max_num_seqs, capped at 1; 1 for the ITL penalty and the KV
+usage for the delay when the engine does not say): decode speed matters to everyone's TTFT when
+request slots run short, because then a new request waits for running ones to finish, which
+they do at the pace of the decode steps. The lowest score wins (near-ties, ties and temperature
+sampling: KvScheduler._choose_agreed, which makes router replicas agree).
+
+The ITL penalty is the time the request would lose decoding its output on a worker that decodes
+more than `r` times slower than the best candidate (the excess only): with r = 2 it adds
+nothing while the fleet decodes within 2x of its best worker, where TTFT alone routes best, and
+it stops the one failure TTFT alone cannot see: a worker holding the prompts' prefixes (a
+tenant's system prompt, the sessions of before a scale-up) keeps winning on TTFT, its prefill
+being short, while its decode batch grows until every request on it decodes several times
+slower than on the idle workers beside it. Seen in `kvmesh replay` with the SLA planner on a
+multi-tenant day (`tests/benchmarks/bench_planner.py --traces tenants-day`): the workers the
+planner added stayed idle and 30-47 % of the requests missed the ITL target. The penalty fades
+out on workers with free slots, and it is capped, so a worker's TTFT advantage is never traded
+away whole for ITL. Its defaults (w = 1: a millisecond of the request's own decode time counts
+as a millisecond of TTFT; r = 2) are chosen by cross-validation over the routing matrix (which
+scores TTFT only), where they score slightly better than no penalty and are never above
+round-robin; r = 1 (any ITL above the best worker's) put conv bursts above round-robin.
 
 The delay term is the cost the request's prefill puts on the others (TTFT alone is its own
 cost): every request running on the worker waits out its prefill in one more step. A worker
@@ -71,6 +83,7 @@ from kvmesh.runtime.timing import PolynomialTiming, TimingModel
 __all__ = [
     "DEFAULT_DECODE_DELAY_WEIGHT",
     "DEFAULT_ITL_PENALTY_CAP_MS",
+    "DEFAULT_ITL_PENALTY_RATIO",
     "DEFAULT_ITL_WEIGHT",
     "DEFAULT_POLICY",
     "KvPolicyFlags",
@@ -81,11 +94,15 @@ __all__ = [
     "itl_penalized",
 ]
 
-DEFAULT_ITL_WEIGHT = 0.0
+DEFAULT_ITL_WEIGHT = 1.0
 """The ttft policy's default ITL-penalty weight, chosen by cross-validation over the routing
 matrix (tests/benchmarks/routing_matrix.py --cv)."""
-DEFAULT_ITL_PENALTY_CAP_MS = 0.0
-"""The ttft policy's default cap of the ITL penalty (ms), chosen with DEFAULT_ITL_WEIGHT."""
+DEFAULT_ITL_PENALTY_RATIO = 2.0
+"""The ttft policy's ITL penalty counts only the predicted ITL above this multiple of the best
+candidate's, chosen with DEFAULT_ITL_WEIGHT."""
+DEFAULT_ITL_PENALTY_CAP_MS = 10_000.0
+"""The ttft policy's default cap of the ITL penalty (ms): a bound, not a tuning (no penalty in
+the routing matrix's cross-validation cells comes near it)."""
 DEFAULT_DECODE_DELAY_WEIGHT = 1.0
 """The ttft policy's default weight of the delay a request's prefill adds to the requests running
 on the worker (x the fraction of its request slots taken), chosen by cross-validation over the
@@ -124,7 +141,12 @@ class KvPolicyFlags:
     router_itl_weight: float = opt(
         DEFAULT_ITL_WEIGHT,
         "kv ttft: weight of the ITL penalty (x expected output tokens x ms of predicted ITL "
-        "above the best worker's)",
+        "above --router-itl-penalty-ratio x the best worker's); 0: no penalty",
+    )
+    router_itl_penalty_ratio: float = opt(
+        DEFAULT_ITL_PENALTY_RATIO,
+        "kv ttft: the ITL penalty counts the predicted ITL above this multiple of the best "
+        "worker's (>= 1; 1: any ITL above the best worker's)",
     )
     router_itl_penalty_cap_ms: float = opt(
         DEFAULT_ITL_PENALTY_CAP_MS, "kv ttft: cap of the ITL penalty, ms"
@@ -142,17 +164,22 @@ class KvPolicyFlags:
 
 
 def itl_penalized(
-    prediction: TtftPrediction,
-    *,
-    best_itl_ms: float,
+    score_ms: float,
+    itl_ms: float,
+    free_itl_ms: float,
     weight: float,
     cap_ms: float,
     slots_used: float,
 ) -> float:
-    """The ttft policy's score: predicted TTFT plus the bounded ITL penalty (module doc);
-    `weight` is itl_weight times the request's expected output tokens."""
-    penalty = min(weight * (prediction.itl_ms - best_itl_ms), cap_ms)
-    return prediction.ttft_ms + min(1.0, max(0.0, slots_used)) * penalty
+    """The ttft policy's `score_ms` (predicted TTFT and the delay term) plus the bounded ITL
+    penalty (module doc) for an ITL of `itl_ms`, where up to `free_itl_ms` (itl_penalty_ratio x
+    the best candidate's) costs nothing; `weight` is itl_weight times the request's expected
+    output tokens. Positional, it is on the routing path."""
+    if itl_ms <= free_itl_ms:
+        return score_ms
+    used = slots_used if slots_used < 1.0 else 1.0
+    penalty = weight * (itl_ms - free_itl_ms)
+    return score_ms + (used if used > 0.0 else 0.0) * (penalty if penalty < cap_ms else cap_ms)
 
 
 def cost_score(
@@ -243,9 +270,16 @@ class TtftPredictor:
             completion_rate,
             output_tokens,
         )
+        return TtftPrediction(ttft, self.itl_ms(decode_tokens, prompt_tokens, kv_capacity_tokens))
+
+    def itl_ms(
+        self, decode_tokens: float, prompt_tokens: float, kv_capacity_tokens: float
+    ) -> float:
+        """The ITL of `predict` alone: the decode step time once the request's prompt joins
+        `decode_tokens` of KV decoding (positional, on the routing path)."""
         capacity = kv_capacity_tokens if kv_capacity_tokens > 0 else math.inf
-        itl = self.timing.decode_ms((max(0.0, decode_tokens) + prompt_tokens) / capacity)
-        return TtftPrediction(ttft, itl)
+        decoding = decode_tokens if decode_tokens > 0 else 0.0
+        return self.timing.decode_ms((decoding + prompt_tokens) / capacity)
 
     def ttft_ms(
         self,

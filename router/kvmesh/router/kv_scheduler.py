@@ -74,10 +74,10 @@ from kvmesh.router.indexer import ApproxIndex, InflightIndex
 from kvmesh.router.kv_policy import (
     DEFAULT_DECODE_DELAY_WEIGHT,
     DEFAULT_ITL_PENALTY_CAP_MS,
+    DEFAULT_ITL_PENALTY_RATIO,
     DEFAULT_ITL_WEIGHT,
     DEFAULT_POLICY,
     KvPolicyKind,
-    TtftPrediction,
     TtftPredictor,
     cost_score,
     itl_penalized,
@@ -128,7 +128,11 @@ class KvRouterConfig:
     """How workers are scored (kvmesh.router.kv_policy): predicted TTFT, or the linear cost."""
     itl_weight: float = DEFAULT_ITL_WEIGHT
     """ttft: weight of the ITL penalty: the request's expected output tokens times the ms of
-    predicted ITL above the best candidate's count this many times in its score (>= 0)."""
+    predicted ITL above `itl_penalty_ratio` times the best candidate's count this many times in
+    its score (>= 0; 0: no penalty)."""
+    itl_penalty_ratio: float = DEFAULT_ITL_PENALTY_RATIO
+    """ttft: the ITL penalty counts only the predicted ITL above this multiple of the best
+    candidate's (>= 1)."""
     itl_penalty_cap_ms: float = DEFAULT_ITL_PENALTY_CAP_MS
     """ttft: the ITL penalty never exceeds this many ms (>= 0)."""
     decode_delay_weight: float = DEFAULT_DECODE_DELAY_WEIGHT
@@ -174,6 +178,8 @@ class KvRouterConfig:
         self.policy = KvPolicyKind(self.policy)
         if not self.itl_weight >= 0 or not self.itl_penalty_cap_ms >= 0:
             raise ValueError("itl_weight and itl_penalty_cap_ms must be >= 0")
+        if not (self.itl_penalty_ratio >= 1 and math.isfinite(self.itl_penalty_ratio)):
+            raise ValueError("itl_penalty_ratio must be a number >= 1")
         if not self.decode_delay_weight >= 0:
             raise ValueError("decode_delay_weight must be >= 0")
         if self.chunk_tokens < 1:
@@ -624,12 +630,12 @@ class KvScheduler:
         penalty = bool(weight and cap)
         predictor = self.predictor
         ttft_ms = predictor.ttft_ms
+        itl_ms = predictor.itl_ms
         delay_ms = predictor.decode_delay_ms
         delay_weight = cfg.decode_delay_weight
         out_mean = self._output_mean
         costs: dict[str, float] = {}
-        preds: dict[str, TtftPrediction] = {}
-        extra: dict[str, float] = {}
+        itls: list[float] = []
         for w, prefill, decode, n in views:
             bs = w.block_size
             slots = w.max_num_seqs
@@ -651,35 +657,20 @@ class KvScheduler:
             delay = (
                 delay_weight * used * delay_ms(args[0], args[1]) if used and delay_weight else 0.0
             )
+            costs[w.worker_id] = ttft_ms(*args) + delay
             if penalty:
-                extra[w.worker_id] = delay
-                preds[w.worker_id] = predictor.predict(
-                    new_tokens=args[0],
-                    queued_prefill_tokens=args[1],
-                    decode_tokens=args[2],
-                    prompt_tokens=n_tokens,
-                    kv_capacity_tokens=args[3],
-                    requests=n,
-                    max_num_seqs=slots,
-                    completion_rate=args[6],
-                    output_tokens=out_mean,
-                )
-            else:
-                costs[w.worker_id] = ttft_ms(*args) + delay
-        if not penalty:
+                itls.append(itl_ms(args[2], n_tokens, args[3]))
+        if not penalty or len(itls) < 2:
             return costs
-        best_itl = min(p.itl_ms for p in preds.values())
-        return {
-            w.worker_id: itl_penalized(
-                preds[w.worker_id],
-                best_itl_ms=best_itl,
-                weight=weight,
-                cap_ms=cap,
-                slots_used=n / w.max_num_seqs if w.max_num_seqs else 1.0,
+        free_itl = cfg.itl_penalty_ratio * min(itls)
+        if max(itls) <= free_itl:  # the fleet decodes within the ratio: no penalty anywhere
+            return costs
+        for (w, _, _, n), itl in zip(views, itls, strict=True):
+            slots_used = n / w.max_num_seqs if w.max_num_seqs else 1.0
+            costs[w.worker_id] = itl_penalized(
+                costs[w.worker_id], itl, free_itl, weight, cap, slots_used
             )
-            + extra[w.worker_id]
-            for w, _, _, n in views
-        }
+        return costs
 
     def _choose(self, costs: dict[str, float]) -> str:
         if len(costs) == 1:

@@ -94,6 +94,7 @@ def build_router(
             policy=mesh.router_policy,
             itl_weight=mesh.router_itl_weight,
             itl_penalty_cap_ms=mesh.router_itl_penalty_cap_ms,
+            itl_penalty_ratio=mesh.router_itl_penalty_ratio,
             decode_delay_weight=mesh.router_decode_delay_weight,
             inflight_prefixes=mesh.router_inflight_prefixes,
             chunk_tokens=mesh.router_chunk_tokens,

@@ -152,6 +152,7 @@ class ReplayConfig(KvPolicyFlags):
             policy=self.router_policy,
             itl_weight=self.router_itl_weight,
             itl_penalty_cap_ms=self.router_itl_penalty_cap_ms,
+            itl_penalty_ratio=self.router_itl_penalty_ratio,
             decode_delay_weight=self.router_decode_delay_weight,
             inflight_prefixes=self.router_inflight_prefixes,
             chunk_tokens=self.mocker.max_num_batched_tokens,
