@@ -251,7 +251,9 @@ def verdict(res: dict[str, Any]) -> str:
     if sla["slo_attainment"] < ref["slo_attainment"]:
         misses.append("SLO met below the reference's")
     if sla["worker_hours"] > 0.7 * ref["worker_hours"]:
-        misses.append(f"{sla['worker_hours'] / ref['worker_hours']:.2f}x worker-hours")
+        misses.append(
+            f"{sla['worker_hours'] / ref['worker_hours']:.3f}x worker-hours (0.7x allowed)"
+        )
     if sla["slo_attainment"] <= queue["slo_attainment"]:
         misses.append("SLO met not above the queue baseline's")
     return "meets the criteria" if not misses else "misses: " + ", ".join(misses)
