@@ -1,12 +1,15 @@
 """Shared fixtures: the offline tiny model (with weights for the torch tests), free ports, and a
-KVMESH_HOME per session."""
+KVMESH_HOME per session; `load_benchmark` for the smoke tests of the benchmark scripts."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
@@ -57,6 +60,18 @@ def torch_model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     shutil.copytree(tiny_model, path)
     create_tiny_weights(path)
     return path
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The script tests/benchmarks/`name`.py as a module, registered under `name` (dataclasses
+    look their module up; the scripts import each other by that name)."""
+    path = Path(__file__).resolve().parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def generate_reference(

@@ -240,6 +240,11 @@ def run_case(
     }
 
 
+def day_name(res: dict[str, Any]) -> str:
+    """The case's name, with the seed of its arrivals unless 0."""
+    return f"{res['case'].name} (seed {res['seed']})" if res["seed"] else res["case"].name
+
+
 def verdict(res: dict[str, Any]) -> str:
     """The issue's criteria on one day: the planner meets the SLO for at least as many requests
     as the static reference, with at most 0.7x its worker-hours, and for more requests than
@@ -267,9 +272,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for res in results:
         case: Case = res["case"]
         ref = res["static"][res["ref_n"]]
-        seed = f" (seed {res['seed']})" if res["seed"] else ""
         name = (
-            f"{'(held out) ' if case.held_out else ''}{case.name}{seed}: {res['requests']} req, "
+            f"{'(held out) ' if case.held_out else ''}{day_name(res)}: {res['requests']} req, "
             f"{case.low_rps:g}->{case.peak_rps:g}->{case.low_rps:g} req/s over "
             f"{case.duration_s:g} s; TTFT <= {case.ttft_slo_ms:g} ms, ITL <= "
             f"{case.itl_slo_ms:g} ms, start-up {case.startup_s:g} s"
@@ -286,9 +290,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{r['worker_hours']:.3f} | {r['worker_hours'] / ref['worker_hours']:.2f}x |"
             )
     lines.append("")
-    for res in results:
-        seed = f" (seed {res['seed']})" if res["seed"] else ""
-        lines.append(f"- {res['case'].name}{seed}: SLA planner {verdict(res)}")
+    lines += [f"- {day_name(res)}: SLA planner {verdict(res)}" for res in results]
     return "\n".join(lines)
 
 

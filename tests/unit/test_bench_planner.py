@@ -4,27 +4,19 @@ a script (10-30 minutes here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.unit
+from tests.conftest import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_planner.py"
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def bp() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_planner", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_planner"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_planner")
 
 
 def result(bp: ModuleType, sla: tuple[float, float], seed: int = 0) -> dict[str, Any]:

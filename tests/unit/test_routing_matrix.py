@@ -4,8 +4,6 @@ matrix itself runs as a script (about an hour here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -13,20 +11,14 @@ from typing import Any
 import pytest
 
 from kvmesh.sim.trace import load_trace
+from tests.conftest import load_benchmark
 
 pytestmark = pytest.mark.unit
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "routing_matrix.py"
 
 
 @pytest.fixture(scope="module")
 def rm() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("routing_matrix", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["routing_matrix"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("routing_matrix")
 
 
 def test_one_cell_end_to_end(rm: Any, tmp_path: Path) -> None:
@@ -96,11 +88,7 @@ def test_cross_validation_picks_by_the_other_workloads(rm: Any) -> None:
 def test_prediction_error_pairs_each_prediction_with_the_realized_ttft(
     rm: Any, tmp_path: Path
 ) -> None:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ttft_prediction_error.py"
-    spec = importlib.util.spec_from_file_location("ttft_prediction_error", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("ttft_prediction_error")
     cell = rm.Cell("agentic", "steady", 2, "light", 60)
     diffs, real = module.errors(cell, tmp_path)
     assert len(diffs) == len(real) == 60 and min(real) > 0
