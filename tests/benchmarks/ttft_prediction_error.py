@@ -6,7 +6,10 @@ workers) with the KV router's default policy and compares, per request, the TTFT
 predicted on the worker it chose (KvScheduler's Selection.cost with the ITL penalty off and
 without the decode-delay term) with the TTFT the request saw in the replay. Per cell and over
 all cells: bias (mean of predicted - realized), mean absolute error, that error over the mean
-realized TTFT, and the 90th percentile of the absolute error, in simulated ms.
+realized TTFT, and the 90th percentile of the absolute error, in simulated ms; then the same
+over all cells by the state of the chosen worker when the request was routed (idle, decoding
+only, prefill queued: where the prediction errs differs by state, e.g. a busy worker's step in
+progress, which the request waits out before its own).
 
     .venv/bin/python tests/benchmarks/ttft_prediction_error.py                     # 4 workers
     .venv/bin/python tests/benchmarks/ttft_prediction_error.py --cells conv/steady  # a subset
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import routing_matrix as rm  # the benchmark next to this one
 
 from kvmesh.router.kv_policy import KvPolicyKind
+from kvmesh.router.kv_scheduler import KvScheduler
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.config import ReplayConfig
 from kvmesh.sim.policies import KvPolicy, Route
@@ -44,6 +48,8 @@ class RecordingPolicy(KvPolicy):
     def __init__(self, config: ReplayConfig, worker_ids: list[str]) -> None:
         super().__init__(config.kv_router(), worker_ids, config.mocker)
         self.predicted_ms: dict[str, float] = {}
+        self.state: dict[str, str] = {}
+        """The chosen worker's state when the request was routed (STATES)."""
 
     def route(
         self,
@@ -65,6 +71,7 @@ class RecordingPolicy(KvPolicy):
         finally:
             cfg.decode_delay_weight = delay
             cfg.itl_weight = itl
+        states = {wid: _state(self.sched, wid, now) for wid in own}
         r = super().route(
             request_id,
             prompt,
@@ -73,11 +80,23 @@ class RecordingPolicy(KvPolicy):
             expected_output_tokens=expected_output_tokens,
         )
         self.predicted_ms[request_id] = own[self.worker_ids[r.worker]]
+        self.state[request_id] = states[self.worker_ids[r.worker]]
         return r
 
 
-def errors(c: rm.Cell, out: Path) -> tuple[list[float], list[float]]:
-    """(predicted - realized, realized) TTFT in ms of every request of the cell that got one."""
+STATES = ("idle", "decoding only", "prefill queued")
+
+
+def _state(sched: KvScheduler, worker_id: str, now: float) -> str:
+    load = sched.worker(worker_id)
+    assert load is not None
+    prefill, decode, _ = load.view(now, sched.config.load_max_age_s)
+    return STATES[2] if prefill > 0 else STATES[1] if decode > 0 else STATES[0]
+
+
+def errors(c: rm.Cell, out: Path) -> tuple[list[float], list[float], list[str]]:
+    """(predicted - realized, realized) TTFT in ms of every request of the cell that got one,
+    and the state of the worker it was routed to (STATES)."""
     trace_path = str(rm.prepare_trace(out, c))
     config = ReplayConfig(
         trace=trace_path,
@@ -95,6 +114,7 @@ def errors(c: rm.Cell, out: Path) -> tuple[list[float], list[float]]:
     t = cluster.timeline
     diffs: list[float] = []
     real: list[float] = []
+    states: list[str] = []
     for i, arrival in enumerate(t.arrival):
         predicted = policy.predicted_ms.get(f"r{i}")
         if predicted is None or math.isnan(t.first_at[i]):
@@ -102,7 +122,8 @@ def errors(c: rm.Cell, out: Path) -> tuple[list[float], list[float]]:
         ttft = (t.first_at[i] - arrival) * 1e3
         diffs.append(predicted - ttft)
         real.append(ttft)
-    return diffs, real
+        states.append(policy.state[f"r{i}"])
+    return diffs, real, states
 
 
 def line(name: str, diffs: list[float], real: list[float]) -> str:
@@ -134,13 +155,22 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     all_diffs: list[float] = []
     all_real: list[float] = []
+    all_states: list[str] = []
     for c in cells:
-        diffs, real = errors(c, args.out)
+        diffs, real, states = errors(c, args.out)
         print(line(c.id, diffs, real), flush=True)
         all_diffs += diffs
         all_real += real
+        all_states += states
     if len(cells) > 1:
         print(line("all", all_diffs, all_real))
+    print("\n| chosen worker's state (all cells) | requests | realized TTFT mean ms | bias ms "
+          "| MAE ms | MAE / mean | p90 abs ms |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for state in STATES:
+        keep = [i for i, s in enumerate(all_states) if s == state]
+        if keep:
+            print(line(state, [all_diffs[i] for i in keep], [all_real[i] for i in keep]))
 
 
 if __name__ == "__main__":

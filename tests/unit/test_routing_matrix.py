@@ -90,8 +90,9 @@ def test_prediction_error_pairs_each_prediction_with_the_realized_ttft(
 ) -> None:
     module = load_benchmark("ttft_prediction_error")
     cell = rm.Cell("agentic", "steady", 2, "light", 60)
-    diffs, real = module.errors(cell, tmp_path)
-    assert len(diffs) == len(real) == 60 and min(real) > 0
+    diffs, real, states = module.errors(cell, tmp_path)
+    assert len(diffs) == len(real) == len(states) == 60 and min(real) > 0
     # An idle fleet's first request: the prediction is the timing model's prefill, exactly.
-    assert abs(diffs[0]) < 1e-6
+    assert abs(diffs[0]) < 1e-6 and states[0] == "idle"
+    assert set(states) <= set(module.STATES) and len(set(states)) > 1
     assert "| x | 60 |" in module.line("x", diffs, real)
