@@ -636,6 +636,7 @@ class KvScheduler:
         out_mean = self._output_mean
         costs: dict[str, float] = {}
         itls: list[float] = []
+        slots_used: list[float] = []  # share of request slots taken (1: the engine does not say)
         for w, prefill, decode, n in views:
             bs = w.block_size
             slots = w.max_num_seqs
@@ -660,16 +661,15 @@ class KvScheduler:
             costs[w.worker_id] = ttft_ms(*args) + delay
             if penalty:
                 itls.append(itl_ms(args[2], n_tokens, args[3]))
+                slots_used.append(used if slots else 1.0)
         if not penalty or len(itls) < 2:
             return costs
         free_itl = cfg.itl_penalty_ratio * min(itls)
         if max(itls) <= free_itl:  # the fleet decodes within the ratio: no penalty anywhere
             return costs
-        for (w, _, _, n), itl in zip(views, itls, strict=True):
-            slots_used = n / w.max_num_seqs if w.max_num_seqs else 1.0
-            costs[w.worker_id] = itl_penalized(
-                costs[w.worker_id], itl, free_itl, weight, cap, slots_used
-            )
+        for (w, *_), itl, share in zip(views, itls, slots_used, strict=True):
+            wid = w.worker_id
+            costs[wid] = itl_penalized(costs[wid], itl, free_itl, weight, cap, share)
         return costs
 
     def _choose(self, costs: dict[str, float]) -> str:
