@@ -88,6 +88,9 @@ async def test_serving_survives_an_etcd_outage(tiny_model: Path, tmp_path: Path)
                 except Exception as exc:
                     done["failed"] += 1
                     errors.append(repr(exc))
+                    # A failure can come before any await (no worker to route to): without a
+                    # pause this loop would never yield, and every timeout below would starve.
+                    await asyncio.sleep(0.05)
 
         clients = [asyncio.create_task(client(c)) for c in range(8)]
         await asyncio.sleep(2)

@@ -288,9 +288,12 @@ async def test_etcd_restart_watchers_reconcile_and_registrations_return(
     assert await lease_of(raw, key_a) == lease_before
 
     # 2. Restart with an empty data dir: every key and lease is gone, revisions start over.
+    seen = len(watcher.events)
     await asyncio.to_thread(etcd.restart, wipe=True)
     await reg_b.close()  # its lease is gone already: nothing to revoke, no error
     took = await watcher.until(lambda: set(watcher.live) == {"a"}, 10)
+    # 'a' re-registered within the TTL the watcher gives a missing instance: it never left.
+    assert "a" not in {e.instance.instance_id for e in watcher.events[seen:]}
     print(f"wiped etcd -> watcher reconciled: {took:.2f} s")
     took = await poll(
         lambda: lease_of(raw, key_a), TTL + 3, "registration 'a' to come back under a new lease"

@@ -213,6 +213,7 @@ async def test_rotation_under_load_fails_no_request(pki: DevPki, tiny_model: Pat
             except Exception as exc:
                 failed += 1
                 errors.append(repr(exc))
+                await asyncio.sleep(0.05)  # a failure before any await must not spin the loop
 
     async def fresh_connections() -> None:
         nonlocal ok, failed

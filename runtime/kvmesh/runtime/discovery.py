@@ -233,8 +233,13 @@ class StaticDiscovery:
 # --- etcd -------------------------------------------------------------------------------------
 
 # gRPC keepalive notices a dead connection under an idle watch (etcd accepts pings every 5 s
-# on a stream); gRPC's own reconnect backoff is kept short, the backoff is ours.
+# on a stream); gRPC's own reconnect backoff is kept short, the backoff is ours. Each client
+# has subchannels of its own: from gRPC's process-wide pool, a new client made to reconnect
+# after etcd came back would take over the old one's connection still in reconnect backoff
+# and fail at once ("failed to connect to all addresses"), as a worker registering just after
+# an etcd restart did.
 _ETCD_CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.use_local_subchannel_pool": 1,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
     "grpc.initial_reconnect_backoff_ms": 200,
@@ -243,6 +248,8 @@ _ETCD_CHANNEL_OPTIONS: dict[str, Any] = {
 }
 _ETCD_BACKOFF_MIN_S = 0.1
 _ETCD_BACKOFF_MAX_S = 2.0
+_ETCD_RELIST_S = 0.25
+"""How often a watcher lists again while instances it knew are missing after a reconnect."""
 _ETCD_WARN_EVERY = 20
 """While etcd stays unreachable, every this many failed attempts is logged as a warning again."""
 _ETCD_URL_FORM = (
@@ -386,7 +393,8 @@ class EtcdDiscovery:
     `watch` reads the component's keys, yields ADDED for each, then follows an etcd watch that
     starts at the revision right after that read, so nothing in between is missed. When the
     watch breaks (etcd restarted, connection lost) it reconnects with backoff, trying the
-    endpoints in turn, reads again and yields REMOVED/ADDED for whatever changed meanwhile.
+    endpoints in turn, reads again and yields REMOVED/ADDED for whatever changed meanwhile
+    (an instance missing from that read is given a lease TTL to come back first: `_list`).
 
     Nothing connects until `register` or the first step of a `watch`; each registration and
     each watch has its own client, closed with it.
@@ -464,12 +472,7 @@ class EtcdDiscovery:
         while True:
             client, where = self.connect(attempt)
             try:
-                listing = await client.get_prefix(prefix)
-                current: dict[bytes, Instance] = {}
-                for kv in listing:
-                    inst = _decode_instance(kv.key, kv.value)
-                    if inst is not None:
-                        current[bytes(kv.key)] = inst
+                listing, current = await self._list(client, prefix, known)
                 for event in _diff(known, current):
                     yield event
                 known = current
@@ -509,6 +512,28 @@ class EtcdDiscovery:
             attempt += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, _ETCD_BACKOFF_MAX_S)
+
+    async def _list(
+        self, client: Any, prefix: bytes, known: Mapping[bytes, Instance]
+    ) -> tuple[Any, dict[bytes, Instance]]:
+        """The prefix's listing and its instances. After a reconnect (`known` not empty), an
+        instance missing from it is given up to a lease TTL to appear again before the listing
+        is taken: an etcd that restarted without its data has lost every key, and each live
+        registration puts its own back within that time. Without the wait the watcher would
+        remove every instance until they did (a mesh with no workers for a moment); an instance
+        that is really gone is removed a TTL later, as its lease would have expired anyway."""
+        deadline = asyncio.get_running_loop().time() + self.ttl_s
+        while True:
+            listing = await client.get_prefix(prefix)
+            current: dict[bytes, Instance] = {}
+            for kv in listing:
+                inst = _decode_instance(kv.key, kv.value)
+                if inst is not None:
+                    current[bytes(kv.key)] = inst
+            missing = known.keys() - current.keys()
+            if not missing or asyncio.get_running_loop().time() >= deadline:
+                return listing, current
+            await asyncio.sleep(_ETCD_RELIST_S)
 
 
 class _EtcdRegistration:
