@@ -39,6 +39,8 @@ Usage (from the repository root; Dynamo optional; results are appended, so a run
     .venv/bin/python tests/benchmarks/routing_matrix.py --cv             # choose the default
     .venv/bin/python tests/benchmarks/routing_matrix.py --cv --cv-points 2 5   # some points
     .venv/bin/python tests/benchmarks/routing_matrix.py --quick          # 2 workloads x 4 workers
+    .venv/bin/python tests/benchmarks/routing_matrix.py --workloads conv --arrivals bursty \
+        --seeds 1 2 --policies kv round-robin        # the same cells, other realizations
   --jobs N: simulations in parallel (default 2); --out DIR (default .cache/routing_matrix).
 Simulated latencies do not depend on this machine's load; only wall times do.
 """
@@ -111,13 +113,14 @@ GRID: list[tuple[str, dict[str, Any]]] = [
     ("kv", {"router_itl_weight": 3.0}),
     ("kv", {"router_decode_delay_weight": 0.0}),
     ("kv", {"router_decode_delay_weight": 2.0}),
+    ("kv", {"router_decode_delay_weight": 0.5}),
 ]
 """The points cross-validation chooses from: (policy, ReplayConfig overrides; {} = defaults).
 cost: the overlap weight (blocks to prefill against blocks decoding); ttft: the ITL penalty
 (weight x expected output tokens x ms of predicted ITL above a ratio of the best worker's,
 capped; weight 0: TTFT and the delay term alone, the default until the penalty's ratio came;
 ratio 1, 1.5 and the default 2; weight 3) and the weight of the delay a request's prefill adds
-to the requests running on its worker (0: its own TTFT only; the default 1; 2). A CV run costs
+to the requests running on its worker (0: its own TTFT only; 0.5; the default 1; 2). A CV run costs
 a matrix pass at 4 workers per point beyond the matrix's own (`--cv-points` runs some of them;
 the others' rows, if present, still count)."""
 DEFAULT_POLICY = "kv-cost" if KvPolicyFlags().router_policy is KvPolicyKind.COST else "kv"
@@ -131,10 +134,14 @@ class Cell:
     workers: int
     load: str
     requests: int
+    seed: int = 0
+    """The workload generator's seed (0: the matrix's traces; others: the same cell realized
+    again, other sessions and arrival times; not for the steady synthetic cells, a fixed file)."""
 
     @property
     def id(self) -> str:
-        return f"{self.workload}/{self.arrival}/w{self.workers}/{self.load}/n{self.requests}"
+        base = f"{self.workload}/{self.arrival}/w{self.workers}/{self.load}/n{self.requests}"
+        return f"{base}/s{self.seed}" if self.seed else base
 
     @property
     def trace_block_size(self) -> int:
@@ -151,6 +158,8 @@ def trace_path(out: Path, c: Cell) -> Path:
     name = f"{c.workload}_{c.arrival}_n{c.requests}"
     if c.arrival == "bursty":  # bursts last BURST_S of simulated time: scaled by the speedup
         name += f"_b{c.speedup * BURST_S:g}"
+    if c.seed:
+        name += f"_s{c.seed}"
     return out / "traces" / f"{name}.jsonl"
 
 
@@ -170,6 +179,7 @@ def prepare_trace(out: Path, c: Cell) -> Path:
         azure_dir=str(SHARED / "ref" / "traces"),
         source=str(SYNTHETIC),
         out=str(path),
+        seed=c.seed,
     )
     trace = generate(config)
     tmp = path.with_suffix(".tmp")
@@ -178,13 +188,19 @@ def prepare_trace(out: Path, c: Cell) -> Path:
     return path
 
 
-def matrix_cells(workloads: Iterable[str], workers: Iterable[int]) -> list[Cell]:
+def matrix_cells(
+    workloads: Iterable[str],
+    workers: Iterable[int],
+    arrivals: Iterable[str] = ARRIVALS,
+    loads: Iterable[str] = ("light", "moderate", "overload"),
+    seeds: Iterable[int] = (0,),
+) -> list[Cell]:
     cells = []
-    for w, a, n, load in itertools.product(
-        workloads, ARRIVALS, workers, ("light", "moderate", "overload")
-    ):
+    for seed, w, a, n, load in itertools.product(seeds, workloads, arrivals, workers, loads):
+        if seed and w == "synthetic" and a == "steady":
+            continue  # a fixed file: no other realization
         requests = SYNTHETIC_REQUESTS if w == "synthetic" else REQUESTS_PER_WORKER * n
-        cells.append(Cell(w, a, n, load, requests))
+        cells.append(Cell(w, a, n, load, requests, seed))
     return cells
 
 
@@ -533,6 +549,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="conv and agentic, 4 workers only")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--workers", nargs="+", type=int, default=list(WORKERS))
+    parser.add_argument("--arrivals", nargs="+", default=list(ARRIVALS), choices=list(ARRIVALS))
+    parser.add_argument(
+        "--loads",
+        nargs="+",
+        default=["light", "moderate", "overload"],
+        choices=["light", "moderate", "overload"],
+    )
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="the workload generator's seeds: other realizations of each cell (0: the matrix's "
+        "own traces), to see whether a verdict holds beyond one trace per cell",
+    )
     parser.add_argument("--policies", nargs="+", default=["kv", "kv-cost", "round-robin"])
     parser.add_argument(
         "--dynamo-python",
@@ -546,7 +577,7 @@ def main() -> None:
     elif args.quick:
         cells = matrix_cells(["conv", "agentic"], [4])
     else:
-        cells = matrix_cells(args.workloads, args.workers)
+        cells = matrix_cells(args.workloads, args.workers, args.arrivals, args.loads, args.seeds)
     traces = {c.id: prepare_trace(args.out, c) for c in cells}
     for path in sorted(set(traces.values())):
         tbs = 512 if path == SYNTHETIC or path.name.startswith("synthetic") else 64

@@ -27,6 +27,15 @@ def test_one_cell_end_to_end(rm: Any, tmp_path: Path) -> None:
     path = rm.prepare_trace(tmp_path, cell)
     assert path == rm.prepare_trace(tmp_path, cell)  # kept, not rewritten
     assert len(load_trace(str(path)).requests) == 80
+    # --seeds: the same cell realized again, its own id and trace
+    again = rm.Cell("tenants", "bursty", 2, "moderate", 80, seed=1)
+    assert again.id == f"{cell.id}/s1" and again.speedup == cell.speedup
+    other = rm.prepare_trace(tmp_path, again)
+    assert other != path and other.read_text() != path.read_text()
+    assert len(load_trace(str(other)).requests) == 80
+    ids = {c.id for c in rm.matrix_cells(["synthetic"], [4], seeds=[0, 1])}
+    assert "synthetic/steady/w4/light/n3993" in ids and "synthetic/bursty/w4/light/n3993/s1" in ids
+    assert "synthetic/steady/w4/light/n3993/s1" not in ids  # a fixed file: no other realization
     job = {"id": cell.id, "workers": 2, "speedup": cell.speedup, "trace_block_size": 64,
            "requests": 80}  # fmt: skip
     rows = [rm.run_kvmesh((job, str(path), p, {})) for p in ("kv", "kv-cost", "round-robin")]
