@@ -240,6 +240,22 @@ def test_decode_delay_weighs_nothing_on_idle_workers() -> None:
     assert costs == pytest.approx({"w0": POLY.prefill_ms(1600), "w1": POLY.prefill_ms(320)})
 
 
+def test_decode_delay_is_not_scored_where_every_slot_is_taken() -> None:
+    """w0 runs all 4 of its request slots, w1 3 of 4: on w0 the request would wait for a slot,
+    so only w1's score carries what its prefill adds to the requests running there."""
+    prompt = list(range(512))
+
+    def costs(**cfg: float) -> dict[str, float]:
+        sched = make(**cfg)
+        busy(sched, "w0", 4)
+        busy(sched, "w1", 3)
+        return sched.select(prompt, 0.0).costs
+
+    own, scored = costs(decode_delay_weight=0.0), costs(decode_delay_weight=1.0)
+    assert scored["w0"] == pytest.approx(own["w0"])
+    assert scored["w1"] - own["w1"] == pytest.approx(3 / 4 * POLY.prefill_ms(512))
+
+
 def test_completion_rate_is_measured_between_load_samples() -> None:
     sched = make(1)
     w0 = sched.worker("w0")

@@ -30,6 +30,7 @@ table), and adds a bounded penalty for the inter-token latency it would decode a
              prefill_ms(new)                           (a step of its own, with the step's
                                                        fixed cost): what its prefill adds to
                                                        the steps of the requests running there
+                                                       (0 where every request slot is taken)
     score  = ttft + d * used * delay
              + used * min(w * output * max(0, itl - r * best itl), itl_penalty_cap_ms)
 
@@ -68,7 +69,12 @@ batches drift apart by 40-50 requests of 256: the fleet decoded 3-8 % slower tha
 (which balances decode blocks) and, in the cells where requests end up waiting for request
 slots, carried 20-30 more requests when the slots filled, which then waited 200 ms longer
 (conv steady moderate, 4 workers). Weighted by `used`, it costs nothing while workers are
-idle; `d` (DEFAULT_DECODE_DELAY_WEIGHT) is chosen by cross-validation.
+idle; `d` (DEFAULT_DECODE_DELAY_WEIGHT) is chosen by cross-validation. It is not scored on a
+worker whose request slots are all taken: the request waits there for a slot, so it joins no
+prefill queued now, and the requests its prefill will delay are those running when a slot
+frees, the same on every full worker. Scored there, it held a saturated burst's requests on the
+workers with the most prefill queued and slowed the burst's tail (conv bursty overload at 16
+workers: p99 9,021 ms, above round-robin's 8,593; 8,343 without it there).
 """
 
 from __future__ import annotations
@@ -109,10 +115,10 @@ on the worker (x the fraction of its request slots taken), chosen by cross-valid
 routing matrix (tests/benchmarks/routing_matrix.py --cv) among the weights never above
 round-robin: 1, a millisecond of every running request's decode counting as a millisecond of TTFT
 when the slots are full. By score alone CV prefers more (2, 4), which put conv bursts above
-round-robin. Over all 120 cells at 2-16 workers the same rule would take 0 (1 is above
-round-robin in one cell, by 5 % at p99); kept at 1 because that cell's verdict does not hold
-beyond its one trace (the same cells under other seeds put 0 above round-robin too) while 0
-routes 3-8 % slower over the matrix (README, routing policies)."""
+round-robin. Over all 120 cells at 2-16 workers the same rule would have taken 0 (1 was above
+round-robin in one cell, by 5 % at p99), which routes 3-8 % slower over the matrix; that cell
+was the term scored on workers with every slot taken, which it no longer is (README, routing
+policies: the full-slot change)."""
 
 
 class KvPolicyKind(enum.Enum):

@@ -650,13 +650,16 @@ class KvScheduler:
                 per_slot * max(1.0, min(n, slots or math.inf)) if per_slot else 0.0,
                 out_mean,
             )
-            # What its prefill costs the requests running there (kv_policy's module doc).
+            # What its prefill costs the requests running there (kv_policy's module doc); none
+            # scored where it must first wait for a request slot (as the slot wait counts it).
             if slots:
                 used = n / slots if n < slots else 1.0
             else:  # the engine does not say: its KV usage
                 used = min(1.0, args[2] / args[3]) if args[3] > 0 else 0.0
             delay = (
-                delay_weight * used * delay_ms(args[0], args[1]) if used and delay_weight else 0.0
+                delay_weight * used * delay_ms(args[0], args[1])
+                if used and delay_weight and not (slots and n + 1 > slots)
+                else 0.0
             )
             costs[w.worker_id] = ttft_ms(*args) + delay
             if penalty:
