@@ -115,10 +115,10 @@ on the worker (x the fraction of its request slots taken), chosen by cross-valid
 routing matrix (tests/benchmarks/routing_matrix.py --cv) among the weights never above
 round-robin: 1, a millisecond of every running request's decode counting as a millisecond of TTFT
 when the slots are full. By score alone CV prefers more (2, 4), which put conv bursts above
-round-robin. Over all 120 cells at 2-16 workers the same rule would have taken 0 (1 was above
-round-robin in one cell, by 5 % at p99), which routes 3-8 % slower over the matrix; that cell
-was the term scored on workers with every slot taken, which it no longer is (README, routing
-policies: the full-slot change)."""
+round-robin. Over all 120 cells at 2-16 workers the same rule took 0 while 1 was above
+round-robin in one cell (by 5 % at p99; 0 routes 3-8 % slower over the matrix); that cell was
+the term scored on workers with every slot taken, which it no longer is, and the rule then
+chooses 1 over all 120 cells (README, routing policies: the full-slot change)."""
 
 
 class KvPolicyKind(enum.Enum):
