@@ -609,11 +609,12 @@ class KvScheduler:
         cfg = self.config
         max_age = cfg.load_max_age_s
         views = []
-        full = False
+        waiting: list[bool] = []  # the request would wait there for a request slot
         for w in ready:
             view = w.view(now, max_age)
             views.append((w, *view))
-            full = full or 0 < w.max_num_seqs < view[2] + 1
+            waiting.append(0 < w.max_num_seqs < view[2] + 1)
+        full = any(waiting)
         # Completion rates measured per worker are noisy (a second holds a few completions);
         # a request slot frees at about the same rate everywhere, so use the fleet's rate per
         # busy slot, times the worker's busy slots (only where the slots are full).
@@ -637,7 +638,7 @@ class KvScheduler:
         costs: dict[str, float] = {}
         itls: list[float] = []
         slots_used: list[float] = []  # share of request slots taken (1: the engine does not say)
-        for w, prefill, decode, n in views:
+        for (w, prefill, decode, n), waits in zip(views, waiting, strict=True):
             bs = w.block_size
             slots = w.max_num_seqs
             args = (
@@ -651,14 +652,14 @@ class KvScheduler:
                 out_mean,
             )
             # What its prefill costs the requests running there (kv_policy's module doc); none
-            # scored where it must first wait for a request slot (as the slot wait counts it).
+            # scored where it must first wait for a request slot.
             if slots:
                 used = n / slots if n < slots else 1.0
             else:  # the engine does not say: its KV usage
                 used = min(1.0, args[2] / args[3]) if args[3] > 0 else 0.0
             delay = (
                 delay_weight * used * delay_ms(args[0], args[1])
-                if used and delay_weight and not (slots and n + 1 > slots)
+                if used and delay_weight and not waits
                 else 0.0
             )
             costs[w.worker_id] = ttft_ms(*args) + delay
