@@ -5,7 +5,10 @@
 #   PEER=1 bash tests/benchmarks/bench_gateway.sh     # also Dynamo 1.6.1 (installed by
 #                                                     # ../shared/peers/install_dynamo.sh)
 # Workload: streaming chat, 8 output tokens, 200 concurrent clients, 2 effectively instant mocker
-# workers; then sequential single requests on one keep-alive connection. Both systems are measured
+# workers; then sequential single requests on one keep-alive connection. SPEEDUP=R runs both
+# systems' mockers at --speedup-ratio R instead (e.g. 5: ~1.1 ms decode steps, so each token
+# reaches the gateway on its own, as from a real engine; Dynamo's instant mocker hands a
+# request's tokens to its frontend in one burst, kvmesh's one engine step at a time). Both systems are measured
 # by the same client (`kvmesh bench`, aiohttp), and each run reports the CPU seconds every server
 # process used, so per-request cost can be compared even on a noisy machine.
 set -euo pipefail
@@ -36,12 +39,12 @@ cleanup() { kill "$KV_PID" 2>/dev/null || true; wait "$KV_PID" 2>/dev/null || tr
             [ "${PEER:-0}" = 1 ] && bash /tmp/dynamo_peer/scripts/stop_dynamo.sh >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 
-$PY -m kvmesh --log-level warning up --workers 2 --speedup-ratio 1e9 --http-port "$KV_PORT" >/tmp/kvmesh-bench-up.log 2>&1 &
+$PY -m kvmesh --log-level warning up --workers 2 --speedup-ratio "${SPEEDUP:-1e9}" --http-port "$KV_PORT" >/tmp/kvmesh-bench-up.log 2>&1 &
 KV_PID=$!
 for _ in $(seq 100); do curl -sf "127.0.0.1:$KV_PORT/health" >/dev/null && break; sleep 0.2; done
 if [ "${PEER:-0}" = 1 ]; then
   mkdir -p /tmp/dynamo_peer/scripts && cp ../shared/peers/* /tmp/dynamo_peer/scripts/
-  PORT=$PEER_PORT WORKERS=2 bash /tmp/dynamo_peer/scripts/launch_dynamo.sh
+  PORT=$PEER_PORT WORKERS=2 SPEEDUP="${SPEEDUP:-1000000}" bash /tmp/dynamo_peer/scripts/launch_dynamo.sh
 fi
 for r in 1; do
   measure kvmesh "$KV_PORT" "\-m kvmesh .*(frontend|worker) "
