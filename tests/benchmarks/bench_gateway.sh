@@ -5,12 +5,12 @@
 #   PEER=1 bash tests/benchmarks/bench_gateway.sh     # also Dynamo 1.6.1 (installed by
 #                                                     # ../shared/peers/install_dynamo.sh)
 # Workload: streaming chat, 8 output tokens, 200 concurrent clients, 2 effectively instant mocker
-# workers; then sequential single requests on one keep-alive connection. SPEEDUP=R runs both
-# systems' mockers at --speedup-ratio R instead (e.g. 5: ~1.1 ms decode steps, so each token
-# reaches the gateway on its own, as from a real engine; Dynamo's instant mocker hands a
-# request's tokens to its frontend in one burst, kvmesh's one engine step at a time). Both systems are measured
+# workers; then sequential single requests on one keep-alive connection. Both systems are measured
 # by the same client (`kvmesh bench`, aiohttp), and each run reports the CPU seconds every server
 # process used, so per-request cost can be compared even on a noisy machine.
+# SPEEDUP=R runs both systems' mockers at --speedup-ratio R instead (e.g. 5: ~1.1 ms decode
+# steps, so each token reaches the gateway on its own, as from a real engine; Dynamo's instant
+# mocker hands a request's tokens to its frontend in one burst, kvmesh's one step at a time).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
