@@ -11,6 +11,8 @@
 # SPEEDUP=R runs both systems' mockers at --speedup-ratio R instead (e.g. 5: ~1.1 ms decode
 # steps, so each token reaches the gateway on its own, as from a real engine; Dynamo's instant
 # mocker hands a request's tokens to its frontend in one burst, kvmesh's one step at a time).
+# PROCS=N runs kvmesh's gateway as N processes on its port (`--gateway-processes N`; default 1:
+# one Python process, which serves about one core's worth of requests).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -39,7 +41,8 @@ cleanup() { kill "$KV_PID" 2>/dev/null || true; wait "$KV_PID" 2>/dev/null || tr
             [ "${PEER:-0}" = 1 ] && bash /tmp/dynamo_peer/scripts/stop_dynamo.sh >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 
-$PY -m kvmesh --log-level warning up --workers 2 --speedup-ratio "${SPEEDUP:-1e9}" --http-port "$KV_PORT" >/tmp/kvmesh-bench-up.log 2>&1 &
+$PY -m kvmesh --log-level warning up --workers 2 --speedup-ratio "${SPEEDUP:-1e9}" --http-port "$KV_PORT" \
+  --gateway-processes "${PROCS:-1}" >/tmp/kvmesh-bench-up.log 2>&1 &
 KV_PID=$!
 for _ in $(seq 100); do curl -sf "127.0.0.1:$KV_PORT/health" >/dev/null && break; sleep 0.2; done
 if [ "${PEER:-0}" = 1 ]; then

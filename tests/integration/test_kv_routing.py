@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ from kvmesh.router.pool import WorkerPool
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router
 from kvmesh.runtime.discovery import FileDiscovery
+from kvmesh.runtime.errors import Unimplemented
 from kvmesh.runtime.grpcutil import GrpcServer, insecure_channel
 from kvmesh.runtime.types import EngineRequest, SamplingParams, StopParams
 from kvmesh.workers.config import WorkerConfig
@@ -250,6 +252,22 @@ async def test_two_router_replicas_share_load_and_agree(
         freed = await asyncio.wait_for(anext(aiter(call)), 5)
         assert freed.state == rpb.REQUEST_STATE_FINISHED
         call.cancel()
+        # In batches (what peers use): the active bookings in one message, then the changes
+        # made since the last message in the next.
+        for i in range(3):
+            await a.route("tiny", prompt(i, 5), f"batch{i}")
+        batches = stub.SubscribeLoadEventBatches(
+            rpb.SubscribeLoadEventBatchesRequest(subscriber_id="test")
+        )
+        active = await asyncio.wait_for(anext(aiter(batches)), 5)
+        assert sorted(e.request_id for e in active.events) == ["batch0", "batch1", "batch2"]
+        for i in range(3):  # no await between them: one batch
+            a.finished(f"batch{i}")
+        changes = await asyncio.wait_for(anext(aiter(batches)), 5)
+        assert [(e.request_id, e.state) for e in changes.events] == [
+            (f"batch{i}", rpb.REQUEST_STATE_FINISHED) for i in range(3)
+        ]
+        batches.cancel()
         listing = await stub.ListWorkers(rpb.ListWorkersRequest())
         assert sum(w.indexed_blocks for w in listing.workers) >= 3 * 7
         assert all(w.HasField("load") for w in listing.workers)
@@ -261,6 +279,46 @@ async def test_two_router_replicas_share_load_and_agree(
             await server.stop(0)
         for pool in pools:
             await pool.stop()
+
+
+class _OneEventServicer(RouterServicer):
+    """A router service from before SubscribeLoadEventBatches."""
+
+    async def SubscribeLoadEventBatches(self, request: Any, context: Any) -> Any:
+        raise Unimplemented("not in this version")
+
+
+async def test_peers_fall_back_to_one_event_messages(workers: list[Worker], tmp_path: Path) -> None:
+    old_pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+    old = KvRouter(old_pool, KvRouterConfig(), router_id="old")
+    server = GrpcServer()
+    server.add(
+        rpb_grpc.add_RouterServiceServicer_to_server,
+        _OneEventServicer(old_pool, old),
+        ROUTER_SERVICE,
+    )
+    pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+    new = KvRouter(pool, KvRouterConfig(), peers=[server.address], router_id="new")
+    try:
+        await server.start()
+        for p in (old_pool, pool):
+            await p.start()
+            await p.wait_for(4, timeout_s=10)
+        for r in (old, new):
+            await r.start()
+        assert new.peer_sync is not None
+        await until(lambda: bool(new.peer_sync and new.peer_sync.connected))
+        await old.route("tiny", prompt(2, 0), "r")
+        source = f"peer:{server.address}"
+        await until(lambda: new.scheduler.num_bookings(source) == 1)
+        old.finished("r")
+        await until(lambda: new.scheduler.num_bookings(source) == 0)
+    finally:
+        for r in (new, old):
+            await r.close()
+        await server.stop(0)
+        for p in (pool, old_pool):
+            await p.stop()
 
 
 async def test_a_worker_that_leaves_leaves_the_index(workers: list[Worker], tmp_path: Path) -> None:

@@ -89,7 +89,7 @@ from kvmesh.planner.profile import PerfProfile
 from kvmesh.router import main as router_main
 from kvmesh.router.main import RouterServerConfig
 from kvmesh.router.stack import MeshConfig
-from kvmesh.runtime.config import ConfigError, Flags, from_args, opt, to_argv
+from kvmesh.runtime.config import ConfigError, Flags, from_args, opt
 from kvmesh.runtime.discovery import EventKind, open_discovery
 from kvmesh.runtime.errors import Aborted, InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import (
@@ -101,7 +101,14 @@ from kvmesh.runtime.grpcutil import (
 )
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.ports import free_port
-from kvmesh.runtime.process import CORE_SLOT_ENV, ChildProcess, Entry, GlobalConfig, run
+from kvmesh.runtime.process import (
+    CORE_SLOT_ENV,
+    ChildProcess,
+    Entry,
+    GlobalConfig,
+    kvmesh_argv,
+    run,
+)
 from kvmesh.runtime.telemetry import TracingConfig
 from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
 from kvmesh.runtime.types import Role
@@ -317,11 +324,6 @@ class Child:
         self.proc.send_signal(signal.SIGKILL)
 
 
-def _kvmesh(command: str, *configs: Any) -> list[str]:
-    """The argv of `kvmesh <command>` with the non-default fields of `configs` as flags."""
-    return [sys.executable, "-m", "kvmesh", command, *(a for c in configs for a in to_argv(c))]
-
-
 def _reachable(host: str) -> str:
     """The address to reach a server bound to `host` on this machine."""
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -412,7 +414,7 @@ class Supervisor:
         if tiers.kv_disk_dir:
             tiers = replace(tiers, kv_disk_dir=str(Path(tiers.kv_disk_dir) / slot))
         tls = self.tls("kvmesh-worker")
-        return _kvmesh(
+        return kvmesh_argv(
             "worker", self.args.log, worker, tiers, self.args.engine, tls, self.args.tracing
         )
 
@@ -420,13 +422,13 @@ class Supervisor:
         """The command line of the standalone router (--router-process)."""
         router = replace(self.args.router, host="127.0.0.1", port=port, metrics_port=metrics_port)
         tls = self.tls("kvmesh-router")
-        return _kvmesh("router", self.args.log, router, self.mesh, tls, self.args.tracing)
+        return kvmesh_argv("router", self.args.log, router, self.mesh, tls, self.args.tracing)
 
     def frontend_argv(self, router_address: str = "") -> list[str]:
         """The command line of the frontend."""
         mesh = replace(self.mesh, router_address=router_address)
         tls = self.tls("kvmesh-frontend")
-        return _kvmesh("frontend", self.args.log, self.frontend, mesh, tls, self.args.tracing)
+        return kvmesh_argv("frontend", self.args.log, self.frontend, mesh, tls, self.args.tracing)
 
     @property
     def workers(self) -> list[Child]:

@@ -550,7 +550,7 @@ class _Routes:
         return _json_response(200, self._openapi)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        resp = web.Response(status=200, body=self.metrics.render())
+        resp = web.Response(status=200, body=await self.metrics.exposition())
         resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
         return resp
 
@@ -771,12 +771,14 @@ async def serve_http(
     port: int,
     *,
     tls: ServerSslContext | None = None,
+    reuse_port: bool = False,
     **runner_kwargs: Any,
 ) -> tuple[web.AppRunner, int]:
     """Start serving `app` on host:port (0 = any free port); return (runner, bound port).
 
     Stop with `await runner.cleanup()`. Backlog and keep-alive come from the app's
     FrontendConfig. `tls`: serve HTTPS (certificates reloaded when their files change).
+    `reuse_port`: bind with SO_REUSEPORT, beside the other processes of a gateway group.
     `runner_kwargs` go to web.AppRunner.
     """
     config = app.get(CONFIG_KEY) or FrontendConfig()
@@ -789,7 +791,14 @@ async def serve_http(
     runner = web.AppRunner(app, **kwargs)
     await runner.setup()
     ssl_context = tls.context if tls is not None else None
-    site = web.TCPSite(runner, host, port, backlog=config.backlog, ssl_context=ssl_context)
+    site = web.TCPSite(
+        runner,
+        host,
+        port,
+        backlog=config.backlog,
+        ssl_context=ssl_context,
+        reuse_port=reuse_port or None,
+    )
     try:
         await site.start()
     except BaseException:

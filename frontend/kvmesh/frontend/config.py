@@ -71,6 +71,24 @@ class FrontendConfig:
         "that does not read holds in the kernel, which otherwise grows it to megabytes). 0: the "
         "kernel's default",
     )
+    gateway_processes: int = opt(
+        1,
+        "gateway processes serving --http-port (and the KServe gRPC port) together, for more "
+        "than one core's worth of requests: the kernel spreads connections between them "
+        "(SO_REUSEPORT); each routes with its own KV router, sharing predicted load with the "
+        "others, and /metrics from any of them sums all. 0: one per CPU core",
+    )
+    router_sync_port: int = opt(
+        -1,
+        "serve the in-process KV router as RouterService on this port of --http-host, so "
+        "other gateways' --router-peers share its bookings (SubscribeLoadEvents); 0: a free "
+        "one (logged); -1: off",
+    )
+    gateway_group: str = opt(
+        "",
+        "set by --gateway-processes for each of its processes (DIRECTORY,INDEX,COUNT): bind "
+        "the ports with SO_REUSEPORT, serve this process's metrics to the others",
+    )
     kserve_grpc_port: int = opt(
         -1,
         "port of the KServe v2 gRPC server (inference.GRPCInferenceService, incl. Triton's "
@@ -115,6 +133,15 @@ class FrontendConfig:
             raise ValueError("kserve_grpc_port must be >= -1 (-1: off, 0: pick a free one)")
         if not self.stream_write_timeout_s >= 0 or not self.drain_timeout_s >= 0:
             raise ValueError("stream_write_timeout_s and drain_timeout_s must be >= 0")
+        if self.gateway_processes < 0:
+            raise ValueError("gateway_processes must be >= 0 (0: one per CPU core)")
+        if self.router_sync_port < -1:
+            raise ValueError("router_sync_port must be >= -1 (-1: off, 0: pick a free one)")
+        if self.gateway_processes != 1 and self.router_sync_port >= 0:
+            raise ValueError(
+                "--router-sync-port serves one process's router: with --gateway-processes, "
+                "each process's is chosen for it"
+            )
         if self.send_buffer_bytes < 0:
             raise ValueError("send_buffer_bytes must be >= 0")
 

@@ -427,6 +427,7 @@ async def serve_kserve_grpc(
     *,
     auth: GatewayAuth | None = None,
     tls: ReloadingTls | None = None,
+    reuse_port: bool = False,
 ) -> GrpcServer:
     """Start `inference.GRPCInferenceService` (plus health and reflection) on host:port
     (0: any free port); stop it with `await server.stop(grace)`.
@@ -434,7 +435,8 @@ async def serve_kserve_grpc(
     `auth`: every call but the probes (ServerLive, ServerReady, grpc.health.v1) needs an API
     key in its `authorization` metadata ("Bearer KEY", as tritonclient's `headers=` sends it),
     else UNAUTHENTICATED; a key over its requests-per-minute limit gets RESOURCE_EXHAUSTED.
-    `tls`: TLS with the gateway's certificate (reloaded when its files change)."""
+    `tls`: TLS with the gateway's certificate (reloaded when its files change). `reuse_port`:
+    bind with SO_REUSEPORT, beside the other processes of a gateway group."""
     security = ServerSecurity(
         credentials=(
             reloading_server_credentials(tls, require_client_certificate=False)
@@ -444,7 +446,7 @@ async def serve_kserve_grpc(
         authorize=_authorizer(auth) if auth is not None else None,
         open_methods=(HEALTH_METHODS, *_PROBES),
     )
-    server = GrpcServer(host, port, security=security)
+    server = GrpcServer(host, port, security=security, reuse_port=reuse_port)
     server.add(
         pb_grpc.add_GRPCInferenceServiceServicer_to_server, KServeServicer(service), KSERVE_SERVICE
     )

@@ -11,17 +11,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.metrics import DisaggCollector, PoolCollector, RoutingCollector
 from kvmesh.router.routing import RoutingStats
+from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args
-from kvmesh.runtime.grpcutil import MeshSecurity
+from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
 from kvmesh.runtime.process import Entry, GlobalConfig, freeze_heap, run, wait_for_signal
@@ -74,6 +77,7 @@ async def _serve(
     # and only the frontend needs the gateway (aiohttp app, tokenizers, chat templates).
     from kvmesh.frontend.app import abort_streams, build_app, serve_http
     from kvmesh.frontend.auth import GatewayAuth
+    from kvmesh.frontend.group import GatewayGroup, PeerMetrics, serve_own_metrics
     from kvmesh.frontend.service import OpenAIService
     from kvmesh.frontend.tokenizer import Tokenizer
 
@@ -105,19 +109,37 @@ async def _serve(
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         service.metrics.registry.register(RoutingCollector(stats))
+    service.metrics.registry.register(DisaggCollector(backend.stats))
+    # What every process of a gateway group sees whole: shown once, never summed.
     if isinstance(router, KvRouter):  # the workers' KV tier counters, from their load streams
         loads = router.subscriber.loads
-        service.metrics.registry.register(KvTierCollector(lambda: list(loads.items())))
-    service.metrics.registry.register(DisaggCollector(backend.stats))
-    service.metrics.registry.register(PoolCollector(pool))
+        service.metrics.shared.register(KvTierCollector(lambda: list(loads.items())))
+    service.metrics.shared.register(PoolCollector(pool))
+    group = GatewayGroup.parse(config.gateway_group)
     app = build_app(service, config, auth)
     runner, port = await serve_http(
         app,
         config.http_host,
         config.http_port,
         tls=ServerSslContext(tls) if tls is not None else None,
+        reuse_port=group is not None,
         shutdown_timeout=1.0,
     )
+    sync = None
+    if config.router_sync_port >= 0:
+        if not isinstance(router, KvRouter):
+            raise ValueError("--router-sync-port serves an in-process KV router (--router-mode kv)")
+        # A group's processes follow each other on loopback; a gateway on its own is followed
+        # by other hosts' gateways, on its own address.
+        sync_host = "127.0.0.1" if group is not None else config.http_host
+        sync = mesh_server(sync_host, config.router_sync_port, security)
+        sync.add(
+            rpb_grpc.add_RouterServiceServicer_to_server,
+            RouterServicer(pool, router, mesh),
+            ROUTER_SERVICE,
+        )
+        await sync.start()
+        log.info("frontend serving its router's bookings (RouterService) on %s", sync.address)
     scheme = "https" if tls is not None else "http"
     log.info(
         "frontend serving OpenAI API on %s://%s:%d/v1 (API keys: %s)",
@@ -132,9 +154,18 @@ async def _serve(
         from kvmesh.frontend.kserve_grpc import serve_kserve_grpc
 
         kserve = await serve_kserve_grpc(
-            service, config.http_host, config.kserve_grpc_port, auth=auth, tls=tls
+            service,
+            config.http_host,
+            config.kserve_grpc_port,
+            auth=auth,
+            tls=tls,
+            reuse_port=group is not None,
         )
         log.info("frontend serving KServe v2 gRPC on %s", kserve.address)
+    own_metrics = peers = None
+    if group is not None:
+        peers = service.metrics.peers = PeerMetrics(group)
+        own_metrics = await serve_own_metrics(service.metrics, group)  # last: "started"
     freeze_heap()
     await wait_for_signal()
     service.start_drain()
@@ -147,6 +178,11 @@ async def _serve(
     if kserve is not None:
         await kserve.stop(1.0 if drained else 0)
     await runner.cleanup()
+    if sync is not None:
+        await sync.stop(0)
+    if own_metrics is not None and peers is not None:
+        await own_metrics.cleanup()
+        await peers.close()
     await close_router(router)
     await pool.stop()
     return drained
@@ -173,11 +209,32 @@ async def _drain(service: OpenAIService, timeout_s: float) -> bool:
 def main(ns: argparse.Namespace) -> int:
     """`kvmesh frontend`: serve until SIGINT/SIGTERM; exit code 1 when the drain had to cut
     requests short."""
-    security = MeshSecurity.load(from_args(TlsConfig, ns))  # bad certificates stop it here
+    tls_config = from_args(TlsConfig, ns)
+    security = MeshSecurity.load(tls_config)  # bad certificates stop it here
+    config = from_args(FrontendConfig, ns)
+    mesh = from_args(MeshConfig, ns)
+    processes = config.gateway_processes or os.cpu_count() or 1
+    if processes > 1:
+        from kvmesh.frontend.auth import GatewayAuth
+        from kvmesh.frontend.group import run_group
+
+        # What each process would refuse, refused once, here.
+        gateway_tls(config)
+        GatewayAuth.from_config(config)
+        return run(
+            run_group(
+                processes,
+                config,
+                mesh,
+                tls_config,
+                from_args(TracingConfig, ns),
+                from_args(GlobalConfig, ns),
+            )
+        )
     drained = run(
         serve_frontend(
-            from_args(FrontendConfig, ns),
-            from_args(MeshConfig, ns),
+            config,
+            mesh,
             security,
             from_args(TracingConfig, ns),
             from_args(GlobalConfig, ns).log_content,

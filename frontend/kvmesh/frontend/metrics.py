@@ -32,7 +32,7 @@ Metric names (all prefixed `kvmesh_frontend_`; OpenTelemetry GenAI semantics in 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -42,7 +42,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from kvmesh.runtime.metrics import CONTENT_TYPE, Histogram, render
+from kvmesh.runtime.metrics import CONTENT_TYPE, Histogram, render, sum_expositions
 
 __all__ = [
     "CONTENT_TYPE",
@@ -138,6 +138,13 @@ class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         """Register in `registry` (a new one by default; never the global registry)."""
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        """This process's own metrics: what it served, routed, holds in flight."""
+        self.shared = CollectorRegistry(auto_describe=False)
+        """Metrics of the mesh this process sees whole, as every gateway process does (the
+        workers it routes to, their KV tiers): with --gateway-processes, never summed."""
+        self.peers: Callable[[], Awaitable[list[bytes]]] | None = None
+        """With --gateway-processes: the other processes' `render_own()`, summed into
+        `exposition()` (kvmesh.frontend.group)."""
         self._requests: dict[tuple[str, str, str, str], int] = {}
         self._started: dict[tuple[str, str, str], int] = {}
         self._models: dict[str, ModelMetrics] = {}
@@ -178,8 +185,25 @@ class FrontendMetrics:
         )
 
     def render(self) -> bytes:
-        """Prometheus text exposition of the registry."""
+        """Prometheus text exposition of this process's metrics."""
+        return render(self.registry) + render(self.shared)
+
+    def render_own(self) -> bytes:
+        """The exposition of `registry` alone (what a gateway process adds to the others')."""
         return render(self.registry)
+
+    async def exposition(self) -> bytes:
+        """What `GET /metrics` serves: `render()`, or with peer processes, every process's own
+        metrics summed (and how many answered: `gateway_processes`) and the shared ones."""
+        if self.peers is None:
+            return self.render()
+        texts = [self.render_own(), *await self.peers()]
+        answered = GaugeMetricFamily(
+            PREFIX + "gateway_processes",
+            "Gateway processes (--gateway-processes) whose metrics this exposition sums.",
+        )
+        answered.add_metric([], len(texts))
+        return sum_expositions(texts, [answered]) + render(self.shared)
 
     def collect(self) -> Iterator[Metric]:
         """Metric families for the collector."""

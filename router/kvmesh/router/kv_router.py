@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
 
 from kvmesh.router.kv_scheduler import (
@@ -41,6 +42,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+LOAD_EVENT_BATCH = 1024
+"""Most booking changes sent to a peer replica in one message."""
 
 
 class KvRouter:
@@ -159,21 +163,50 @@ class KvRouter:
             handle.inflight -= 1
 
     async def load_events(self, subscriber_id: str = "") -> AsyncIterator[LoadEvent]:
-        """This replica's own bookings active now, then every change, until the consumer stops
-        (RouterService.SubscribeLoadEvents). A consumer more than 65,536 changes behind is cut
-        off (the iterator ends): it reconnects and starts again from the active bookings."""
-        queue: asyncio.Queue[LoadEvent | None] = asyncio.Queue()
+        """`load_event_batches`, one event at a time (RouterService.SubscribeLoadEvents)."""
+        batches = self.load_event_batches(subscriber_id)
+        try:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
+    async def load_event_batches(
+        self, subscriber_id: str = "", max_batch: int = LOAD_EVENT_BATCH
+    ) -> AsyncIterator[list[LoadEvent]]:
+        """This replica's own bookings active now, then every change, in batches of what
+        happened since the consumer took the last one (at most `max_batch`), until the consumer
+        stops (RouterService.SubscribeLoadEventBatches). A consumer more than 65,536 changes
+        behind is cut off (the iterator ends): it reconnects and starts again from the active
+        bookings."""
+        queue: deque[LoadEvent | None] = deque()
+        ready = asyncio.Event()
         limit = 65536
 
         def push(event: LoadEvent) -> None:
-            queue.put_nowait(event if queue.qsize() < limit else None)
+            queue.append(event if len(queue) < limit else None)
+            ready.set()
 
         self.scheduler.add_listener(push)
         try:
-            for event in self.scheduler.own_bookings():
-                yield event
-            while (item := await queue.get()) is not None:
-                yield item
-            log.warning("load event subscriber %s fell behind; cutting it off", subscriber_id)
+            active = self.scheduler.own_bookings()
+            for start in range(0, len(active), max_batch):
+                yield active[start : start + max_batch]
+            while True:
+                await ready.wait()
+                batch: list[LoadEvent] = []
+                while queue and len(batch) < max_batch:
+                    event = queue.popleft()
+                    if event is None:
+                        log.warning(
+                            "load event subscriber %s fell behind; cutting it off", subscriber_id
+                        )
+                        return
+                    batch.append(event)
+                if not queue:
+                    ready.clear()
+                if batch:
+                    yield batch
         finally:
             self.scheduler.remove_listener(push)

@@ -345,20 +345,33 @@ class PeerLoadSync:
         own_id = self.scheduler.router_id
         channel = mesh_channel(address, self.security)
         stub = rpb_grpc.RouterServiceStub(channel)
+        batched = True  # until the peer says it has only the one-event stream (an older one)
         try:
             while True:
-                call = stub.SubscribeLoadEvents(
-                    rpb.SubscribeLoadEventsRequest(subscriber_id=own_id)
-                )
+                call: Any
+                if batched:
+                    call = stub.SubscribeLoadEventBatches(
+                        rpb.SubscribeLoadEventBatchesRequest(subscriber_id=own_id)
+                    )
+                else:
+                    call = stub.SubscribeLoadEvents(
+                        rpb.SubscribeLoadEventsRequest(subscriber_id=own_id)
+                    )
                 try:
                     await call.wait_for_connection()
                     self.connected.add(address)
                     backoff.reset()
                     async for msg in call:
-                        event = load_event_from_pb(msg)
-                        if event.router_id != own_id:
-                            self.scheduler.apply_peer(source, event, self.clock.now())
+                        now = self.clock.now()
+                        for pb in msg.events if batched else (msg,):
+                            event = load_event_from_pb(pb)
+                            if event.router_id != own_id:
+                                self.scheduler.apply_peer(source, event, now)
                 except grpc.aio.AioRpcError as exc:
+                    if batched and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        batched = False
+                        self.connected.discard(address)
+                        continue
                     log.debug("load events of peer %s failed: %s", address, exc.code())
                 finally:
                     call.cancel()

@@ -66,6 +66,13 @@ class HealthConfig:
         "requests this process keeps in flight on one worker (prefill workers excepted); more "
         "wait in the admission queue. -1: the worker's max_num_seqs (its batch size), 0: no limit",
     )
+    gateway_replicas: int = opt(
+        1,
+        "gateways sharing each worker's in-flight limit (--max-inflight-per-worker, or "
+        "max_num_seqs): each keeps its share, rounded up. --gateway-processes sets it for its "
+        "processes; set it to the number of gateway replicas (times their processes) in front "
+        "of one pool",
+    )
 
     def __post_init__(self) -> None:
         if self.health_check_interval_s < 0 or not self.health_check_timeout_s > 0:
@@ -74,11 +81,18 @@ class HealthConfig:
             raise ValueError("health_check_failures must be >= 1")
         if self.max_inflight_per_worker < -1:
             raise ValueError("max_inflight_per_worker must be >= -1")
+        if self.gateway_replicas < 1:
+            raise ValueError("gateway_replicas must be >= 1")
 
     def inflight_limit(self, info: ModelInfo) -> int:
-        """The in-flight limit of a worker with card `info` (0: none)."""
-        limit = self.max_inflight_per_worker
-        return info.max_num_seqs if limit == -1 else limit
+        """This gateway's in-flight limit on a worker with card `info` (0: none): its share of
+        the worker's, rounded up."""
+        limit = (
+            info.max_num_seqs
+            if self.max_inflight_per_worker == -1
+            else (self.max_inflight_per_worker)
+        )
+        return -(-limit // self.gateway_replicas)
 
 
 @dataclass(eq=False)

@@ -129,6 +129,23 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
+    async def SubscribeLoadEventBatches(
+        self,
+        request: rpb.SubscribeLoadEventBatchesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[rpb.SubscribeLoadEventBatchesResponse]:
+        if not isinstance(self.router, KvRouter):
+            raise Unimplemented("only the KV router shares predicted load with its replicas")
+        await context.send_initial_metadata(())  # as SubscribeLoadEvents
+        batches = self.router.load_event_batches(request.subscriber_id)
+        try:
+            async for batch in batches:
+                yield rpb.SubscribeLoadEventBatchesResponse(
+                    events=[load_event_to_pb(event) for event in batch]
+                )
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
     async def ListWorkers(
         self, request: rpb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> rpb.ListWorkersResponse:

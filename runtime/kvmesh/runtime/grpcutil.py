@@ -293,15 +293,25 @@ class GrpcServer:
     `add(register_fn, servicer, service_name)` for each service, then `await start()`;
     `port` is the bound port. `set_serving(bool)` flips the health status of every service.
     `security`: TLS credentials and a per-call check (e.g. `MeshSecurity.server()`); None:
-    plaintext, every caller accepted.
+    plaintext, every caller accepted. `reuse_port`: bind with SO_REUSEPORT (a port several
+    processes serve; off otherwise, so a port in use is an error).
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, security: ServerSecurity | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        security: ServerSecurity | None = None,
+        reuse_port: bool = False,
     ) -> None:
         security = security or ServerSecurity()
         interceptor = ErrorInterceptor(security.authorize, security.open_methods)
-        self._server = grpc.aio.server(interceptors=[interceptor], options=SERVER_OPTIONS)
+        options = SERVER_OPTIONS
+        if reuse_port:  # beside the other processes of a gateway group (--gateway-processes)
+            options = (*(o for o in options if o[0] != "grpc.so_reuseport"),)
+            options += (("grpc.so_reuseport", 1),)
+        self._server = grpc.aio.server(interceptors=[interceptor], options=options)
         self._health = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._names: list[str] = []

@@ -11,15 +11,24 @@ locking is needed; do not observe from other threads.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-__all__ = ["CONTENT_TYPE", "METRICS_PORT_HELP", "Histogram", "MetricsServer", "render"]
+__all__ = [
+    "CONTENT_TYPE",
+    "METRICS_PORT_HELP",
+    "Histogram",
+    "MetricsServer",
+    "render",
+    "sum_expositions",
+]
 
 METRICS_PORT_HELP = (
     "port of the Prometheus endpoint (GET /metrics, on the same host as the gRPC server); "
@@ -67,6 +76,49 @@ class Histogram:
 def render(registry: CollectorRegistry) -> bytes:
     """Prometheus text exposition of `registry`."""
     return bytes(generate_latest(registry))
+
+
+_SampleKey = tuple[str, tuple[tuple[str, str], ...]]
+"""A sample's name and its sorted labels."""
+
+
+def sum_expositions(texts: Iterable[bytes], extra: Iterable[Metric] = ()) -> bytes:
+    """One text exposition of several processes' `texts`: each sample (name and labels) the sum
+    of its values in all of them, as Prometheus' `sum without (instance)` would give: counters,
+    histogram buckets and gauges of what each process holds (requests in flight) add up. Help
+    and type from the first text with the family; `extra` families are appended as they are.
+    Only for samples that mean "this process's share": a gauge that every process sees whole
+    (the workers it routes to) must not go through here."""
+    families: dict[str, Metric] = {}
+    sums: dict[str, dict[_SampleKey, float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            if family.name not in families:
+                families[family.name] = Metric(family.name, family.documentation, family.type)
+                sums[family.name] = {}
+            values = sums[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                values[key] = values.get(key, 0.0) + sample.value
+
+    class _Summed:
+        def collect(self) -> Iterator[Metric]:
+            for name, family in families.items():
+                # A series' samples together (a histogram's buckets, _sum and _count), in the
+                # order the first text that had it gave them.
+                series: dict[tuple[tuple[str, str], ...], list[_SampleKey]] = {}
+                for key in sums[name]:
+                    base = tuple(kv for kv in key[1] if kv[0] != "le")
+                    series.setdefault(base, []).append(key)
+                for keys in series.values():
+                    for key in keys:
+                        family.add_sample(key[0], dict(key[1]), sums[name][key])
+                yield family
+            yield from extra
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Summed())
+    return render(registry)
 
 
 class MetricsServer:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvmesh.runtime.config import Flags, opt
+from kvmesh.runtime.config import Flags, opt, to_argv
 from kvmesh.runtime.telemetry import LOG_CONTEXT
 
 T = TypeVar("T")
@@ -206,6 +206,12 @@ def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         threading.Event().wait(0.5)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def kvmesh_argv(command: str, *configs: Any) -> list[str]:
+    """The argv of `kvmesh <command>` (this interpreter) with the non-default fields of
+    `configs` as flags (a GlobalConfig among them too: the global flags follow the command)."""
+    return [sys.executable, "-m", "kvmesh", command, *(a for c in configs for a in to_argv(c))]
 
 
 class ChildProcess:

@@ -26,15 +26,15 @@ from kvmesh.api.common.v1 import common_pb2 as kvmesh_dot_api_dot_common_dot_v1_
 from kvmesh.api.worker.v1 import worker_service_pb2 as kvmesh_dot_api_dot_worker_dot_v1_dot_worker__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/api/router/v1/router_service.proto\x12\x14kvmesh.api.router.v1\x1a!kvmesh/api/common/v1/common.proto\x1a)kvmesh/api/worker/v1/worker_service.proto\"\xd4\x01\n\x0cRouteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12.\n\x04role\x18\x05 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x1a\n\x12\x65xclude_worker_ids\x18\x06 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\x12\x1e\n\x16\x65xpected_output_tokens\x18\x08 \x01(\r\"v\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x15\n\rprompt_blocks\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"y\n\x19ReportRequestStateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".kvmesh.api.router.v1.RequestState\x12\x15\n\routput_tokens\x18\x03 \x01(\r\"+\n\x1aReportRequestStateResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"X\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x36\n\x07request\x18\x02 \x01(\x0b\x32%.kvmesh.api.worker.v1.GenerateRequest\"_\n\x10GenerateResponse\x12\x38\n\x08response\x18\x01 \x01(\x0b\x32&.kvmesh.api.worker.v1.GenerateResponse\x12\x11\n\tworker_id\x18\x02 \x01(\t\"3\n\x1aSubscribeLoadEventsRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"\xb9\x01\n\x1bSubscribeLoadEventsResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x31\n\x05state\x18\x04 \x01(\x0e\x32\".kvmesh.api.router.v1.RequestState\x12\x16\n\x0eprefill_blocks\x18\x05 \x01(\r\x12\x15\n\rdecode_blocks\x18\x06 \x01(\r\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa8\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12-\n\x04\x63\x61rd\x18\x03 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.ModelCard\x12/\n\x04load\x18\x04 \x01(\x0b\x32!.kvmesh.api.common.v1.LoadMetrics\x12\x16\n\x0eindexed_blocks\x18\x05 \x01(\x04\"H\n\x13ListWorkersResponse\x12\x31\n\x07workers\x18\x01 \x03(\x0b\x32 .kvmesh.api.router.v1.WorkerInfo*\x85\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_STATE_FIRST_TOKEN\x10\x01\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x02\x12\x1b\n\x17REQUEST_STATE_CANCELLED\x10\x03\x32\x99\x04\n\rRouterService\x12P\n\x05Route\x12\".kvmesh.api.router.v1.RouteRequest\x1a#.kvmesh.api.router.v1.RouteResponse\x12w\n\x12ReportRequestState\x12/.kvmesh.api.router.v1.ReportRequestStateRequest\x1a\x30.kvmesh.api.router.v1.ReportRequestStateResponse\x12[\n\x08Generate\x12%.kvmesh.api.router.v1.GenerateRequest\x1a&.kvmesh.api.router.v1.GenerateResponse0\x01\x12|\n\x13SubscribeLoadEvents\x12\x30.kvmesh.api.router.v1.SubscribeLoadEventsRequest\x1a\x31.kvmesh.api.router.v1.SubscribeLoadEventsResponse0\x01\x12\x62\n\x0bListWorkers\x12(.kvmesh.api.router.v1.ListWorkersRequest\x1a).kvmesh.api.router.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/api/router/v1/router_service.proto\x12\x14kvmesh.api.router.v1\x1a!kvmesh/api/common/v1/common.proto\x1a)kvmesh/api/worker/v1/worker_service.proto\"\xd4\x01\n\x0cRouteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12.\n\x04role\x18\x05 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x1a\n\x12\x65xclude_worker_ids\x18\x06 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\x12\x1e\n\x16\x65xpected_output_tokens\x18\x08 \x01(\r\"v\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x15\n\rprompt_blocks\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"y\n\x19ReportRequestStateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".kvmesh.api.router.v1.RequestState\x12\x15\n\routput_tokens\x18\x03 \x01(\r\"+\n\x1aReportRequestStateResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"X\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x36\n\x07request\x18\x02 \x01(\x0b\x32%.kvmesh.api.worker.v1.GenerateRequest\"_\n\x10GenerateResponse\x12\x38\n\x08response\x18\x01 \x01(\x0b\x32&.kvmesh.api.worker.v1.GenerateResponse\x12\x11\n\tworker_id\x18\x02 \x01(\t\"3\n\x1aSubscribeLoadEventsRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"9\n SubscribeLoadEventBatchesRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"f\n!SubscribeLoadEventBatchesResponse\x12\x41\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x31.kvmesh.api.router.v1.SubscribeLoadEventsResponse\"\xb9\x01\n\x1bSubscribeLoadEventsResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x31\n\x05state\x18\x04 \x01(\x0e\x32\".kvmesh.api.router.v1.RequestState\x12\x16\n\x0eprefill_blocks\x18\x05 \x01(\r\x12\x15\n\rdecode_blocks\x18\x06 \x01(\r\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa8\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12-\n\x04\x63\x61rd\x18\x03 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.ModelCard\x12/\n\x04load\x18\x04 \x01(\x0b\x32!.kvmesh.api.common.v1.LoadMetrics\x12\x16\n\x0eindexed_blocks\x18\x05 \x01(\x04\"H\n\x13ListWorkersResponse\x12\x31\n\x07workers\x18\x01 \x03(\x0b\x32 .kvmesh.api.router.v1.WorkerInfo*\x85\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_STATE_FIRST_TOKEN\x10\x01\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x02\x12\x1b\n\x17REQUEST_STATE_CANCELLED\x10\x03\x32\xaa\x05\n\rRouterService\x12P\n\x05Route\x12\".kvmesh.api.router.v1.RouteRequest\x1a#.kvmesh.api.router.v1.RouteResponse\x12w\n\x12ReportRequestState\x12/.kvmesh.api.router.v1.ReportRequestStateRequest\x1a\x30.kvmesh.api.router.v1.ReportRequestStateResponse\x12[\n\x08Generate\x12%.kvmesh.api.router.v1.GenerateRequest\x1a&.kvmesh.api.router.v1.GenerateResponse0\x01\x12|\n\x13SubscribeLoadEvents\x12\x30.kvmesh.api.router.v1.SubscribeLoadEventsRequest\x1a\x31.kvmesh.api.router.v1.SubscribeLoadEventsResponse0\x01\x12\x8e\x01\n\x19SubscribeLoadEventBatches\x12\x36.kvmesh.api.router.v1.SubscribeLoadEventBatchesRequest\x1a\x37.kvmesh.api.router.v1.SubscribeLoadEventBatchesResponse0\x01\x12\x62\n\x0bListWorkers\x12(.kvmesh.api.router.v1.ListWorkersRequest\x1a).kvmesh.api.router.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.router.v1.router_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTSTATE']._serialized_start=1359
-  _globals['_REQUESTSTATE']._serialized_end=1492
+  _globals['_REQUESTSTATE']._serialized_start=1522
+  _globals['_REQUESTSTATE']._serialized_end=1655
   _globals['_ROUTEREQUEST']._serialized_start=146
   _globals['_ROUTEREQUEST']._serialized_end=358
   _globals['_ROUTERESPONSE']._serialized_start=360
@@ -49,14 +49,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_end=833
   _globals['_SUBSCRIBELOADEVENTSREQUEST']._serialized_start=835
   _globals['_SUBSCRIBELOADEVENTSREQUEST']._serialized_end=886
-  _globals['_SUBSCRIBELOADEVENTSRESPONSE']._serialized_start=889
-  _globals['_SUBSCRIBELOADEVENTSRESPONSE']._serialized_end=1074
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1076
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1111
-  _globals['_WORKERINFO']._serialized_start=1114
-  _globals['_WORKERINFO']._serialized_end=1282
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1284
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1356
-  _globals['_ROUTERSERVICE']._serialized_start=1495
-  _globals['_ROUTERSERVICE']._serialized_end=2032
+  _globals['_SUBSCRIBELOADEVENTBATCHESREQUEST']._serialized_start=888
+  _globals['_SUBSCRIBELOADEVENTBATCHESREQUEST']._serialized_end=945
+  _globals['_SUBSCRIBELOADEVENTBATCHESRESPONSE']._serialized_start=947
+  _globals['_SUBSCRIBELOADEVENTBATCHESRESPONSE']._serialized_end=1049
+  _globals['_SUBSCRIBELOADEVENTSRESPONSE']._serialized_start=1052
+  _globals['_SUBSCRIBELOADEVENTSRESPONSE']._serialized_end=1237
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1239
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1274
+  _globals['_WORKERINFO']._serialized_start=1277
+  _globals['_WORKERINFO']._serialized_end=1445
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1447
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1519
+  _globals['_ROUTERSERVICE']._serialized_start=1658
+  _globals['_ROUTERSERVICE']._serialized_end=2340
 # @@protoc_insertion_point(module_scope)

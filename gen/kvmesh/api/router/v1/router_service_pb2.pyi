@@ -276,6 +276,54 @@ class SubscribeLoadEventsRequest(_message.Message):
 Global___SubscribeLoadEventsRequest: _TypeAlias = SubscribeLoadEventsRequest  # noqa: Y015
 
 @_typing.final
+class SubscribeLoadEventBatchesRequest(_message.Message):
+    """SubscribeLoadEventBatches request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    subscriber_id: _builtins.str
+    """The subscriber's router id, so a replica does not echo a peer's own bookings back."""
+    def __init__(
+        self,
+        *,
+        subscriber_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["subscriber_id", b"subscriber_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeLoadEventBatchesRequest: _TypeAlias = SubscribeLoadEventBatchesRequest  # noqa: Y015
+
+@_typing.final
+class SubscribeLoadEventBatchesResponse(_message.Message):
+    """Booking changes of one router replica."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubscribeLoadEventsResponse]:
+        """The changes, in the order they were made (the first message: the bookings active when
+        the stream opened).
+        """
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___SubscribeLoadEventsResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeLoadEventBatchesResponse: _TypeAlias = SubscribeLoadEventBatchesResponse  # noqa: Y015
+
+@_typing.final
 class SubscribeLoadEventsResponse(_message.Message):
     """One predicted-load booking change."""
 

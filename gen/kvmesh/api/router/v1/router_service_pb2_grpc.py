@@ -58,6 +58,11 @@ class RouterServiceStub:
                 request_serializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeLoadEventBatches = channel.unary_stream(
+                '/kvmesh.api.router.v1.RouterService/SubscribeLoadEventBatches',
+                request_serializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventBatchesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventBatchesResponse.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/kvmesh.api.router.v1.RouterService/ListWorkers',
                 request_serializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.ListWorkersRequest.SerializeToString,
@@ -103,6 +108,15 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeLoadEventBatches(self, request, context):
+        """SubscribeLoadEvents in batches: each message carries every booking change made since the
+        previous message (at least one), in order. The same changes in fewer messages under load:
+        what peers use, falling back to SubscribeLoadEvents where this is UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListWorkers(self, request, context):
         """Workers the router knows, with their roles and load.
         """
@@ -132,6 +146,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.SubscribeLoadEvents,
                     request_deserializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventsRequest.FromString,
                     response_serializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventsResponse.SerializeToString,
+            ),
+            'SubscribeLoadEventBatches': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeLoadEventBatches,
+                    request_deserializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventBatchesRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventBatchesResponse.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -251,6 +270,33 @@ class RouterService:
             '/kvmesh.api.router.v1.RouterService/SubscribeLoadEvents',
             kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventsRequest.SerializeToString,
             kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeLoadEventBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.api.router.v1.RouterService/SubscribeLoadEventBatches',
+            kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventBatchesRequest.SerializeToString,
+            kvmesh_dot_api_dot_router_dot_v1_dot_router__service__pb2.SubscribeLoadEventBatchesResponse.FromString,
             options,
             channel_credentials,
             insecure,

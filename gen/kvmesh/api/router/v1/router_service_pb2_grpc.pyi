@@ -53,6 +53,11 @@ class RouterServiceStub:
     """Predicted-load bookings of this router, streamed to peer router replicas so that every
     replica sees the whole fleet's load. Starts with the bookings active now.
     """
+    SubscribeLoadEventBatches: _grpc.UnaryStreamMultiCallable[_router_service_pb2.SubscribeLoadEventBatchesRequest, _router_service_pb2.SubscribeLoadEventBatchesResponse]
+    """SubscribeLoadEvents in batches: each message carries every booking change made since the
+    previous message (at least one), in order. The same changes in fewer messages under load:
+    what peers use, falling back to SubscribeLoadEvents where this is UNIMPLEMENTED.
+    """
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.ListWorkersRequest, _router_service_pb2.ListWorkersResponse]
     """Workers the router knows, with their roles and load."""
 
@@ -78,6 +83,11 @@ class RouterServiceAsyncStub(RouterServiceStub):
     SubscribeLoadEvents: _aio.UnaryStreamMultiCallable[_router_service_pb2.SubscribeLoadEventsRequest, _router_service_pb2.SubscribeLoadEventsResponse]  # type: ignore[assignment]
     """Predicted-load bookings of this router, streamed to peer router replicas so that every
     replica sees the whole fleet's load. Starts with the bookings active now.
+    """
+    SubscribeLoadEventBatches: _aio.UnaryStreamMultiCallable[_router_service_pb2.SubscribeLoadEventBatchesRequest, _router_service_pb2.SubscribeLoadEventBatchesResponse]  # type: ignore[assignment]
+    """SubscribeLoadEvents in batches: each message carries every booking change made since the
+    previous message (at least one), in order. The same changes in fewer messages under load:
+    what peers use, falling back to SubscribeLoadEvents where this is UNIMPLEMENTED.
     """
     ListWorkers: _aio.UnaryUnaryMultiCallable[_router_service_pb2.ListWorkersRequest, _router_service_pb2.ListWorkersResponse]  # type: ignore[assignment]
     """Workers the router knows, with their roles and load."""
@@ -125,6 +135,17 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_router_service_pb2.SubscribeLoadEventsResponse], _abc.AsyncIterator[_router_service_pb2.SubscribeLoadEventsResponse]]:
         """Predicted-load bookings of this router, streamed to peer router replicas so that every
         replica sees the whole fleet's load. Starts with the bookings active now.
+        """
+
+    @_abc_1.abstractmethod
+    def SubscribeLoadEventBatches(
+        self,
+        request: _router_service_pb2.SubscribeLoadEventBatchesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_router_service_pb2.SubscribeLoadEventBatchesResponse], _abc.AsyncIterator[_router_service_pb2.SubscribeLoadEventBatchesResponse]]:
+        """SubscribeLoadEvents in batches: each message carries every booking change made since the
+        previous message (at least one), in order. The same changes in fewer messages under load:
+        what peers use, falling back to SubscribeLoadEvents where this is UNIMPLEMENTED.
         """
 
     @_abc_1.abstractmethod
