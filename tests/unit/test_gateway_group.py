@@ -1,9 +1,11 @@
 """The pieces of `kvmesh frontend --gateway-processes`: summing the processes' metrics, the
-group's flag, the split of each worker's in-flight limit, and the flags' checks."""
+group's flag, the split of each worker's in-flight limit, the flags' checks, and how many CPUs
+`--gateway-processes 0` counts."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from kvmesh.frontend.metrics import FrontendMetrics
 from kvmesh.router.metrics import PoolCollector
 from kvmesh.router.pool import HealthConfig
 from kvmesh.runtime.metrics import sum_expositions
+from kvmesh.runtime.process import _cgroup_cpu_quota, usable_cpus
 from kvmesh.runtime.types import ModelInfo
 
 pytestmark = pytest.mark.unit
@@ -98,6 +101,7 @@ def test_exposition_sums_own_metrics_and_shows_shared_ones_once() -> None:
 def test_gateway_group_flag() -> None:
     group = GatewayGroup.parse("/tmp/g,dir,1,3")  # a directory may hold commas
     assert group == GatewayGroup(Path("/tmp/g,dir"), 1, 3)
+    assert group is not None
     assert GatewayGroup.parse(group.encode()) == group
     assert group.metrics_socket(2) == Path("/tmp/g,dir/metrics-2.sock")
     assert GatewayGroup.parse("") is None
@@ -132,3 +136,21 @@ def test_frontend_flags_of_the_group_are_checked() -> None:
         FrontendConfig(gateway_processes=2, router_sync_port=9000)
     FrontendConfig(gateway_processes=0)  # one per CPU core
     FrontendConfig(router_sync_port=0)
+
+
+def test_usable_cpus_follow_the_containers_cpu_limit(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert _cgroup_cpu_quota(v2) is None
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert _cgroup_cpu_quota(v2) == 1.5
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cgroup_cpu_quota(tmp_path / "v1") is None
+    (v1 / "cpu.cfs_quota_us").write_text("400000\n")
+    assert _cgroup_cpu_quota(tmp_path / "v1") == 4.0
+    assert _cgroup_cpu_quota(tmp_path / "none") is None
+    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)

@@ -108,6 +108,7 @@ from kvmesh.runtime.process import (
     GlobalConfig,
     kvmesh_argv,
     run,
+    usable_cpus,
 )
 from kvmesh.runtime.telemetry import TracingConfig
 from kvmesh.runtime.tls import DevPki, TlsConfig, write_dev_pki
@@ -219,8 +220,7 @@ def cpu_share(workers: int) -> int:
     """Tensor threads per torch worker when `workers` of them share this machine's cores (the
     ones this process may run on): at least one each. Workers that Scale adds later get the
     same share."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, workers))
+    return max(1, usable_cpus() // max(1, workers))
 
 
 SET_BY_UP: dict[str, frozenset[str]] = {

@@ -76,7 +76,8 @@ class FrontendConfig:
         "gateway processes serving --http-port (and the KServe gRPC port) together, for more "
         "than one core's worth of requests: the kernel spreads connections between them "
         "(SO_REUSEPORT); each routes with its own KV router, sharing predicted load with the "
-        "others, and /metrics from any of them sums all. 0: one per CPU core",
+        "others, and /metrics from any of them sums all. 0: one per CPU this process may use "
+        "(its affinity and its container's CPU limit)",
     )
     router_sync_port: int = opt(
         -1,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,14 @@ from kvmesh.runtime.config import Flags, from_args
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
-from kvmesh.runtime.process import Entry, GlobalConfig, freeze_heap, run, wait_for_signal
+from kvmesh.runtime.process import (
+    Entry,
+    GlobalConfig,
+    freeze_heap,
+    run,
+    usable_cpus,
+    wait_for_signal,
+)
 from kvmesh.runtime.telemetry import TracingConfig, setup_tracing, shutdown_tracing
 from kvmesh.runtime.tls import ReloadingTls, ServerSslContext, TlsConfig, TlsError, TlsFiles
 from kvmesh.runtime.types import ModelInfo
@@ -213,7 +219,7 @@ def main(ns: argparse.Namespace) -> int:
     security = MeshSecurity.load(tls_config)  # bad certificates stop it here
     config = from_args(FrontendConfig, ns)
     mesh = from_args(MeshConfig, ns)
-    processes = config.gateway_processes or os.cpu_count() or 1
+    processes = config.gateway_processes or usable_cpus()
     if processes > 1:
         from kvmesh.frontend.auth import GatewayAuth
         from kvmesh.frontend.group import run_group

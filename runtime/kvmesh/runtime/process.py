@@ -12,12 +12,14 @@ import enum
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvmesh.runtime.config import Flags, opt, to_argv
@@ -50,6 +52,30 @@ def core_slice(slot: str | None, cores: Iterable[int]) -> list[int] | None:
         return None
     share = len(ordered) // n
     return ordered[i * share : (i + 1) * share]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: those it may run on (affinity), fewer where its cgroup's
+    CPU quota allows less (a container's CPU limit: cgroup v2 `cpu.max`, v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded up; at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus or 1, math.ceil(quota))
+    return max(1, cpus or 1)
+
+
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of time per period the cgroup mounted at `root` allows (None: no quota, or
+    no cgroup)."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, _, period = (root / "cpu.max").read_text().partition(" ")
+        return None if quota == "max" else int(quota) / int(period)
+    with contextlib.suppress(OSError, ValueError):
+        v1 = root / "cpu"
+        quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+        return None if quota_us <= 0 else quota_us / int((v1 / "cpu.cfs_period_us").read_text())
+    return None
 
 
 _PR_SET_PDEATHSIG = 1
