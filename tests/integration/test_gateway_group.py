@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -276,3 +277,16 @@ def test_a_process_that_cannot_start_stops_the_group(tiny_model: Path, tmp_path:
         finally:
             gateway.kill()
     assert "while starting" in gateway.log.read_text()
+
+
+def test_router_sync_needs_an_in_process_kv_router(tmp_path: Path) -> None:
+    flags = ["--router-mode", "round-robin", "--router-sync-port", "0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "frontend", "--discovery", f"file://{tmp_path}", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "--router-sync-port serves an in-process KV router" in out.stderr

@@ -54,7 +54,6 @@ from aiohttp import web
 from kvmesh.frontend.auth import API_KEY_ENV
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.metrics import CONTENT_TYPE, FrontendMetrics
-from kvmesh.router.routing import RouterMode
 from kvmesh.router.stack import MeshConfig
 from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.process import ChildProcess, GlobalConfig, kvmesh_argv, wait_for_signal
@@ -180,7 +179,7 @@ async def run_group(
     kserve_port = config.kserve_grpc_port
     if kserve_port == 0:
         kserve_port = free_port(host)
-    kv = not mesh.router_address and mesh.router_mode is RouterMode.KV
+    kv = mesh.kv_in_process
     sync_ports = [free_port("127.0.0.1") for _ in range(count)] if kv else []
     env: dict[str, str] = {}
     if config.api_key:  # keys go in the environment, never on a command line (ps shows it)

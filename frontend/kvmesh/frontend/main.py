@@ -22,7 +22,7 @@ from kvmesh.router.metrics import DisaggCollector, PoolCollector, RoutingCollect
 from kvmesh.router.routing import RoutingStats
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router, close_router
-from kvmesh.runtime.config import Flags, from_args
+from kvmesh.runtime.config import ConfigError, Flags, from_args
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.kv_metrics import KvTierCollector
 from kvmesh.runtime.modeldir import ModelDirInfo, resolve_model_dir
@@ -133,8 +133,8 @@ async def _serve(
     )
     sync = None
     if config.router_sync_port >= 0:
-        if not isinstance(router, KvRouter):
-            raise ValueError("--router-sync-port serves an in-process KV router (--router-mode kv)")
+        if not isinstance(router, KvRouter):  # refused by main() already
+            raise ConfigError("--router-sync-port serves an in-process KV router")
         # A group's processes follow each other on loopback; a gateway on its own is followed
         # by other hosts' gateways, on its own address.
         sync_host = "127.0.0.1" if group is not None else config.http_host
@@ -219,6 +219,11 @@ def main(ns: argparse.Namespace) -> int:
     security = MeshSecurity.load(tls_config)  # bad certificates stop it here
     config = from_args(FrontendConfig, ns)
     mesh = from_args(MeshConfig, ns)
+    if config.router_sync_port >= 0 and not mesh.kv_in_process:
+        raise ConfigError(
+            "--router-sync-port serves an in-process KV router (--router-mode kv, no "
+            "--router-address)"
+        )
     processes = config.gateway_processes or usable_cpus()
     if processes > 1:
         from kvmesh.frontend.auth import GatewayAuth

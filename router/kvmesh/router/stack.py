@@ -71,6 +71,11 @@ class MeshConfig(BackendConfig, HealthConfig, KvPolicyFlags):
         [], "kv: host:port of peer `kvmesh router` replicas to share predicted load with"
     )
 
+    @property
+    def kv_in_process(self) -> bool:
+        """Whether the process routes with its own KV router (not a standalone one's)."""
+        return not self.router_address and self.router_mode is RouterMode.KV
+
 
 def build_router(
     mesh: MeshConfig, security: MeshSecurity | None = None
