@@ -82,8 +82,8 @@ class FrontendConfig:
     router_sync_port: int = opt(
         -1,
         "serve the in-process KV router as RouterService on this port of --http-host, so "
-        "other gateways' --router-peers share its bookings (SubscribeLoadEvents); 0: a free "
-        "one (logged); -1: off",
+        "other gateways' --router-peers share its bookings (SubscribeLoadEventBatches); 0: a "
+        "free one (logged); -1: off",
     )
     gateway_group: str = opt(
         "",
@@ -135,7 +135,7 @@ class FrontendConfig:
         if not self.stream_write_timeout_s >= 0 or not self.drain_timeout_s >= 0:
             raise ValueError("stream_write_timeout_s and drain_timeout_s must be >= 0")
         if self.gateway_processes < 0:
-            raise ValueError("gateway_processes must be >= 0 (0: one per CPU core)")
+            raise ValueError("gateway_processes must be >= 0 (0: one per usable CPU)")
         if self.router_sync_port < -1:
             raise ValueError("router_sync_port must be >= -1 (-1: off, 0: pick a free one)")
         if self.gateway_processes != 1 and self.router_sync_port >= 0:

@@ -87,11 +87,9 @@ class HealthConfig:
     def inflight_limit(self, info: ModelInfo) -> int:
         """This gateway's in-flight limit on a worker with card `info` (0: none): its share of
         the worker's, rounded up."""
-        limit = (
-            info.max_num_seqs
-            if self.max_inflight_per_worker == -1
-            else (self.max_inflight_per_worker)
-        )
+        limit = self.max_inflight_per_worker
+        if limit == -1:
+            limit = info.max_num_seqs
         return -(-limit // self.gateway_replicas)
 
 

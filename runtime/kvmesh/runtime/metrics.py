@@ -89,12 +89,13 @@ def sum_expositions(texts: Iterable[bytes], extra: Iterable[Metric] = ()) -> byt
     and type from the first text with the family; `extra` families are appended as they are.
     Only for samples that mean "this process's share": a gauge that every process sees whole
     (the workers it routes to) must not go through here."""
-    families: dict[str, Metric] = {}
+    families: dict[str, tuple[str, str]] = {}
+    """name -> (help, type)"""
     sums: dict[str, dict[_SampleKey, float]] = {}
     for text in texts:
         for family in text_string_to_metric_families(text.decode()):
             if family.name not in families:
-                families[family.name] = Metric(family.name, family.documentation, family.type)
+                families[family.name] = (family.documentation, family.type)
                 sums[family.name] = {}
             values = sums[family.name]
             for sample in family.samples:
@@ -103,7 +104,8 @@ def sum_expositions(texts: Iterable[bytes], extra: Iterable[Metric] = ()) -> byt
 
     class _Summed:
         def collect(self) -> Iterator[Metric]:
-            for name, family in families.items():
+            for name, (documentation, kind) in families.items():
+                family = Metric(name, documentation, kind)
                 # A series' samples together (a histogram's buckets, _sum and _count), in the
                 # order the first text that had it gave them.
                 series: dict[tuple[tuple[str, str], ...], list[_SampleKey]] = {}
