@@ -63,30 +63,48 @@ class Group:
     def children(self) -> dict[int, dict[str, str]]:
         """The group's processes by index: pid and flags, from their command lines."""
         assert self.gateway.popen is not None
-        out = subprocess.run(
-            ["ps", "-o", "pid=", "--ppid", str(self.gateway.popen.pid)],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.split()
-        found: dict[int, dict[str, str]] = {}
-        for pid in out:
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            except OSError:
-                continue
-            flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-            if "gateway-group" in flags:
-                flags["pid"] = pid
-                if "--router-peers" in argv:  # a list flag: its values follow it
-                    flags["router-peers"] = argv[argv.index("--router-peers") + 1]
-                found[int(flags["gateway-group"].split(",")[1])] = flags
-        return found
+        return group_children(self.gateway.popen.pid)
 
     def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         """The group's /metrics (from whichever process answers): samples by name."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
             return samples(r.read().decode())
+
+
+def group_children(parent: int) -> dict[int, dict[str, str]]:
+    """The processes of the gateway group `parent` started, by index: pid and flags, from
+    their command lines."""
+    found: dict[int, dict[str, str]] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int(proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = proc.joinpath("cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        pid = proc.name
+        if ppid != parent:
+            continue
+        flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+        if "gateway-group" in flags:
+            flags["pid"] = pid
+            if "--router-peers" in argv:  # a list flag: its values follow it
+                flags["router-peers"] = argv[argv.index("--router-peers") + 1]
+            found[int(flags["gateway-group"].split(",")[1])] = flags
+    return found
+
+
+def unix_get(path: Path, target: str) -> str:
+    """The body of GET `target` from the HTTP server on Unix socket `path`."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(str(path))
+        sock.sendall(f"GET {target} HTTP/1.0\r\nHost: gateway\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") or head.startswith(b"HTTP/1.0 200"), head
+    return body.decode()
 
 
 def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -125,6 +143,13 @@ def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         g.gateway.start()
         poll(lambda: frontend_ready(g.port), 60, "the gateway group")
         poll(lambda: len(g.children()) == 2, 30, "both gateway processes")
+        # Every process has joined both workers (scrapes land on either process).
+        both = [({"model": MODEL, "role": "aggregated"}, 2.0)]
+        poll(
+            lambda: all(g.metrics()["kvmesh_router_workers"] == both for _ in range(8)),
+            30,
+            "both workers in every process",
+        )
         yield g
     except BaseException:
         print("\n".join(p.tail() for p in [g.gateway, *g.workers]))
@@ -155,12 +180,7 @@ def test_both_processes_serve_and_metrics_sum_them(group: Group) -> None:
     for flags in group.children().values():
         directory, index, _ = flags["gateway-group"].split(",")
         sock = Path(directory) / f"metrics-{index}.sock"
-        out = subprocess.run(
-            ["curl", "-s", "--unix-socket", str(sock), "http://x/metrics"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        out = unix_get(sock, "/metrics")
         own.append(
             sum(
                 s.value
@@ -290,3 +310,28 @@ def test_router_sync_needs_an_in_process_kv_router(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "--router-sync-port serves an in-process KV router" in out.stderr
+
+
+def test_the_processes_end_with_their_parent(tiny_model: Path, tmp_path: Path) -> None:
+    """A parent killed with SIGKILL leaves no gateway serving on (PR_SET_PDEATHSIG)."""
+    port = free_port()
+    disc = ["--discovery", f"file://{tmp_path / 'registry'}", "--model", str(tiny_model)]
+    gateway = Proc(
+        "gateway",
+        ["frontend", *disc, "--gateway-processes", "2", "--http-port", str(port)],
+        tmp_path,
+    )
+    gateway.start()
+    assert gateway.popen is not None
+    try:
+        parent = gateway.popen.pid
+        poll(lambda: len(group_children(parent)) == 2, 60, "both gateway processes")
+        pids = [int(flags["pid"]) for flags in group_children(parent).values()]
+        gateway.kill()
+
+        def gone() -> bool:
+            return not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+        poll(gone, 30, "the gateway processes to exit")
+    finally:
+        gateway.kill()
