@@ -278,19 +278,25 @@ def test_sigterm_drains_streams_in_flight(group: Group) -> None:
     assert group.gateway.popen.wait(30) == 0
 
 
+def two_process_gateway(tiny_model: Path, tmp_path: Path, port: int) -> Proc:
+    """A started gateway group of two processes on `port`, with no workers."""
+    disc = ["--discovery", f"file://{tmp_path / 'registry'}", "--model", str(tiny_model)]
+    gateway = Proc(
+        "gateway",
+        ["frontend", *disc, "--gateway-processes", "2", "--http-port", str(port)],
+        tmp_path,
+    )
+    gateway.start()
+    return gateway
+
+
 def test_a_process_that_cannot_start_stops_the_group(tiny_model: Path, tmp_path: Path) -> None:
     """A port another program holds is not retried forever: the group exits with an error."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        disc = ["--discovery", f"file://{tmp_path / 'registry'}", "--model", str(tiny_model)]
-        gateway = Proc(
-            "gateway",
-            ["frontend", *disc, "--gateway-processes", "2", "--http-port", str(port)],
-            tmp_path,
-        )
-        gateway.start()
+        gateway = two_process_gateway(tiny_model, tmp_path, port)
         assert gateway.popen is not None
         try:
             assert gateway.popen.wait(60) != 0
@@ -314,14 +320,7 @@ def test_router_sync_needs_an_in_process_kv_router(tmp_path: Path) -> None:
 
 def test_the_processes_end_with_their_parent(tiny_model: Path, tmp_path: Path) -> None:
     """A parent killed with SIGKILL leaves no gateway serving on (PR_SET_PDEATHSIG)."""
-    port = free_port()
-    disc = ["--discovery", f"file://{tmp_path / 'registry'}", "--model", str(tiny_model)]
-    gateway = Proc(
-        "gateway",
-        ["frontend", *disc, "--gateway-processes", "2", "--http-port", str(port)],
-        tmp_path,
-    )
-    gateway.start()
+    gateway = two_process_gateway(tiny_model, tmp_path, free_port())
     assert gateway.popen is not None
     try:
         parent = gateway.popen.pid
