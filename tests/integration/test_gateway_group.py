@@ -334,3 +334,43 @@ def test_the_processes_end_with_their_parent(tiny_model: Path, tmp_path: Path) -
         poll(gone, 30, "the gateway processes to exit")
     finally:
         gateway.kill()
+
+
+def test_gateways_on_their_own_find_each_other_in_discovery(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two gateways with --router-sync-port and --router-peers-discovery (as on two hosts) follow
+    each other's bookings; one that stops is no longer followed."""
+    disc = ["--discovery", f"file://{tmp_path / 'registry'}", "--model", str(tiny_model)]
+    worker = Proc("w0", ["worker", *disc, "--engine", "mocker", "--worker-id", "w0"], tmp_path)
+    ports = [free_port(), free_port()]
+    sync = ["--router-sync-port", "0", "--router-peers-discovery"]
+    gateways = [
+        Proc(f"gw{i}", ["frontend", *disc, *sync, "--http-port", str(port)], tmp_path)
+        for i, port in enumerate(ports)
+    ]
+
+    def peers(port: int) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            found = samples(r.read().decode()).get("kvmesh_router_peers", [])
+        return {labels["state"]: value for labels, value in found}
+
+    try:
+        for p in (worker, *gateways):
+            p.start()
+        for port in ports:
+            poll(lambda port=port: frontend_ready(port), 60, "a gateway")
+        for port in ports:
+            poll(
+                lambda port=port: peers(port) == {"followed": 1.0, "connected": 1.0},
+                30,
+                "each gateway following the other",
+            )
+        gateways[1].stop()  # leaves discovery as it starts draining
+        poll(lambda: peers(ports[0]) == {"followed": 0.0, "connected": 0.0}, 30, "the peer gone")
+    except BaseException:
+        print("\n".join(p.tail() for p in (*gateways, worker)))
+        raise
+    finally:
+        for p in (*gateways, worker):
+            p.stop()

@@ -321,6 +321,53 @@ async def test_peers_fall_back_to_one_event_messages(workers: list[Worker], tmp_
             await p.stop()
 
 
+async def test_replicas_find_each_other_in_discovery(workers: list[Worker], tmp_path: Path) -> None:
+    """--router-peers-discovery: each replica follows the others registered as routers, and
+    stops (dropping their bookings) when one leaves."""
+    pools: list[WorkerPool] = []
+    routers: list[KvRouter] = []
+    servers: list[GrpcServer] = []
+    for i in range(2):
+        pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+        router = KvRouter(pool, KvRouterConfig(), peer_discovery=True, router_id=f"d{i}")
+        server = GrpcServer()
+        server.add(
+            rpb_grpc.add_RouterServiceServicer_to_server,
+            RouterServicer(pool, router),
+            ROUTER_SERVICE,
+        )
+        pools.append(pool)
+        routers.append(router)
+        servers.append(server)
+    a, b = routers
+    try:
+        registrations = []
+        for pool, router, server in zip(pools, routers, servers, strict=True):
+            await server.start()
+            await pool.start()
+            await pool.wait_for(4, timeout_s=10)
+            await router.start()
+            registrations.append(await router.register(server.address))
+        assert a.peer_sync is not None and b.peer_sync is not None
+        await until(lambda: a.peer_sync.connected == {servers[1].address})
+        await until(lambda: b.peer_sync.connected == {servers[0].address})
+        assert set(a.peer_sync.following) == {servers[1].address}  # never itself
+        await a.route("tiny", prompt(3, 0), "shared")
+        await until(lambda: b.peer_sync is not None and b.peer_sync.bookings() == 1)
+        await registrations[0].close()  # a leaves discovery: b stops following it
+        await until(lambda: b.peer_sync is not None and not b.peer_sync.following)
+        assert b.peer_sync.bookings() == 0 and b.scheduler.num_bookings() == 0
+        a.finished("shared")
+        await registrations[1].close()
+    finally:
+        for router in routers:
+            await router.close()
+        for server in servers:
+            await server.stop(0)
+        for pool in pools:
+            await pool.stop()
+
+
 async def test_a_worker_that_leaves_leaves_the_index(workers: list[Worker], tmp_path: Path) -> None:
     pool, router = await kv_router(tmp_path)
     backend = MeshBackend(pool, router)

@@ -225,7 +225,7 @@ def cpu_share(workers: int) -> int:
 
 SET_BY_UP: dict[str, frozenset[str]] = {
     "frontend": frozenset({"discovery", "router_address"}),
-    "router": frozenset({"host", "port", "discovery", "metrics_port"}),
+    "router": frozenset({"host", "advertise_host", "port", "discovery", "metrics_port"}),
     "worker": frozenset(
         {"host", "advertise_host", "port", "discovery", "worker_id", "role", "metrics_port"}
     ),

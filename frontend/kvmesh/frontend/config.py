@@ -85,6 +85,11 @@ class FrontendConfig:
         "other gateways' --router-peers share its bookings (SubscribeLoadEventBatches); 0: a "
         "free one (logged); -1: off",
     )
+    router_sync_advertise_host: str = opt(
+        "",
+        "host other gateways use to reach --router-sync-port, registered in --discovery for "
+        "their --router-peers-discovery; empty: --http-host (127.0.0.1 for a wildcard)",
+    )
     gateway_group: str = opt(
         "",
         "set by --gateway-processes for each of its processes (DIRECTORY,INDEX,COUNT): bind "

@@ -18,8 +18,7 @@ from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.kv_router import KvRouter
-from kvmesh.router.metrics import DisaggCollector, PoolCollector, RoutingCollector
-from kvmesh.router.routing import RoutingStats
+from kvmesh.router.metrics import DisaggCollector, PoolCollector, register_router_metrics
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import ConfigError, Flags, from_args
@@ -112,9 +111,7 @@ async def _serve(
     backend = MeshBackend(pool, router, configured, disagg=mesh)
     service = OpenAIService(backend, tokenizers, config)
     service.log_content = log_content
-    stats = getattr(router, "stats", None)
-    if isinstance(stats, RoutingStats):
-        service.metrics.registry.register(RoutingCollector(stats))
+    register_router_metrics(service.metrics.registry, router)
     service.metrics.registry.register(DisaggCollector(backend.stats))
     # What every process of a gateway group sees whole: shown once, never summed.
     if isinstance(router, KvRouter):  # the workers' KV tier counters, from their load streams
@@ -131,7 +128,7 @@ async def _serve(
         reuse_port=group is not None,
         shutdown_timeout=1.0,
     )
-    sync = None
+    sync = registration = None
     if config.router_sync_port >= 0:
         if not isinstance(router, KvRouter):  # refused by main() already
             raise ConfigError("--router-sync-port serves an in-process KV router")
@@ -146,6 +143,11 @@ async def _serve(
         )
         await sync.start()
         log.info("frontend serving its router's bookings (RouterService) on %s", sync.address)
+        if group is None:  # a group's processes follow each other on loopback only
+            advertised = sync.address
+            if config.router_sync_advertise_host:
+                advertised = f"{config.router_sync_advertise_host}:{sync.port}"
+            registration = await router.register(advertised)
     scheme = "https" if tls is not None else "http"
     log.info(
         "frontend serving OpenAI API on %s://%s:%d/v1 (API keys: %s)",
@@ -175,6 +177,8 @@ async def _serve(
     freeze_heap()
     await wait_for_signal()
     service.start_drain()
+    if registration is not None:
+        await registration.close()  # peers stop following this router
     if kserve is not None:
         await kserve.set_serving(False)
     drained = await _drain(service, config.drain_timeout_s)

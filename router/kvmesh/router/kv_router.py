@@ -28,6 +28,7 @@ from kvmesh.router.kv_subscriber import KvSubscriber, PeerLoadSync
 from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.router.routing import RouteDecision, RouterMode, RoutingStats, pick_candidates
 from kvmesh.runtime.clock import Clock, RealClock
+from kvmesh.runtime.discovery import ROUTER, Instance, Registration
 from kvmesh.runtime.types import Role
 
 __all__ = [
@@ -53,9 +54,10 @@ class KvRouter:
     Construction registers a pool listener: every worker that joins is added to the scheduler
     (exact mode when its model card lists the KV_EVENTS capability, approximate mode
     otherwise) and its KV event and load streams are followed (KvSubscriber); a worker that
-    leaves is removed from the index at once. `peers`: addresses of other `kvmesh router`
-    replicas whose bookings this one applies (RouterService.SubscribeLoadEvents). Call `close()`
-    when done (pool.stop() also ends the per-worker streams).
+    leaves is removed from the index at once. `peers`: addresses of other router replicas whose
+    bookings this one applies (RouterService.SubscribeLoadEventBatches); `peer_discovery`: also
+    every replica registered in the pool's discovery (PeerLoadSync). Call `close()` when done
+    (pool.stop() also ends the per-worker streams).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class KvRouter:
         *,
         clock: Clock | None = None,
         peers: Sequence[str] = (),
+        peer_discovery: bool = False,
         router_id: str = "",
         load_interval_ms: int = 100,
     ) -> None:
@@ -77,8 +80,14 @@ class KvRouter:
             self.scheduler, clock=self.clock, load_interval_ms=load_interval_ms
         )
         self.peer_sync = (
-            PeerLoadSync(self.scheduler, peers, clock=self.clock, security=pool.security)
-            if peers
+            PeerLoadSync(
+                self.scheduler,
+                peers,
+                clock=self.clock,
+                security=pool.security,
+                discovery=pool.discovery if peer_discovery else None,
+            )
+            if peers or peer_discovery
             else None
         )
         self._booked: dict[str, WorkerHandle] = {}
@@ -91,6 +100,13 @@ class KvRouter:
                 self.peer_sync.start()
         else:
             self.subscriber.remove(handle)
+
+    async def register(self, address: str) -> Registration:
+        """Announce, in the pool's discovery, that this router serves its bookings at `address`
+        (RouterService), for replicas with peer discovery; close the registration to leave."""
+        return await self.pool.discovery.register(
+            Instance(instance_id=self.router_id, address=address, component=ROUTER)
+        )
 
     async def start(self) -> None:
         """Start peer load sharing now (otherwise it starts with the first worker)."""

@@ -43,6 +43,7 @@ from kvmesh.router.kv_scheduler import KvScheduler, LoadEvent, LoadEventKind, Lo
 from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.runtime import wire
 from kvmesh.runtime.clock import Clock, RealClock
+from kvmesh.runtime.discovery import ROUTER, Discovery, EventKind
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_channel
 from kvmesh.runtime.kv_events import KvEventGap, SnapshotChunk
 from kvmesh.runtime.types import LoadInfo
@@ -298,7 +299,9 @@ class KvSubscriber:
 
 
 class PeerLoadSync:
-    """Applies the bookings of peer router replicas (their SubscribeLoadEvents streams)."""
+    """Applies the bookings of peer router replicas (their SubscribeLoadEventBatches streams):
+    the `peers` given, and with `discovery` every KV router registered there (component
+    ROUTER) but this one, followed while it stays registered."""
 
     def __init__(
         self,
@@ -309,14 +312,18 @@ class PeerLoadSync:
         retry_initial_s: float = 0.05,
         retry_max_s: float = 2.0,
         security: MeshSecurity | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.security = security
         self.peers = list(peers)
+        self.discovery = discovery
         self.clock: Clock = clock if clock is not None else RealClock()
         self._retry = (retry_initial_s, retry_max_s)
         self._tasks = _Tasks()
         self._started = False
+        self.following: dict[str, asyncio.Task[None]] = {}
+        """Peers followed now (given, or registered in discovery), by address."""
         self.connected: set[str] = set()
         """Peers whose stream is open now."""
 
@@ -326,14 +333,42 @@ class PeerLoadSync:
             return
         self._started = True
         for address in self.peers:
-            self._tasks.spawn(self._follow(address), f"peer-load-{address}")
+            self._add(address)
+        if self.discovery is not None:
+            self._tasks.spawn(self._watch(self.discovery), "peer-discovery")
+
+    def _add(self, address: str) -> None:
+        if address not in self.following:
+            self.following[address] = self._tasks.spawn(
+                self._follow(address), f"peer-load-{address}"
+            )
+
+    async def _watch(self, discovery: Discovery) -> None:
+        """Follow the routers registered in discovery, each while it stays registered."""
+        given = set(self.peers)
+        async for event in discovery.watch(ROUTER):
+            instance = event.instance
+            address = instance.address
+            if instance.instance_id == self.scheduler.router_id or address in given:
+                continue
+            if event.kind is EventKind.ADDED:
+                self._add(address)
+            else:
+                task = self.following.pop(address, None)
+                if task is not None:  # its stream's end drops the peer's bookings
+                    task.cancel()
 
     async def close(self) -> None:
         """Stop following peers and forget their bookings."""
         await self._tasks.close()
-        for address in self.peers:
+        for address in self.following:
             self.scheduler.drop_peer(self._source(address))
+        self.following.clear()
         self._started = False
+
+    def bookings(self) -> int:
+        """Bookings held for the peers now."""
+        return sum(self.scheduler.num_bookings(self._source(a)) for a in self.following)
 
     @staticmethod
     def _source(address: str) -> str:

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.metrics import PoolCollector, register_router_metrics
 from kvmesh.router.service import ROUTER_SERVICE, RouterServicer, serve_when_routable
 from kvmesh.router.stack import MeshConfig, build_router, close_router
 from kvmesh.runtime.config import Flags, from_args, opt
+from kvmesh.runtime.discovery import Registration
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server
 from kvmesh.runtime.metrics import METRICS_PORT_HELP, MetricsServer
 from kvmesh.runtime.process import Entry, freeze_heap, run, wait_for_signal
@@ -32,6 +34,11 @@ class RouterServerConfig:
     """Settings of the standalone router process."""
 
     host: str = opt("127.0.0.1", "address to bind the router's gRPC server to")
+    advertise_host: str = opt(
+        "",
+        "host other routers use to reach this one, registered in --discovery for their "
+        "--router-peers-discovery (kv); empty: --host (127.0.0.1 for a wildcard)",
+    )
     port: int = opt(0, "router gRPC port; 0 picks a free one")
     metrics_port: int = opt(-1, METRICS_PORT_HELP)
 
@@ -59,8 +66,14 @@ async def serve_router(
         registry.register(PoolCollector(pool))
         metrics = MetricsServer(registry, config.host, config.metrics_port)
     routable: asyncio.Task[None] | None = None
+    registration: Registration | None = None
     try:
         await server.start()
+        if isinstance(router, KvRouter):
+            advertised = server.address
+            if config.advertise_host:
+                advertised = f"{config.advertise_host}:{server.port}"
+            registration = await router.register(advertised)
         routable = asyncio.create_task(serve_when_routable(server, pool), name="routable")
         if metrics is not None:
             await metrics.start()
@@ -72,9 +85,14 @@ async def serve_router(
         )
         freeze_heap()
         await wait_for_signal()
+        if registration is not None:
+            await registration.close()
+            registration = None
         await server.set_serving(False)
         await server.stop(2.0)
     finally:
+        if registration is not None:
+            await registration.close()
         if routable is not None:
             routable.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -11,6 +11,8 @@ Disaggregation: `kvmesh_remote_prefill_total`, `kvmesh_local_prefill_total{reaso
 `kvmesh_kv_transfer_bytes_total`.
 Faults: `kvmesh_migrations_total{reason}` (requests resumed on another worker),
 `kvmesh_stream_pauses_total` (generation paused for a client that stopped reading).
+Peers (a KV router sharing bookings): `kvmesh_router_peers{state}` (followed, connected) and
+`kvmesh_router_peer_bookings`.
 Pool: `kvmesh_router_workers{model,role}`: live workers this process routes to (joined: its
 model card read), and how many of them are marked down after failing to answer.
 """
@@ -30,6 +32,7 @@ from prometheus_client.core import (
 )
 
 from kvmesh.router.backend import DisaggStats, LocalPrefill, MigrationReason
+from kvmesh.router.kv_subscriber import PeerLoadSync
 from kvmesh.router.pool import WorkerPool
 from kvmesh.router.routing import Router, RoutingStats
 
@@ -72,12 +75,40 @@ class RoutingCollector:
         yield prompt
 
 
+class PeerCollector:
+    """Collector for a KV router's peer replicas (PeerLoadSync)."""
+
+    def __init__(self, sync: PeerLoadSync) -> None:
+        self._sync = sync
+
+    def collect(self) -> Iterator[Metric]:
+        sync = self._sync
+        peers = GaugeMetricFamily(
+            PREFIX + "peers",
+            "Peer router replicas this router follows (state followed), and those whose booking "
+            "stream is open now (connected).",
+            labels=["state"],
+        )
+        peers.add_metric(["followed"], len(sync.following))
+        peers.add_metric(["connected"], len(sync.connected))
+        yield peers
+        bookings = GaugeMetricFamily(
+            PREFIX + "peer_bookings", "Predicted-load bookings of peer replicas held now."
+        )
+        bookings.add_metric([], sync.bookings())
+        yield bookings
+
+
 def register_router_metrics(registry: CollectorRegistry, router: Router) -> None:
-    """Export `router`'s RoutingStats in `registry` (routers that keep none, such as the client
-    of a standalone router, export nothing here: that router exports its own)."""
+    """Export `router`'s RoutingStats in `registry`, and its peer replicas if it has any
+    (routers that keep no stats, such as the client of a standalone router, export nothing
+    here: that router exports its own)."""
     stats = getattr(router, "stats", None)
     if isinstance(stats, RoutingStats):
         registry.register(RoutingCollector(stats))
+    sync = getattr(router, "peer_sync", None)
+    if isinstance(sync, PeerLoadSync):
+        registry.register(PeerCollector(sync))
 
 
 class DisaggCollector:

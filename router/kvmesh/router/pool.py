@@ -31,7 +31,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.router.session import WorkerSession
 from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
-from kvmesh.runtime.discovery import Discovery, EventKind, Instance
+from kvmesh.runtime.discovery import WORKER, Discovery, EventKind, Instance
 from kvmesh.runtime.grpcutil import MeshSecurity, check_health, mesh_channel
 from kvmesh.runtime.types import ModelInfo
 
@@ -141,7 +141,9 @@ class WorkerPool:
         health: HealthConfig | None = None,
         security: MeshSecurity | None = None,
     ) -> None:
-        self._discovery = discovery
+        self.discovery = discovery
+        """Where workers (and router replicas: kvmesh.router.kv_subscriber.PeerLoadSync) are
+        found."""
         self.security = security
         self._card_timeout_s = card_timeout_s
         self.health = health if health is not None else HealthConfig()
@@ -228,7 +230,7 @@ class WorkerPool:
                 await self._changed.wait()
 
     async def _watch(self) -> None:
-        async for event in self._discovery.watch("worker"):
+        async for event in self.discovery.watch(WORKER):
             iid = event.instance.instance_id
             if event.kind is EventKind.ADDED:
                 self._drop(iid)

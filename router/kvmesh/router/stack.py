@@ -70,6 +70,11 @@ class MeshConfig(BackendConfig, HealthConfig, KvPolicyFlags):
     router_peers: list[str] = opt(
         [], "kv: host:port of peer `kvmesh router` replicas to share predicted load with"
     )
+    router_peers_discovery: bool = opt(
+        False,
+        "kv: also share predicted load with every KV router replica registered in --discovery "
+        "(`kvmesh router` processes, frontends with --router-sync-port), as they come and go",
+    )
 
     @property
     def kv_in_process(self) -> bool:
@@ -107,7 +112,9 @@ def build_router(
             host_hit_weight=mesh.router_host_hit_weight,
             disk_hit_weight=mesh.router_disk_hit_weight,
         )
-        router = KvRouter(pool, config, peers=mesh.router_peers)
+        router = KvRouter(
+            pool, config, peers=mesh.router_peers, peer_discovery=mesh.router_peers_discovery
+        )
     else:
         router = SimpleRouter(pool, mesh.router_mode, seed=mesh.router_seed)
     return pool, router

@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 K = TypeVar("K")
 
 
+WORKER = "worker"
+"""The component workers register as."""
+ROUTER = "router"
+"""The component KV routers that share their bookings register as (RouterService:
+`kvmesh router`, a frontend with --router-sync-port), for replicas with --router-peers-discovery."""
+
+
 @dataclass(frozen=True, slots=True)
 class Instance:
     """A registered worker (or router) process."""
