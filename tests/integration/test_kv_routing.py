@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from kvmesh.api.router.v1 import router_service_pb2 as rpb
@@ -284,8 +285,13 @@ async def test_two_router_replicas_share_load_and_agree(
 class _OneEventServicer(RouterServicer):
     """A router service from before SubscribeLoadEventBatches."""
 
-    async def SubscribeLoadEventBatches(self, request: Any, context: Any) -> Any:
+    async def SubscribeLoadEventBatches(
+        self,
+        request: rpb.SubscribeLoadEventBatchesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[rpb.SubscribeLoadEventBatchesResponse]:
         raise Unimplemented("not in this version")
+        yield  # an async generator, as the method it overrides
 
 
 async def test_peers_fall_back_to_one_event_messages(workers: list[Worker], tmp_path: Path) -> None:
@@ -347,16 +353,17 @@ async def test_replicas_find_each_other_in_discovery(workers: list[Worker], tmp_
             await pool.start()
             await pool.wait_for(4, timeout_s=10)
             await router.start()
-            registrations.append(await router.register(server.address))
-        assert a.peer_sync is not None and b.peer_sync is not None
-        await until(lambda: a.peer_sync.connected == {servers[1].address})
-        await until(lambda: b.peer_sync.connected == {servers[0].address})
-        assert set(a.peer_sync.following) == {servers[1].address}  # never itself
+            registrations.append(router.register(server.address))
+        sync_a, sync_b = a.peer_sync, b.peer_sync
+        assert sync_a is not None and sync_b is not None
+        await until(lambda: sync_a.connected == {servers[1].address})
+        await until(lambda: sync_b.connected == {servers[0].address})
+        assert set(sync_a.following) == {servers[1].address}  # never itself
         await a.route("tiny", prompt(3, 0), "shared")
-        await until(lambda: b.peer_sync is not None and b.peer_sync.bookings() == 1)
+        await until(lambda: sync_b.bookings() == 1)
         await registrations[0].close()  # a leaves discovery: b stops following it
-        await until(lambda: b.peer_sync is not None and not b.peer_sync.following)
-        assert b.peer_sync.bookings() == 0 and b.scheduler.num_bookings() == 0
+        await until(lambda: not sync_b.following)
+        assert sync_b.bookings() == 0 and b.scheduler.num_bookings() == 0
         a.finished("shared")
         await registrations[1].close()
     finally:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +19,15 @@ from kvmesh.runtime import errors, wire
 from kvmesh.runtime import kv_events as kv
 from kvmesh.runtime.config import add_args, from_args, opt, to_argv
 from kvmesh.runtime.discovery import (
+    ROUTER,
+    DiscoveryEvent,
     EtcdDiscovery,
     EventKind,
     FileDiscovery,
     Instance,
+    Registration,
     open_discovery,
+    register_in_background,
 )
 from kvmesh.runtime.grpcutil import error_from_rpc, error_from_status, status_for, status_of
 from kvmesh.runtime.types import (
@@ -215,3 +220,35 @@ def test_card_and_kv_roundtrip() -> None:
     ]
     for item in items:
         assert wire.kv_item_from_pb(wire.kv_item_to_pb(item)) == item
+
+
+async def test_a_registration_in_the_background_waits_for_discovery(tmp_path: Path) -> None:
+    """register_in_background: retried while discovery refuses (etcd down), then held; closed
+    before it succeeded, it stops trying."""
+    inner = FileDiscovery(tmp_path, ttl_s=3.0, poll_s=0.02)
+    refusals = [2]
+
+    class Flaky:
+        async def register(self, instance: Instance) -> Registration:
+            if refusals[0]:
+                refusals[0] -= 1
+                raise errors.Unavailable("etcd is down")
+            return await inner.register(instance)
+
+        def watch(self, component: str = "worker") -> AsyncIterator[DiscoveryEvent]:
+            return inner.watch(component)
+
+    router = Instance(instance_id="r1", address="127.0.0.1:1", component=ROUTER)
+    reg = register_in_background(Flaky(), router, retry_max_s=0.05)
+    deadline = asyncio.get_running_loop().time() + 5
+    while not (tmp_path / "router.r1.json").exists():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+    assert refusals == [0]
+    await reg.close()
+    assert not (tmp_path / "router.r1.json").exists()
+    refusals[0] = 1000
+    never = register_in_background(Flaky(), router, retry_max_s=0.01)
+    await asyncio.sleep(0.05)
+    await never.close()  # no error, nothing registered
+    assert not (tmp_path / "router.r1.json").exists()

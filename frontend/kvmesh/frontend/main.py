@@ -147,7 +147,7 @@ async def _serve(
             advertised = sync.address
             if config.router_sync_advertise_host:
                 advertised = f"{config.router_sync_advertise_host}:{sync.port}"
-            registration = await router.register(advertised)
+            registration = router.register(advertised)
     scheme = "https" if tls is not None else "http"
     log.info(
         "frontend serving OpenAI API on %s://%s:%d/v1 (API keys: %s)",

@@ -28,7 +28,7 @@ from kvmesh.router.kv_subscriber import KvSubscriber, PeerLoadSync
 from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.router.routing import RouteDecision, RouterMode, RoutingStats, pick_candidates
 from kvmesh.runtime.clock import Clock, RealClock
-from kvmesh.runtime.discovery import ROUTER, Instance, Registration
+from kvmesh.runtime.discovery import ROUTER, Instance, Registration, register_in_background
 from kvmesh.runtime.types import Role
 
 __all__ = [
@@ -101,12 +101,13 @@ class KvRouter:
         else:
             self.subscriber.remove(handle)
 
-    async def register(self, address: str) -> Registration:
+    def register(self, address: str) -> Registration:
         """Announce, in the pool's discovery, that this router serves its bookings at `address`
-        (RouterService), for replicas with peer discovery; close the registration to leave."""
-        return await self.pool.discovery.register(
-            Instance(instance_id=self.router_id, address=address, component=ROUTER)
-        )
+        (RouterService), for replicas with peer discovery; close the registration to leave.
+        Made in the background while discovery cannot take it (etcd down): the router serves
+        meanwhile, its peers find it once it is registered."""
+        instance = Instance(instance_id=self.router_id, address=address, component=ROUTER)
+        return register_in_background(self.pool.discovery, instance)
 
     async def start(self) -> None:
         """Start peer load sharing now (otherwise it starts with the first worker)."""

@@ -73,7 +73,7 @@ async def serve_router(
             advertised = server.address
             if config.advertise_host:
                 advertised = f"{config.advertise_host}:{server.port}"
-            registration = await router.register(advertised)
+            registration = router.register(advertised)
         routable = asyncio.create_task(serve_when_routable(server, pool), name="routable")
         if metrics is not None:
             await metrics.start()

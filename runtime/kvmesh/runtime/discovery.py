@@ -101,6 +101,51 @@ class Discovery(Protocol):
         ...
 
 
+class _BackgroundRegistration:
+    """`register_in_background`'s registration."""
+
+    def __init__(self, discovery: Discovery, instance: Instance, retry_max_s: float) -> None:
+        self._registration: Registration | None = None
+        self._task = asyncio.get_running_loop().create_task(
+            self._register(discovery, instance, retry_max_s),
+            name=f"register {instance.component} {instance.instance_id}",
+        )
+
+    async def _register(self, discovery: Discovery, instance: Instance, retry_max_s: float) -> None:
+        delay = 0.2
+        failures = 0
+        while True:
+            try:
+                self._registration = await discovery.register(instance)
+            except (Unavailable, OSError) as exc:
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                what = f"{instance.component} {instance.instance_id}"
+                log.log(level, "%s not registered yet (%s); retrying", what, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, retry_max_s)
+                continue
+            if failures:
+                log.info("%s %s registered", instance.component, instance.instance_id)
+            return
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        if self._registration is not None:
+            await self._registration.close()
+
+
+def register_in_background(
+    discovery: Discovery, instance: Instance, retry_max_s: float = 5.0
+) -> Registration:
+    """Register `instance` now or, while discovery cannot take it (etcd down), as soon as it
+    can (retried, backing off to `retry_max_s`), without failing the caller: for services that
+    serve without being registered (a router its peers find). Needs a running event loop."""
+    return _BackgroundRegistration(discovery, instance, retry_max_s)
+
+
 def open_discovery(url: str, *, ttl_s: float | None = None, poll_s: float = 0.2) -> Discovery:
     """Build the discovery backend named by `url`.
 
