@@ -145,7 +145,7 @@ def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         # Every process has joined both workers (scrapes land on either process).
         both = [({"model": MODEL, "role": "aggregated"}, 2.0)]
         poll(
-            lambda: all(g.metrics()["kvmesh_router_workers"] == both for _ in range(8)),
+            lambda: all(g.metrics().get("kvmesh_router_workers") == both for _ in range(8)),
             30,
             "both workers in every process",
         )

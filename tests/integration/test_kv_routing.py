@@ -157,6 +157,18 @@ async def test_a_restarted_router_rebuilds_its_index_from_snapshots(
         await pool2.stop()
 
 
+async def close_all(
+    routers: list[KvRouter], servers: list[GrpcServer], pools: list[WorkerPool]
+) -> None:
+    """Stop the replicas of a test: routers, then their servers, then their pools."""
+    for router in routers:
+        await router.close()
+    for server in servers:
+        await server.stop(0)
+    for pool in pools:
+        await pool.stop()
+
+
 async def test_two_router_replicas_share_load_and_agree(
     workers: list[Worker], tmp_path: Path
 ) -> None:
@@ -274,12 +286,7 @@ async def test_two_router_replicas_share_load_and_agree(
         assert all(w.HasField("load") for w in listing.workers)
         await channel.close()
     finally:
-        for router in routers:
-            await router.close()
-        for server in servers:
-            await server.stop(0)
-        for pool in pools:
-            await pool.stop()
+        await close_all(routers, servers, pools)
 
 
 class _OneEventServicer(RouterServicer):
@@ -320,11 +327,7 @@ async def test_peers_fall_back_to_one_event_messages(workers: list[Worker], tmp_
         old.finished("r")
         await until(lambda: new.scheduler.num_bookings(source) == 0)
     finally:
-        for r in (new, old):
-            await r.close()
-        await server.stop(0)
-        for p in (pool, old_pool):
-            await p.stop()
+        await close_all([new, old], [server], [pool, old_pool])
 
 
 async def test_replicas_find_each_other_in_discovery(workers: list[Worker], tmp_path: Path) -> None:
@@ -367,12 +370,7 @@ async def test_replicas_find_each_other_in_discovery(workers: list[Worker], tmp_
         a.finished("shared")
         await registrations[1].close()
     finally:
-        for router in routers:
-            await router.close()
-        for server in servers:
-            await server.stop(0)
-        for pool in pools:
-            await pool.stop()
+        await close_all(routers, servers, pools)
 
 
 async def test_a_worker_that_leaves_leaves_the_index(workers: list[Worker], tmp_path: Path) -> None:

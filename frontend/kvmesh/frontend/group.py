@@ -186,9 +186,9 @@ async def run_group(
         given = os.environ.get(API_KEY_ENV, "")
         env[API_KEY_ENV] = ",".join([*config.api_key, *given.split(",")])
     directory = Path(tempfile.mkdtemp(prefix="kvmesh-gateway-"))
+    groups = [GatewayGroup(directory, i, count) for i in range(count)]
 
     def argv(index: int) -> list[str]:
-        group = GatewayGroup(directory, index, count)
         fe = replace(
             config,
             gateway_processes=1,
@@ -198,7 +198,7 @@ async def run_group(
             rate_limit_rpm=_share(config.rate_limit_rpm, count),
             rate_limit_tpm=_share(config.rate_limit_tpm, count),
             router_sync_port=sync_ports[index] if kv else -1,
-            gateway_group=group.encode(),
+            gateway_group=groups[index].encode(),
         )
         peers = [f"127.0.0.1:{p}" for i, p in enumerate(sync_ports) if i != index]
         routes = replace(
@@ -213,7 +213,7 @@ async def run_group(
 
     def start(index: int) -> ChildProcess:
         with contextlib.suppress(FileNotFoundError):
-            GatewayGroup(directory, index, count).metrics_socket(index).unlink()
+            groups[index].metrics_socket(index).unlink()
         return ChildProcess(argv(index), env)
 
     kserve = f" and KServe gRPC :{kserve_port}" if kserve_port > 0 else ""
@@ -233,7 +233,7 @@ async def run_group(
                 if waiter not in done:
                     continue
                 code = waiter.result()
-                if not GatewayGroup(directory, i, count).metrics_socket(i).exists():
+                if not groups[i].metrics_socket(i).exists():
                     log.error("gateway process %d exited with %d while starting", i, code)
                     failed = code or 1
                     break
