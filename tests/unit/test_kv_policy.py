@@ -1,5 +1,5 @@
 """The ttft routing policy: TtftPredictor's arithmetic, and KvScheduler choosing by it (cache
-against queue, request slots, the bounded ITL penalty, completion rates from load samples)."""
+against queue, request slots, the bounded ITL penalty, the slot hold a full worker waits by)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from kvmesh.router.kv_policy import (
     TtftPredictor,
     cost_score,
 )
-from kvmesh.router.kv_scheduler import KvRouterConfig, KvScheduler, LoadSample
+from kvmesh.router.kv_scheduler import (
+    SLOT_HOLD_SMOOTHING,
+    KvRouterConfig,
+    KvScheduler,
+    LoadSample,
+)
 from kvmesh.runtime.kv_events import BlocksStored, StoredBlock
 from kvmesh.runtime.timing import PolynomialTiming, TableTiming
 from kvmesh.workers.mocker import block_hash as engine_hash
@@ -256,21 +261,61 @@ def test_decode_delay_is_not_scored_where_every_slot_is_taken() -> None:
     assert scored["w1"] - own["w1"] == pytest.approx(3 / 4 * POLY.prefill_ms(512))
 
 
-def test_completion_rate_is_measured_between_load_samples() -> None:
+def test_slot_hold_is_measured_from_first_token_to_end() -> None:
+    """How long a request holds its slot: first token to end, a running mean over the requests
+    that ended; times from the calls, or the latest time the scheduler was given."""
     sched = make(1)
-    w0 = sched.worker("w0")
-    assert w0 is not None
-    for i in range(20):
-        sel = sched.select([i] * 32, 0.0)
-        sched.book(f"r{i}", sel, 0.0)
-    sched.update_load("w0", LoadSample(num_running=4, num_waiting=16), 0.0)
-    for i in range(10):
-        sched.free(f"r{i}")
-    sched.update_load("w0", LoadSample(num_running=4, num_waiting=6), 2.0)
-    assert w0.completion_rate == pytest.approx(5.0)
-    assert w0.requests(2.0, 1.0) == pytest.approx(10.0)
-    sched.update_load("w0", LoadSample(num_running=3, num_waiting=0), 2.5)  # window too short
-    assert w0.completion_rate == pytest.approx(5.0)
+    for i in range(3):
+        sched.book(f"r{i}", sched.select([i] * 32, 0.0), 0.0)
+    assert sched.slot_hold_s == 0.0
+    sched.first_token("r0", now=1.0)
+    sched.free("r0", now=3.0)
+    assert sched.slot_hold_s == pytest.approx(2.0)
+    sched.first_token("r1", now=3.0)
+    sched.first_token("r1", now=4.0)  # repeated: the first one counts
+    sched.free("r1", now=7.0)
+    assert sched.slot_hold_s == pytest.approx(2.0 + SLOT_HOLD_SMOOTHING * (4.0 - 2.0))
+    sched.update_load("w0", LoadSample(num_running=1), 8.0)  # no time given below: the latest
+    sched.first_token("r2")
+    sched.update_load("w0", LoadSample(num_running=1), 10.0)
+    before = sched.slot_hold_s
+    sched.free("r2")
+    assert sched.slot_hold_s == pytest.approx(before + SLOT_HOLD_SMOOTHING * (2.0 - before))
+    sched.book("r3", sched.select([3] * 32, 10.0), 10.0)
+    sched.free("r3", now=11.0)  # ended before its first token: no slot hold to learn from
+    assert sched.slot_hold_s == pytest.approx(before + SLOT_HOLD_SMOOTHING * (2.0 - before))
+
+
+def test_a_full_worker_waits_its_slot_hold_over_its_busy_slots_per_request_ahead() -> None:
+    """A burst after a lull: the slot hold, not the lull's completion rate, paces the wait.
+    w0 (4 slots) runs 4 requests and has 2 waiting; requests held their slot 2 s: one of its 4
+    busy slots frees every 0.5 s, and a new request waits for 3 of them."""
+    sched = make(1)
+    sched.book("old", sched.select([9] * 32, 0.0), 0.0)
+    sched.first_token("old", now=0.0)
+    sched.free("old", now=2.0)
+    for i in range(6):
+        sched.book(f"r{i}", sched.select([i] * 32, 2.0), 2.0)
+    prompt = [7] * 32
+    cost = sched.select(prompt, 2.0).costs["w0"]
+    assert cost >= 3 * 0.5e3
+    assert cost == pytest.approx(3 * 0.5e3 + POLY.prefill_ms(32), rel=0.05)
+
+
+def test_the_slot_hold_scales_with_the_step_time_where_it_is_waited_for() -> None:
+    """A hold is output tokens x step time: measured where the KV cache was empty (the
+    smallest step), it is longer on a worker whose KV usage (90 %) makes every step longer."""
+    sched = make(1)
+    sched.book("old", sched.select([9] * 32, 0.0), 0.0)
+    sched.first_token("old", now=0.0)
+    sched.free("old", now=2.0)
+    assert sched.slot_hold_step_ms == pytest.approx(POLY.decode_ms(0.0))
+    for i in range(6):
+        sched.book(f"r{i}", sched.select([i] * 32, 2.0), 2.0)
+    sched.update_load("w0", LoadSample(kv_active_blocks=int(0.9 * 65536)), 2.0)
+    ratio = POLY.decode_ms(0.9) / POLY.decode_ms(0.0)
+    cost = sched.select([7] * 32, 2.0).costs["w0"]
+    assert 3 * 0.5e3 * ratio <= cost <= 3 * 0.5e3 * ratio + 2 * POLY.prefill_ms(32) + 100
 
 
 def _pick_beside_a_busy_decoder(decoding: int, **cfg: float) -> str:

@@ -267,8 +267,10 @@ class TtftPredictor:
 
         Slots: with `requests` already running or waiting there and room for `max_num_seqs`
         (0: no limit), the request waits for the excess to end first, one every
-        1 / `completion_rate` s (requests ending per second, measured; 0: estimated as the
-        ITL times `output_tokens`, the mean output, over the running requests)."""
+        1 / `completion_rate` s (requests ending per second there; KvScheduler gives its busy
+        slots over the slot hold it measured, first token to end, scaled to the worker's step
+        time; 0: estimated as the ITL times `output_tokens`, the mean output, over the running
+        requests)."""
         ttft = self.ttft_ms(
             new_tokens,
             queued_prefill_tokens,

@@ -98,8 +98,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-COMPLETION_WINDOW_S = 1.0
-"""Shortest window over which a worker's completion rate is measured (at its load samples)."""
+SLOT_HOLD_SMOOTHING = 0.05
+"""Weight of each ended request in the running mean of how long a request holds its slot."""
 
 
 @dataclass(slots=True)
@@ -254,12 +254,6 @@ class WorkerLoad:
     """Requests booked here (own and peers'), until they are freed."""
     requests_offset: float = 0.0
     """Measured (running + waiting) minus booked requests when the last sample arrived."""
-    completed: int = 0
-    """Bookings here freed so far (requests that ended)."""
-    completion_rate: float = 0.0
-    """Requests ending per second, measured between load samples (0: not measured yet)."""
-    _rate_mark: tuple[float, int] = (-math.inf, 0)
-    """(time, completed) where the current completion-rate window began."""
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         """Whether the last load sample is recent enough to trust."""
@@ -293,19 +287,6 @@ class WorkerLoad:
             return max(0.0, self.booked_requests + self.requests_offset)
         return float(self.booked_requests)
 
-    def _measure_completions(self, now: float, window_s: float) -> None:
-        """Fold the completions since the window began into `completion_rate` once the window
-        is `window_s` long (an exponential average over windows)."""
-        start, count = self._rate_mark
-        if now - start < window_s:
-            return
-        if math.isfinite(start):
-            rate = (self.completed - count) / (now - start)
-            self.completion_rate = (
-                rate if self.completion_rate == 0 else 0.5 * (self.completion_rate + rate)
-            )
-        self._rate_mark = (now, self.completed)
-
 
 @dataclass(slots=True)
 class Selection:
@@ -335,10 +316,12 @@ class _Booking:
     decode: int
     live: bool = True
     inflight: Sequence[int] = ()
-    at: float | None = None
-    """When it was booked (None: no time given)."""
     """The prompt blocks it will compute (after the prefix its worker holds or computes for
     others), in the scheduler's InflightIndex until its first token."""
+    at: float | None = None
+    """When it was booked (None: no time given)."""
+    first_at: float | None = None
+    """When its first token came (None: not yet, or no time known)."""
 
 
 class KvScheduler:
@@ -388,6 +371,16 @@ class KvScheduler:
         self._rng = random.Random(self.config.seed)
         self._output_mean = 0.0
         """Running mean of the expected output tokens of own bookings (0: none yet)."""
+        self._clock = -math.inf
+        """The latest `now` any call gave (it never decreases): the time of a first token or an
+        end reported without one."""
+        self.slot_hold_s = 0.0
+        """Running mean of how long a request holds its request slot, first token to end, over
+        the requests that ended (own and peers'; 0: none yet)."""
+        self.slot_hold_step_ms = 0.0
+        """Running mean of the decode step time (timing model, at the worker's KV usage) where
+        those requests ended: a hold is output tokens x step time, so a worker that decodes
+        slower now than then holds its slots longer by that ratio."""
         self.predictor = TtftPredictor(
             load_timing(self.config.timing_profile), chunk_tokens=self.config.chunk_tokens
         )
@@ -451,6 +444,7 @@ class KvScheduler:
         load = self._workers.get(worker_id)
         if load is None:
             return
+        self._tick(now)
         load.sample = sample
         load.sample_at = now
         if sample.kv_total_blocks:
@@ -493,7 +487,6 @@ class KvScheduler:
         load.decode_offset = measured_decode - (load.booked_decode - young_decode)
         measured_requests = max(0, sample.num_running + sample.num_waiting - len(freed))
         load.requests_offset = measured_requests - (load.booked_requests - young_requests)
-        load._measure_completions(now, COMPLETION_WINDOW_S)
 
     def busy(self, load: WorkerLoad, now: float) -> bool:
         """Whether the worker is over a busy threshold (fresh metrics only)."""
@@ -527,6 +520,7 @@ class KvScheduler:
         """Choose a worker for a prompt (books nothing; see the class doc).
         `expected_output_tokens` (0: unknown) weighs the ITL penalty of the ttft policy."""
         cfg = self.config
+        self._tick(now)
         if self._held:
             self._release_held(now)
         if candidates is None:
@@ -615,17 +609,14 @@ class KvScheduler:
             views.append((w, *view))
             waiting.append(0 < w.max_num_seqs < view[2] + 1)
         full = any(waiting)
-        # Completion rates measured per worker are noisy (a second holds a few completions);
-        # a request slot frees at about the same rate everywhere, so use the fleet's rate per
-        # busy slot, times the worker's busy slots (only where the slots are full).
-        per_slot = 0.0
-        if full:
-            rates = busy = 0.0
-            for w, _, _, n in views:
-                if w.completion_rate > 0:
-                    rates += w.completion_rate
-                    busy += max(1.0, min(n, w.max_num_seqs or math.inf))
-            per_slot = rates / busy if busy else 0.0
+        # A busy request slot frees once per slot hold (first token to end) on average: where
+        # the slots are full, requests end at the worker's busy slots over that hold. Not a
+        # completion rate measured over the last seconds: at the start of a burst that is the
+        # lull's rate, over few running requests, and it over-predicted the wait for a slot by
+        # seconds (README, routing policies).
+        hold = self.slot_hold_s
+        per_slot = 1.0 / hold if full and hold > 0 else 0.0
+        hold_step = self.slot_hold_step_ms
         weight = cfg.itl_weight * (output_tokens if output_tokens > 0 else self._output_mean)
         cap = cfg.itl_penalty_cap_ms
         penalty = bool(weight and cap)
@@ -648,9 +639,15 @@ class KvScheduler:
                 w.kv_total_blocks * bs,
                 n,
                 slots,
-                per_slot * max(1.0, min(n, slots or math.inf)) if per_slot else 0.0,
+                0.0,
                 out_mean,
             )
+            if per_slot:
+                # busy slots / hold, the hold scaled to the step time at this worker's KV usage
+                rate = per_slot * max(1.0, min(n, slots or math.inf))
+                if hold_step > 0:
+                    rate *= hold_step / itl_ms(args[2], 0, args[3])
+                args = (*args[:6], rate, out_mean)
             # What its prefill costs the requests running there (kv_policy's module doc); none
             # scored where it must first wait for a request slot.
             if slots:
@@ -761,6 +758,7 @@ class KvScheduler:
         load = self._workers.get(selection.worker_id)
         if load is None:
             raise Unavailable(f"worker {selection.worker_id} left")
+        self._tick(now)
         bs = selection.block_size
         if expected_output_tokens > 0:
             mean = self._output_mean
@@ -843,6 +841,10 @@ class KvScheduler:
         if self._workers.get(wid) is load:  # not a worker that left (and came back)
             self.inflight.remove(wid, hashes)
 
+    def _tick(self, now: float | None) -> None:
+        if now is not None and now > self._clock:
+            self._clock = now
+
     def _release_held(self, now: float) -> None:
         held = self._held
         while held and held[0][0] <= now:
@@ -856,6 +858,9 @@ class KvScheduler:
         b = self._bookings.get((source, request_id))
         if b is None:
             return False
+        self._tick(now)
+        if b.first_at is None and math.isfinite(self._clock):
+            b.first_at = self._clock
         hold = self.config.inflight_hold_s
         if b.inflight and now is not None and hold > 0:
             self._held.append((now + hold, b.load, b.inflight))
@@ -884,7 +889,19 @@ class KvScheduler:
         b = self._drop_booking((source, request_id))
         if b is None:
             return False
-        b.load.completed += 1
+        self._tick(now)
+        if b.first_at is not None:
+            held = self._clock - b.first_at
+            load = b.load
+            _, decode, _ = load.view(self._clock, self.config.load_max_age_s)
+            step = self.predictor.itl_ms(
+                decode * load.block_size, 0, load.kv_total_blocks * load.block_size
+            )
+            if not self.slot_hold_s:
+                self.slot_hold_s, self.slot_hold_step_ms = held, step
+            else:
+                self.slot_hold_s += SLOT_HOLD_SMOOTHING * (held - self.slot_hold_s)
+                self.slot_hold_step_ms += SLOT_HOLD_SMOOTHING * (step - self.slot_hold_step_ms)
         settle = self.config.load_settle_s
         if now is not None and settle > 0:
             load = b.load
