@@ -371,3 +371,50 @@ def test_gateways_on_their_own_find_each_other_in_discovery(
     finally:
         for p in (*gateways, worker):
             p.stop()
+
+
+def test_a_groups_processes_register_in_discovery_with_it(tiny_model: Path, tmp_path: Path) -> None:
+    """With --router-peers-discovery a group's processes are found in discovery like any
+    gateway (a gateway on another host follows each of them) and find each other there (no
+    loopback peers besides: a sibling is followed once, not under two addresses)."""
+    disc = ["--discovery", f"file://{tmp_path / 'registry'}", "--model", str(tiny_model)]
+    worker = Proc("w0", ["worker", *disc, "--engine", "mocker", "--worker-id", "w0"], tmp_path)
+    group_port, single_port = free_port(), free_port()
+    group = Proc(
+        "group",
+        ["frontend", *disc, "--router-peers-discovery", "--gateway-processes", "2",
+         "--http-port", str(group_port)],
+        tmp_path,
+    )  # fmt: skip
+    single = Proc(
+        "single",
+        ["frontend", *disc, "--router-sync-port", "0", "--router-peers-discovery",
+         "--http-port", str(single_port)],
+        tmp_path,
+    )  # fmt: skip
+
+    def peers(port: int) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            found = samples(r.read().decode()).get("kvmesh_router_peers", [])
+        return {labels["state"]: value for labels, value in found}
+
+    try:
+        for p in (worker, group, single):
+            p.start()
+        for port in (group_port, single_port):
+            poll(lambda port=port: frontend_ready(port), 60, "a gateway")
+        assert group.popen is not None
+        children = group_children(group.popen.pid)
+        assert all("router-peers" not in flags for flags in children.values())
+        # the single gateway follows both processes; each process its sibling and the single
+        # one (the group's /metrics sums its processes: 2 x 2)
+        poll(lambda: peers(single_port) == {"followed": 2.0, "connected": 2.0}, 30, "single")
+        poll(lambda: peers(group_port) == {"followed": 4.0, "connected": 4.0}, 30, "group")
+        single.stop()
+        poll(lambda: peers(group_port) == {"followed": 2.0, "connected": 2.0}, 30, "siblings")
+    except BaseException:
+        print("\n".join(p.tail() for p in (group, single, worker)))
+        raise
+    finally:
+        for p in (group, single, worker):
+            p.stop()

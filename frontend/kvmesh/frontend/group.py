@@ -180,7 +180,12 @@ async def run_group(
     if kserve_port == 0:
         kserve_port = free_port(host)
     kv = mesh.kv_in_process
-    sync_ports = [free_port("127.0.0.1") for _ in range(count)] if kv else []
+    # With --router-peers-discovery each process serves its bookings on --http-host and
+    # registers there (its siblings and other hosts' routers find it alike); else the processes
+    # follow each other on loopback, given as peers.
+    discover = kv and mesh.router_peers_discovery
+    sync_host = host if discover else "127.0.0.1"
+    sync_ports = [free_port(sync_host) for _ in range(count)] if kv else []
     env: dict[str, str] = {}
     if config.api_key:  # keys go in the environment, never on a command line (ps shows it)
         given = os.environ.get(API_KEY_ENV, "")
@@ -200,7 +205,9 @@ async def run_group(
             router_sync_port=sync_ports[index] if kv else -1,
             gateway_group=groups[index].encode(),
         )
-        peers = [f"127.0.0.1:{p}" for i, p in enumerate(sync_ports) if i != index]
+        peers = (
+            [] if discover else [f"127.0.0.1:{p}" for i, p in enumerate(sync_ports) if i != index]
+        )
         routes = replace(
             mesh,
             router_peers=[*mesh.router_peers, *peers],

@@ -132,9 +132,11 @@ async def _serve(
     if config.router_sync_port >= 0:
         if not isinstance(router, KvRouter):  # refused by main() already
             raise ConfigError("--router-sync-port serves an in-process KV router")
-        # A group's processes follow each other on loopback; a gateway on its own is followed
-        # by other hosts' gateways, on its own address.
-        sync_host = "127.0.0.1" if group is not None else config.http_host
+        # A group's processes follow each other on loopback, unless they find their peers in
+        # discovery (kvmesh.frontend.group); otherwise a gateway is followed by other hosts'
+        # gateways, on its own address, and registers it for those that discover theirs.
+        loopback = group is not None and not mesh.router_peers_discovery
+        sync_host = "127.0.0.1" if loopback else config.http_host
         sync = mesh_server(sync_host, config.router_sync_port, security)
         sync.add(
             rpb_grpc.add_RouterServiceServicer_to_server,
@@ -143,7 +145,7 @@ async def _serve(
         )
         await sync.start()
         log.info("frontend serving its router's bookings (RouterService) on %s", sync.address)
-        if group is None:  # a group's processes follow each other on loopback only
+        if not loopback:
             advertised = sync.address
             if config.router_sync_advertise_host:
                 advertised = f"{config.router_sync_advertise_host}:{sync.port}"
