@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -106,7 +107,11 @@ def start_mesh(
     deadline = time.monotonic() + ready_timeout_s
     while _get(base + "/health")[0] != 200:
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            # the whole session (its workers too), reaped: no process left running, and no
+            # "still running" ResourceWarning from this Popen failing a later test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             raise AssertionError(f"kvmesh up did not become healthy:\n{log.read_text()}")
         time.sleep(0.2)
     return Mesh(proc, base, log)

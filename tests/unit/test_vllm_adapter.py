@@ -352,6 +352,10 @@ def test_nixl_workers_on_one_machine_get_their_own_side_channel_port(
     _nixl_side_channel_port({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
     port = int(os.environ[NIXL_SIDE_CHANNEL_PORT])
     assert 0 < port < 65536 and port != 5600
+    # below the kernel's ephemeral range: no outgoing connection takes it before vLLM binds it
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if ephemeral.exists():
+        assert port < int(ephemeral.read_text().split()[0])
     monkeypatch.setenv(NIXL_SIDE_CHANNEL_PORT, "6000")  # a port the user chose stays
     _nixl_side_channel_port({"kv_connector": "NixlConnector"})
     assert os.environ[NIXL_SIDE_CHANNEL_PORT] == "6000"

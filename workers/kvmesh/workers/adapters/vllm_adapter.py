@@ -53,7 +53,6 @@ import logging
 import math
 import os
 import secrets
-import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -70,6 +69,7 @@ from kvmesh.runtime.multimodal import (
     placeholder_positions,
     salt_id,
 )
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.process import CORE_SLOT_ENV, core_slice
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -869,14 +869,15 @@ class VllmEngine(StreamingAdapter[Any]):
 def _nixl_side_channel_port(transfer: Any) -> None:
     """vLLM's NIXL connectors answer their peers' handshakes on VLLM_NIXL_SIDE_CHANNEL_PORT
     (5600 unless set), so two workers on one machine would collide: unless the environment
-    names a port, this worker takes a free one (its engine processes inherit the variable)."""
+    names a port, this worker takes a free one (its engine processes inherit the variable).
+    Picked by `free_port`, outside the kernel's ephemeral range: a port merely free a moment
+    ago was taken by an outgoing connection before the engine bound it, seconds later (seen
+    in CI: "Address already in use" from vLLM's handshake listener)."""
     name = transfer.get("kv_connector") if isinstance(transfer, dict) else None
     name = name or getattr(transfer, "kv_connector", None)
     if not name or "Nixl" not in str(name) or os.environ.get(NIXL_SIDE_CHANNEL_PORT):
         return
-    with socket.socket() as s:
-        s.bind(("", 0))
-        os.environ[NIXL_SIDE_CHANNEL_PORT] = str(s.getsockname()[1])
+    os.environ[NIXL_SIDE_CHANNEL_PORT] = str(free_port())
 
 
 OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
