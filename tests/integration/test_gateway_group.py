@@ -114,6 +114,13 @@ def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
+def router_peers(port: int) -> dict[str, float]:
+    """A gateway's `kvmesh_router_peers` by state (summed over a group's processes)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        found = samples(r.read().decode()).get("kvmesh_router_peers", [])
+    return {labels["state"]: value for labels, value in found}
+
+
 def chat(port: int, max_tokens: int = 4, stream: bool = False) -> urllib.request.Request:
     body = {
         "model": MODEL,
@@ -347,11 +354,6 @@ def test_gateways_on_their_own_find_each_other_in_discovery(
         for i, port in enumerate(ports)
     ]
 
-    def peers(port: int) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            found = samples(r.read().decode()).get("kvmesh_router_peers", [])
-        return {labels["state"]: value for labels, value in found}
-
     try:
         for p in (worker, *gateways):
             p.start()
@@ -359,12 +361,16 @@ def test_gateways_on_their_own_find_each_other_in_discovery(
             poll(lambda port=port: frontend_ready(port), 60, "a gateway")
         for port in ports:
             poll(
-                lambda port=port: peers(port) == {"followed": 1.0, "connected": 1.0},
+                lambda port=port: router_peers(port) == {"followed": 1.0, "connected": 1.0},
                 30,
                 "each gateway following the other",
             )
         gateways[1].stop()  # leaves discovery as it starts draining
-        poll(lambda: peers(ports[0]) == {"followed": 0.0, "connected": 0.0}, 30, "the peer gone")
+        poll(
+            lambda: router_peers(ports[0]) == {"followed": 0.0, "connected": 0.0},
+            30,
+            "the peer gone",
+        )
     except BaseException:
         print("\n".join(p.tail() for p in (*gateways, worker)))
         raise
@@ -380,23 +386,13 @@ def test_a_groups_processes_register_in_discovery_with_it(tiny_model: Path, tmp_
     disc = ["--discovery", f"file://{tmp_path / 'registry'}", "--model", str(tiny_model)]
     worker = Proc("w0", ["worker", *disc, "--engine", "mocker", "--worker-id", "w0"], tmp_path)
     group_port, single_port = free_port(), free_port()
-    group = Proc(
-        "group",
-        ["frontend", *disc, "--router-peers-discovery", "--gateway-processes", "2",
-         "--http-port", str(group_port)],
-        tmp_path,
-    )  # fmt: skip
-    single = Proc(
-        "single",
-        ["frontend", *disc, "--router-sync-port", "0", "--router-peers-discovery",
-         "--http-port", str(single_port)],
-        tmp_path,
-    )  # fmt: skip
 
-    def peers(port: int) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            found = samples(r.read().decode()).get("kvmesh_router_peers", [])
-        return {labels["state"]: value for labels, value in found}
+    def gateway(name: str, port: int, *flags: str) -> Proc:
+        argv = ["frontend", *disc, "--router-peers-discovery", "--http-port", str(port), *flags]
+        return Proc(name, argv, tmp_path)
+
+    group = gateway("group", group_port, "--gateway-processes", "2")
+    single = gateway("single", single_port, "--router-sync-port", "0")
 
     try:
         for p in (worker, group, single):
@@ -408,10 +404,12 @@ def test_a_groups_processes_register_in_discovery_with_it(tiny_model: Path, tmp_
         assert all("router-peers" not in flags for flags in children.values())
         # the single gateway follows both processes; each process its sibling and the single
         # one (the group's /metrics sums its processes: 2 x 2)
-        poll(lambda: peers(single_port) == {"followed": 2.0, "connected": 2.0}, 30, "single")
-        poll(lambda: peers(group_port) == {"followed": 4.0, "connected": 4.0}, 30, "group")
+        poll(lambda: router_peers(single_port) == {"followed": 2.0, "connected": 2.0}, 30, "single")
+        poll(lambda: router_peers(group_port) == {"followed": 4.0, "connected": 4.0}, 30, "group")
         single.stop()
-        poll(lambda: peers(group_port) == {"followed": 2.0, "connected": 2.0}, 30, "siblings")
+        poll(
+            lambda: router_peers(group_port) == {"followed": 2.0, "connected": 2.0}, 30, "siblings"
+        )
     except BaseException:
         print("\n".join(p.tail() for p in (group, single, worker)))
         raise
