@@ -32,6 +32,7 @@ from kvmesh.workers.adapters.kv_translate import KvEventTranslator
 from kvmesh.workers.adapters.trtllm_adapter import TrtllmEngine, sampling_kwargs
 from kvmesh.workers.engine import DisaggSettings
 from tests.adapter_fakes import trtllm_fake
+from tests.adapter_fakes.backend import Stream
 
 pytestmark = pytest.mark.unit
 
@@ -405,6 +406,24 @@ async def test_generated_requests_mirror_the_engine_cache(adapter: Any) -> None:
     await eventually(lambda: eng.kv_events.cached() == fake.backend.cached_blocks())
     assert len(eng.kv_events.cached()) >= 3
     await eventually(lambda: eng.engine_load.kv_active_blocks == 0)
+
+
+async def test_pending_prefill_leaves_out_the_prefix_the_engine_holds(adapter: Any) -> None:
+    """The router books a request's prefill as its prompt less the prefix the worker holds; the
+    adapters report the engine's pending prefill the same way (from its KV events), so the
+    router's correction by that measurement does not read cache hits as queued work."""
+    eng, _ = adapter
+    shared = [100 + (i * 13) % 700 for i in range(96)]  # three 32-token blocks
+    await collect(eng, request("first", [*shared, 900], max_tokens=4))
+    await eventually(lambda: len(eng.kv_events.cached()) >= 3)
+    assert eng.load().pending_prefill_tokens == 0
+    hit = eng.submit(request("hit", shared + [901] * 10, max_tokens=4), Stream())
+    assert eng.load().pending_prefill_tokens == 10
+    miss = eng.submit(request("miss", [7] * 50, max_tokens=4), Stream())
+    assert eng.load().pending_prefill_tokens == 10 + 50
+    hit.cancel()
+    miss.cancel()
+    assert eng.load().pending_prefill_tokens == 0
 
 
 # --- disaggregation -----------------------------------------------------------------------

@@ -113,7 +113,7 @@ class OutputDecoder(abc.ABC, Generic[T]):
 class _Pump:
     """One submitted request: its sink, decoder and task. Also its RequestHandle."""
 
-    __slots__ = ("adapter", "closed", "decoder", "request", "sink", "started", "task")
+    __slots__ = ("adapter", "closed", "decoder", "pending", "request", "sink", "started", "task")
 
     def __init__(
         self,
@@ -130,6 +130,8 @@ class _Pump:
         """Nothing more may reach the sink (finished, failed, cancelled or stopped)."""
         self.started = False
         """The engine produced output (the prompt was prefilled)."""
+        self.pending = 0
+        """Prompt tokens counted in the adapter's pending prefill until the first output."""
         self.task: asyncio.Task[None] | None = None
 
     def cancel(self) -> None:
@@ -295,7 +297,14 @@ class StreamingAdapter(Engine, Generic[T]):
             raise InvalidRequest(f"request id {rid!r} is already in flight", param="request_id")
         pump = _Pump(self, request, sink, self._decoder(request, prepared))
         self._pumps[rid] = pump
-        self._pending_prefill += len(request.prompt)
+        # Prefill still to do: the prompt less the prefix the engine's cache holds (its KV
+        # events say which), as the router books it; the whole prompt without KV events.
+        prompt = request.prompt
+        cached = 0
+        if self._translator is not None:
+            cached = self._translator.cached_prefix_tokens(prompt, request.lora_name)
+        pump.pending = len(prompt) - cached
+        self._pending_prefill += pump.pending
         task = asyncio.get_running_loop().create_task(
             self._pump(pump, prepared), name=f"{self._info.engine}-{rid}"
         )
@@ -395,7 +404,7 @@ class StreamingAdapter(Engine, Generic[T]):
         if self._pumps.get(pump.request.request_id) is pump:
             del self._pumps[pump.request.request_id]
         if not pump.started:
-            self._pending_prefill -= len(pump.request.prompt)
+            self._pending_prefill -= pump.pending
         self._requests_changed()
 
     def _cancel(self, pump: _Pump) -> None:
@@ -419,7 +428,7 @@ class StreamingAdapter(Engine, Generic[T]):
                     continue
                 if not pump.started:
                     pump.started = True
-                    self._pending_prefill -= len(request.prompt)
+                    self._pending_prefill -= pump.pending
                     self._requests_changed()
                 if out.finish_reason is not None:
                     self._close(pump)

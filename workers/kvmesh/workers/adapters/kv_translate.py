@@ -20,6 +20,10 @@ What the translator adds on top of a one-to-one mapping:
   * Tiers: `stored` and `removed` take the tier the engine named (its GPU pool, a host or disk
     offloading tier; kvmesh.workers.adapters.kv_tiers maps the engines' names); each tier keeps
     its own published set.
+  * `cached_prefix_tokens(prompt)`: the prompt's leading tokens the device tier holds, found by
+    walking the published blocks by (LoRA, parent, token ids), so without the engine's hash
+    function. The adapters report a request's pending prefill as its prompt less that prefix
+    (what the router books for it), not the whole prompt.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ __all__ = ["MASK64", "KvEventTranslator", "StoredChain", "engine_hash"]
 log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
+
+_ChainKey = tuple[str, int | None, tuple[int, ...]]
 
 
 def engine_hash(value: int | bytes) -> int:
@@ -86,6 +92,11 @@ class KvEventTranslator:
         """Hashes the engine holds that were withheld (and whose children are withheld)."""
         self.withheld_total = 0
         """Blocks withheld so far (opaque, partial or chained after one)."""
+        self._chains: dict[_ChainKey, int] = {}
+        """Device blocks published, by (LoRA name, parent hash, token ids): the index
+        `cached_prefix_tokens` walks."""
+        self._chain_key: dict[int, _ChainKey] = {}
+        """The same, by hash (for removals)."""
 
     @property
     def num_held(self) -> int:
@@ -99,8 +110,11 @@ class KvEventTranslator:
         withhold = parent is not None and parent in opaque
         run: list[StoredBlock] = []
         run_parent = parent
+        chains = self._chains if tier is KvTier.DEVICE else None
+        lora = chain.lora_name or ""
         for i, h in enumerate(chain.hashes):
             tokens = chain.tokens[i]
+            block_parent = parent if i == 0 else chain.hashes[i - 1]
             if not withhold and (
                 (chain.opaque and chain.opaque[i])
                 or len(tokens) != size
@@ -118,9 +132,34 @@ class KvEventTranslator:
                 run = []
                 run_parent = h
                 continue
-            run.append(StoredBlock(h, tuple(tokens)))
+            block = StoredBlock(h, tuple(tokens))
+            run.append(block)
             held.add(h)
+            if chains is not None:
+                key = (lora, block_parent, block.token_ids)
+                chains[key] = h
+                self._chain_key[h] = key
         self._flush(run_parent, run, chain.lora_name, tier)
+
+    def cached_prefix_tokens(self, prompt: Sequence[int], lora_name: str = "") -> int:
+        """How many of `prompt`'s leading tokens the engine's device tier holds (published
+        blocks only, so a prefix after an opaque block counts as not cached), at most all but
+        the last token (an engine computes the last prompt token even on a full hit). O(blocks
+        of the prefix)."""
+        size = self.block_size
+        chains = self._chains
+        if not chains:
+            return 0
+        parent: int | None = None
+        n = 0
+        end = len(prompt) - size
+        while n <= end:
+            h = chains.get((lora_name, parent, tuple(prompt[n : n + size])))
+            if h is None:
+                break
+            parent = h
+            n += size
+        return min(n, max(len(prompt) - 1, 0))
 
     def _flush(
         self, parent: int | None, run: list[StoredBlock], lora_name: str, tier: KvTier
@@ -132,19 +171,29 @@ class KvEventTranslator:
         """Blocks left `tier` of the engine's cache."""
         held = self._held[tier]
         gone: list[int] = []
+        device = tier is KvTier.DEVICE
         for h in hashes:
             if h in held:
                 held.discard(h)
                 gone.append(h)
+                if device:
+                    self._unchain(h)
             elif not any(h in s for s in self._held.values()):
                 self._opaque.discard(h)
         if gone:
             self.log.publish(BlocksRemoved(gone, tier))
 
+    def _unchain(self, h: int) -> None:
+        key = self._chain_key.pop(h, None)
+        if key is not None and self._chains.get(key) == h:
+            del self._chains[key]
+
     def cleared(self) -> None:
         """The engine dropped its whole cache."""
         for held in self._held.values():
             held.clear()
+        self._chains.clear()
+        self._chain_key.clear()
         self._opaque.clear()
         self.log.publish(AllCleared())
 
