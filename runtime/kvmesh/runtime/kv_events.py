@@ -342,6 +342,10 @@ class KvEventLog:
         lora)."""
         return dict(self._state[tier])
 
+    def block(self, block_hash: int, tier: KvTier = KvTier.DEVICE) -> CachedBlock | None:
+        """One block of the implied cache state of `tier` (None: not cached there)."""
+        return self._state[tier].get(block_hash)
+
     def __len__(self) -> int:
         """Number of blocks in the implied cache state of the device tier."""
         return len(self._state[KvTier.DEVICE])

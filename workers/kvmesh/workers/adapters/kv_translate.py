@@ -94,9 +94,7 @@ class KvEventTranslator:
         """Blocks withheld so far (opaque, partial or chained after one)."""
         self._chains: dict[_ChainKey, int] = {}
         """Device blocks published, by (LoRA name, parent hash, token ids): the index
-        `cached_prefix_tokens` walks."""
-        self._chain_key: dict[int, _ChainKey] = {}
-        """The same, by hash (for removals)."""
+        `cached_prefix_tokens` walks (the log holds the same blocks by hash)."""
 
     @property
     def num_held(self) -> int:
@@ -136,9 +134,7 @@ class KvEventTranslator:
             run.append(block)
             held.add(h)
             if chains is not None:
-                key = (lora, block_parent, block.token_ids)
-                chains[key] = h
-                self._chain_key[h] = key
+                chains[(lora, block_parent, block.token_ids)] = h
         self._flush(run_parent, run, chain.lora_name, tier)
 
     def cached_prefix_tokens(self, prompt: Sequence[int], lora_name: str = "") -> int:
@@ -176,7 +172,7 @@ class KvEventTranslator:
             if h in held:
                 held.discard(h)
                 gone.append(h)
-                if device:
+                if device:  # before the log forgets the block
                     self._unchain(h)
             elif not any(h in s for s in self._held.values()):
                 self._opaque.discard(h)
@@ -184,16 +180,18 @@ class KvEventTranslator:
             self.log.publish(BlocksRemoved(gone, tier))
 
     def _unchain(self, h: int) -> None:
-        key = self._chain_key.pop(h, None)
-        if key is not None and self._chains.get(key) == h:
-            del self._chains[key]
+        block = self.log.block(h)
+        if block is not None:
+            parent, tokens, lora = block
+            key = (lora or "", parent, tokens)
+            if self._chains.get(key) == h:
+                del self._chains[key]
 
     def cleared(self) -> None:
         """The engine dropped its whole cache."""
         for held in self._held.values():
             held.clear()
         self._chains.clear()
-        self._chain_key.clear()
         self._opaque.clear()
         self.log.publish(AllCleared())
 
