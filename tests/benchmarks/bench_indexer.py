@@ -318,8 +318,8 @@ class _Recording:
     def first_token(self, request_id: str) -> None:
         self.inner.first_token(request_id)
 
-    def finished(self, request_id: str) -> None:
-        self.inner.finished(request_id)
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
+        self.inner.finished(request_id, output_tokens)
 
 
 async def live(trace: Path, n: int, block_size: int) -> dict[str, Any]:

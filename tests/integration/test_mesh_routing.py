@@ -120,9 +120,10 @@ async def test_router_service_route_list_and_proxy(workers: list[Worker], tmp_pa
     await pool.start()
     await pool.wait_for(2, timeout_s=10)
     server = GrpcServer()
+    router = _EndsRecorded(pool)
     server.add(
         rpb_grpc.add_RouterServiceServicer_to_server,
-        RouterServicer(pool, SimpleRouter(pool)),
+        RouterServicer(pool, router),
         ROUTER_SERVICE,
     )
     await server.start()
@@ -155,12 +156,26 @@ async def test_router_service_route_list_and_proxy(workers: list[Worker], tmp_pa
         backend = MeshBackend(front_pool, remote)
         await poll_until(backend.ready)  # the service is SERVING: its pool has both workers
         assert len(await run(backend, request("q"))) == 3
+        # The service hears how many tokens the request generated (a KV router's realized ITL).
+        await poll_until(lambda: ("q", 3) in router.ended)
         await remote.close()
         await front_pool.stop()
     finally:
         await channel.close()
         await server.stop(0)
         await pool.stop()
+
+
+class _EndsRecorded(SimpleRouter):
+    """A round-robin router that records every end it is told of, with its output tokens."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        super().__init__(pool)
+        self.ended: list[tuple[str, int]] = []
+
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
+        self.ended.append((request_id, output_tokens))
+        super().finished(request_id, output_tokens)
 
 
 class RecordingWorker(wpb_grpc.WorkerServiceServicer):

@@ -226,6 +226,29 @@ def test_up_sets_identity_flags_itself(
         shutil.rmtree(sup.registry)
 
 
+def test_up_with_the_sla_planner_gives_its_routers_the_targets(
+    parser: argparse.ArgumentParser, tiny_model: Path
+) -> None:
+    """The KV router keeps the SLO the planner sizes for (kv_policy, SLO), unless given its
+    own; without the SLA planner it keeps none."""
+
+    def router_slo(*flags: str) -> tuple[float, float]:
+        ns = parser.parse_args(["up", f"--model={tiny_model}", *flags])
+        sup = Supervisor(UpArgs.from_args(ns))
+        try:
+            mesh = from_args(MeshConfig, parser.parse_args(sup.frontend_argv()[3:]))
+        finally:
+            assert sup.registry is not None
+            shutil.rmtree(sup.registry)
+        return mesh.router_ttft_slo_ms, mesh.router_itl_slo_ms
+
+    targets = ["--ttft-slo-ms=800", "--itl-slo-ms=40"]
+    assert router_slo(*targets) == (0.0, 0.0)
+    assert router_slo("--planner=queue", *targets) == (0.0, 0.0)
+    assert router_slo("--planner=sla", *targets) == (800.0, 40.0)
+    assert router_slo("--planner=sla", *targets, "--router-itl-slo-ms=25") == (800.0, 25.0)
+
+
 def test_global_flags_before_or_after_the_command(parser: argparse.ArgumentParser) -> None:
     def level(*argv: str) -> LogLevel:
         return from_args(GlobalConfig, parser.parse_args(argv)).log_level

@@ -381,3 +381,62 @@ def test_bad_settings_are_refused() -> None:
         KvRouterConfig(policy="fastest")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timing profile"):
         KvScheduler(KvRouterConfig(timing_profile="/nonexistent.json"))
+
+
+def _hot_prefix_holder(**cfg: float) -> tuple[KvScheduler, list[int]]:
+    """w1 holds 1,280 of a 1,600-token prompt and decodes 300,000 tokens (its predicted step
+    3.3x idle w0's); a request that ended on w1 decoded at twice the step predicted there. No
+    ITL penalty: the rule under test alone."""
+    sched = make(itl_weight=0.0, **cfg)
+    prompt = list(range(1600))
+    cache(sched, "w1", prompt[:1280])
+    sched.book("long", sched.select(list(range(50_000, 350_000)), 0.0, candidates=["w1"]), 0.0)
+    sched.first_token("long", now=0.0)
+    sched.book("done", sched.select([5] * 32, 0.0, candidates=["w1"]), 0.0)
+    sched.first_token("done", now=0.0)
+    capacity = 65536 * BS
+    step = 0.5 * (POLY.decode_ms((300_000 + 32) / capacity) + POLY.decode_ms(300_000 / capacity))
+    sched.free("done", now=2 * step * 99 / 1e3, output_tokens=100)
+    return sched, prompt
+
+
+def test_an_itl_target_keeps_requests_off_a_worker_decoding_over_it() -> None:
+    """The prefix holder wins on TTFT; with an ITL target between what the idle worker and the
+    holder realize (2x their predicted steps: the holder's measured ratio, and the fleet's for
+    the worker with none of its own), the request goes to the idle worker. A target both meet,
+    an alternative not `itl_penalty_ratio` x faster, or one that cannot start the request
+    within the TTFT target: the cache wins."""
+    capacity = 65536 * BS
+    idle, hot = POLY.decode_ms(1600 / capacity), POLY.decode_ms((300_000 + 1600) / capacity)
+    assert hot > 3 * idle
+
+    def pick(**cfg: float) -> str:
+        sched, prompt = _hot_prefix_holder(**cfg)
+        return sched.select(prompt, 10.0, expected_output_tokens=500).worker_id
+
+    sched, _ = _hot_prefix_holder(itl_slo_ms=30.0)
+    assert sched.worker("w1").itl_ratio == pytest.approx(2.0)  # type: ignore[union-attr]
+    assert sched.fleet_itl_ratio == pytest.approx(2.0)
+    assert sched.worker("w0").itl_ratio == 0.0  # type: ignore[union-attr]
+    assert pick() == "w1"  # no target
+    assert pick(itl_slo_ms=1.8 * hot) == "w0"  # 2 x hot is over it, 2 x idle within
+    assert pick(itl_slo_ms=2.2 * hot) == "w1"  # both within
+    assert 3.0 * idle < hot < 3.5 * idle
+    assert pick(itl_slo_ms=1.8 * hot, itl_penalty_ratio=3.0) == "w0"
+    assert pick(itl_slo_ms=1.8 * hot, itl_penalty_ratio=3.5) == "w1"  # w0 not 3.5x faster
+    assert pick(itl_slo_ms=1.8 * hot, ttft_slo_ms=POLY.prefill_ms(1600) + 1) == "w0"
+    assert pick(itl_slo_ms=1.8 * hot, ttft_slo_ms=POLY.prefill_ms(1600) - 1) == "w1"
+
+
+def test_the_realized_itl_is_learned_only_with_a_target_and_a_token_count() -> None:
+    """Without an ITL target the first token records no step (nothing extra on the routing
+    path); an end without its token count (0: unknown) teaches nothing."""
+    sched, _ = _hot_prefix_holder()
+    assert sched.worker("w1").itl_ratio == 0.0 and sched.fleet_itl_ratio == 0.0  # type: ignore[union-attr]
+    sched = make(itl_slo_ms=30.0)
+    sched.book("r", sched.select([1] * 32, 0.0), 0.0)
+    sched.first_token("r", now=0.0)
+    sched.free("r", now=5.0)
+    assert sched.fleet_itl_ratio == 0.0
+    with pytest.raises(ValueError):
+        KvRouterConfig(itl_slo_ms=-1.0)

@@ -240,6 +240,23 @@ def test_replay_cli_contract(tmp_path: Path) -> None:
         assert (row["planner"] is None) == ("--workers" in extra)
 
 
+def test_the_replayed_sla_planner_gives_the_router_its_targets() -> None:
+    """As `kvmesh up --planner sla` does (test_cli_flags): the KV router keeps the SLA
+    planner's targets unless given its own; a static pool or the queue baseline keeps none."""
+
+    def router(*extra: str) -> tuple[float, float]:
+        ns = build_parser().parse_args(["replay", "--trace", "x", "--ttft-slo-ms", "300",
+                                        "--itl-slo-ms", "20", *extra])  # fmt: skip
+        kv = replay_config(ns).kv_router()
+        return kv.ttft_slo_ms, kv.itl_slo_ms
+
+    assert router() == (0.0, 0.0)
+    assert router("--planner", "queue") == (0.0, 0.0)
+    assert router("--planner", "sla") == (300.0, 20.0)
+    assert router("--planner", "sla", "--router-ttft-slo-ms", "500") == (500.0, 20.0)
+    assert router("--router-itl-slo-ms", "25") == (0.0, 25.0)
+
+
 def test_replay_planner_settings_are_checked() -> None:
     ns = build_parser().parse_args(["replay", "--trace", "x", "--planner", "sla",
                                     "--min-workers", "3", "--max-workers", "2"])  # fmt: skip

@@ -517,8 +517,8 @@ class MeshBackend:
     def _paused(self) -> None:
         self.stats.pauses += 1
 
-    def _booking_ended(self, request_id: str) -> None:
-        self.router.finished(request_id)
+    def _booking_ended(self, request_id: str, output_tokens: int = 0) -> None:
+        self.router.finished(request_id, output_tokens)
         self.admission.wake()
 
     async def _attempt(
@@ -590,6 +590,7 @@ class MeshBackend:
             on_stop=self._paused,
         )
         generated = progress.generated
+        before = len(generated)  # output of earlier attempts (a migrated request)
         try:
             async for msg in stream:
                 if first_token:
@@ -613,7 +614,7 @@ class MeshBackend:
                 if out.finish_reason is not None:
                     # Done on the worker: free its booking now, before the caller answers the
                     # client (who may send the next turn at once) and closes this generator.
-                    self._booking_ended(request.request_id)
+                    self._booking_ended(request.request_id, len(generated) - before)
                 yield out
         finally:
             await stream.aclose()  # type: ignore[attr-defined]

@@ -75,6 +75,26 @@ prefill queued now, and the requests its prefill will delay are those running wh
 frees, the same on every full worker. Scored there, it held a saturated burst's requests on the
 workers with the most prefill queued and slowed the burst's tail (conv bursty overload at 16
 workers: p99 9,021 ms, above round-robin's 8,593; 8,343 without it there).
+
+SLO. Given the deployment's targets (`itl_slo_ms`, `ttft_slo_ms` on KvRouterConfig: the
+`--router-itl-slo-ms` / `--router-ttft-slo-ms` flags, or the SLA planner's targets, which
+`kvmesh up --planner sla` and `kvmesh replay --planner sla` hand their routers), the router
+keeps requests off a worker whose requests decode over the ITL target when another serves the
+request within both. A worker's ITL is the predicted `itl` above times what its ended requests
+realized over it (their mean token gap / the step predicted while they decoded, a running
+mean; the fleet's for a worker with none yet): prefill steps interleaving with the decode
+steps, which the step model leaves out, make it 1.5-4x on long prompts. A worker is ruled out
+of the choice when that ITL is over the target and another worker's is within it, starts the
+request within the TTFT target, and is predicted to decode over `r` (`itl_penalty_ratio`) times
+faster than the fastest worker over the target; the lowest score among the rest wins. The last
+condition keeps the rule to the failure it is for, the one the ITL penalty above weighs but
+cannot outweigh (it is capped and scaled by the slots taken): a prefix holder loaded to the
+limit beside workers that just started and hold no prefix (the SLA planner's multi-tenant day:
+the planner grows the pool, the router keeps every tenant on the worker that holds its 14k-token
+prompt). Between workers that decode alike (where the ratio is high everywhere, Mooncake's long
+prompts near a 30 ms target) moving a request costs its cached prefix for a step time no
+better, and the rule does not fire. Without targets (the default) nothing changes; the routing
+matrix scores TTFT with none.
 """
 
 from __future__ import annotations
@@ -164,6 +184,18 @@ class KvPolicyFlags:
         DEFAULT_DECODE_DELAY_WEIGHT,
         "kv ttft: weight of the delay the request's prefill adds to the requests running on "
         "the worker (x the fraction of its request slots taken); 0: score its own TTFT only",
+    )
+    router_ttft_slo_ms: float = opt(
+        0.0,
+        "kv ttft: the deployment's TTFT target, ms (0: none): a worker over the ITL target "
+        "gives way only to one predicted to start the request within it",
+    )
+    router_itl_slo_ms: float = opt(
+        0.0,
+        "kv ttft: the deployment's ITL target (a request's mean ITL), ms (0: none): a worker "
+        "whose requests decode over it takes no request another worker serves within the "
+        "targets while decoding --router-itl-penalty-ratio x faster (kvmesh replay with "
+        "--planner, kvmesh up with --planner sla: the planner's targets)",
     )
     router_inflight_prefixes: bool = opt(
         True,

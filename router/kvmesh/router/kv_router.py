@@ -173,8 +173,8 @@ class KvRouter:
     def first_token(self, request_id: str) -> None:
         self.scheduler.first_token(request_id, now=self.clock.now())
 
-    def finished(self, request_id: str) -> None:
-        self.scheduler.free(request_id, now=self.clock.now())
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
+        self.scheduler.free(request_id, now=self.clock.now(), output_tokens=output_tokens)
         handle = self._booked.pop(request_id, None)
         if handle is not None:
             handle.inflight -= 1

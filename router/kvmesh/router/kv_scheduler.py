@@ -45,7 +45,7 @@ Driving it directly (what `kvmesh replay` does with mocker schedulers in virtual
     sel = sched.select(prompt_token_ids, now)    # -> Selection (worker_id, overlap, ...)
     sched.book(request_id, sel, now, expected_output_tokens=osl)
     sched.first_token(request_id)                # when the first token is out
-    sched.free(request_id)                       # when it finishes or is cancelled
+    sched.free(request_id, output_tokens=n)      # when it finishes or is cancelled
     sched.update_load("w0", LoadSample(...), now)  # optional: the engine's load metrics
 
 KvEventLog.publish is synchronous, so a simulator can hand each published kind to
@@ -100,6 +100,10 @@ log = logging.getLogger(__name__)
 
 SLOT_HOLD_SMOOTHING = 0.05
 """Weight of each ended request in the running mean of how long a request holds its slot."""
+ITL_RATIO_SMOOTHING = 0.1
+"""Weight of each ended request in a worker's running ratio of realized to predicted ITL."""
+FLEET_ITL_RATIO_SMOOTHING = 0.02
+"""The same over every worker: the ratio a worker none of whose requests ended yet is given."""
 
 
 @dataclass(slots=True)
@@ -155,6 +159,14 @@ class KvRouterConfig:
     turn of a conversation, or the rest of a burst sharing a new prefix, then follows the first
     instead of prefilling the prefix again elsewhere. Own bookings only (peers share loads,
     not prompts)."""
+    ttft_slo_ms: float = 0.0
+    """ttft: the deployment's TTFT target (ms; 0: none): with `itl_slo_ms`, a worker over the
+    ITL target gives way only to one predicted to start the request within this."""
+    itl_slo_ms: float = 0.0
+    """ttft: the deployment's ITL target (ms, a request's mean ITL; 0: none): a worker whose
+    requests decode over it (predicted, corrected by what its ended requests realized) takes no
+    request another worker serves within both targets and decodes over `itl_penalty_ratio`
+    times faster (KvScheduler.select; kvmesh.router.kv_policy, SLO)."""
     inflight_hold_s: float = 1.0
     """How long after a request's first token the prefix it computed stays counted that way:
     the worker's KV events announcing those blocks may still be on their way, and a request
@@ -175,6 +187,8 @@ class KvRouterConfig:
             raise ValueError("approx_ttl_s and load_max_age_s must be > 0")
         if not self.load_settle_s >= 0 or not self.inflight_hold_s >= 0:
             raise ValueError("load_settle_s and inflight_hold_s must be >= 0")
+        if not (self.ttft_slo_ms >= 0 and self.itl_slo_ms >= 0):
+            raise ValueError("ttft_slo_ms and itl_slo_ms must be >= 0")
         self.policy = KvPolicyKind(self.policy)
         if not self.itl_weight >= 0 or not self.itl_penalty_cap_ms >= 0:
             raise ValueError("itl_weight and itl_penalty_cap_ms must be >= 0")
@@ -254,6 +268,10 @@ class WorkerLoad:
     """Requests booked here (own and peers'), until they are freed."""
     requests_offset: float = 0.0
     """Measured (running + waiting) minus booked requests when the last sample arrived."""
+    itl_ratio: float = 0.0
+    """Running mean of realized / predicted ITL over the requests that ended here (their mean
+    token gap over the step time predicted while they decoded; 0: none yet). Above 1 where
+    prefill steps interleave with the decode steps, or the timing model runs short."""
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         """Whether the last load sample is recent enough to trust."""
@@ -322,6 +340,9 @@ class _Booking:
     """When it was booked (None: no time given)."""
     first_at: float | None = None
     """When its first token came (None: not yet, or no time known)."""
+    first_step_ms: float = 0.0
+    """The decode step time predicted on its worker at its first token (0: not taken: no ITL
+    target, or no first token yet)."""
 
 
 class KvScheduler:
@@ -381,6 +402,9 @@ class KvScheduler:
         """Running mean of the decode step time (timing model, at the worker's KV usage) where
         those requests ended: a hold is output tokens x step time, so a worker that decodes
         slower now than then holds its slots longer by that ratio."""
+        self.fleet_itl_ratio = 0.0
+        """Running mean of realized / predicted ITL over every worker's ended requests (0: none
+        yet): what a worker with no ratio of its own is taken to decode at."""
         self.predictor = TtftPredictor(
             load_timing(self.config.timing_profile), chunk_tokens=self.config.chunk_tokens
         )
@@ -556,8 +580,8 @@ class KvScheduler:
             else:
                 overlaps[wid] = found[2].get(wid, 0)
         if cfg.policy is KvPolicyKind.TTFT:
-            costs = self._ttft_scores(ready, overlaps, n_tokens, now, expected_output_tokens)
-            chosen = self._choose_agreed(costs, overlaps, by_size, token_ids)
+            costs, pick = self._ttft_scores(ready, overlaps, n_tokens, now, expected_output_tokens)
+            chosen = self._choose_agreed(pick, overlaps, by_size, token_ids)
         else:
             costs = self._cost_scores(ready, overlaps, n_tokens, now)
             chosen = self._choose(costs)
@@ -597,9 +621,10 @@ class KvScheduler:
         n_tokens: int,
         now: float,
         output_tokens: int,
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """KvPolicyKind.TTFT: predicted TTFT of every ready worker plus its bounded ITL penalty
-        (kvmesh.router.kv_policy)."""
+        (kvmesh.router.kv_policy), and those of the workers the choice is made among: all of
+        them, or with an ITL target, those it does not rule out (`_within_itl_slo`)."""
         cfg = self.config
         max_age = cfg.load_max_age_s
         views = []
@@ -627,6 +652,9 @@ class KvScheduler:
         delay_weight = cfg.decode_delay_weight
         out_mean = self._output_mean
         costs: dict[str, float] = {}
+        slo = cfg.itl_slo_ms > 0 and len(views) > 1
+        ttfts: list[float] = []
+        raw_itls: list[float] = []
         itls: list[float] = []
         slots_used: list[float] = []  # share of request slots taken (1: the engine does not say)
         for (w, prefill, decode, n), waits in zip(views, waiting, strict=True):
@@ -659,18 +687,62 @@ class KvScheduler:
                 if used and delay_weight and not waits
                 else 0.0
             )
-            costs[w.worker_id] = ttft_ms(*args) + delay
-            if penalty:
-                itls.append(itl_ms(args[2], n_tokens, args[3]))
-                slots_used.append(used if slots else 1.0)
+            ttft = ttft_ms(*args)
+            costs[w.worker_id] = ttft + delay
+            if penalty or slo:
+                itl = itl_ms(args[2], n_tokens, args[3])
+                if penalty:
+                    itls.append(itl)
+                    slots_used.append(used if slots else 1.0)
+                if slo:
+                    ttfts.append(ttft)
+                    raw_itls.append(itl)
+        pick = costs
+        if slo:
+            pick = self._within_itl_slo(views, ttfts, raw_itls, costs)
         if not penalty or len(itls) < 2:
-            return costs
+            return costs, pick
         free_itl = cfg.itl_penalty_ratio * min(itls)
         if max(itls) <= free_itl:  # the fleet decodes within the ratio: no penalty anywhere
-            return costs
+            return costs, pick
         for (w, *_), itl, share in zip(views, itls, slots_used, strict=True):
             wid = w.worker_id
             costs[wid] = itl_penalized(costs[wid], itl, free_itl, weight, cap, share)
+        return costs, pick if pick is costs else {w: costs[w] for w in pick}
+
+    def _within_itl_slo(
+        self,
+        views: Sequence[tuple[WorkerLoad, float, float, float]],
+        ttfts: Sequence[float],
+        itls: Sequence[float],
+        costs: dict[str, float],
+    ) -> dict[str, float]:
+        """With an ITL target (`itl_slo_ms`): `costs` less the workers over it, where another
+        worker serves the request within the targets and decodes faster by the ITL penalty's
+        ratio; else `costs` itself (kvmesh.router.kv_policy, SLO). A worker is over the target
+        when its predicted ITL (`itls`, the timing model's step time with the request there)
+        times its realized / predicted ratio (`WorkerLoad.itl_ratio`, the fleet's where it has
+        none, 1 before any) is; the other must be within it the same way, start the request
+        within `ttft_slo_ms` (`ttfts`; 0: any) and be predicted to decode at most 1 /
+        `itl_penalty_ratio` of the fastest over worker's step: the rule moves requests off a
+        worker a prefix holds to its limit, not between workers that decode alike."""
+        cfg = self.config
+        target = cfg.itl_slo_ms
+        fleet = self.fleet_itl_ratio or 1.0
+        over: list[str] = []
+        fastest_over = math.inf
+        for (w, *_), itl in zip(views, itls, strict=True):
+            if itl * (w.itl_ratio or fleet) > target:
+                over.append(w.worker_id)
+                fastest_over = min(fastest_over, itl)
+        if not over or len(over) == len(views):
+            return costs
+        bound = fastest_over / cfg.itl_penalty_ratio
+        ttft_target = cfg.ttft_slo_ms or math.inf
+        for (w, *_), itl, ttft in zip(views, itls, ttfts, strict=True):
+            if itl <= bound and ttft <= ttft_target and itl * (w.itl_ratio or fleet) <= target:
+                ruled_out = set(over)
+                return {wid: c for wid, c in costs.items() if wid not in ruled_out}
         return costs
 
     def _choose(self, costs: dict[str, float]) -> str:
@@ -861,6 +933,8 @@ class KvScheduler:
         self._tick(now)
         if b.first_at is None and math.isfinite(self._clock):
             b.first_at = self._clock
+            if self.config.itl_slo_ms:
+                b.first_step_ms = self._step_ms(b.load)
         hold = self.config.inflight_hold_s
         if b.inflight and now is not None and hold > 0:
             self._held.append((now + hold, b.load, b.inflight))
@@ -883,9 +957,19 @@ class KvScheduler:
                 )
         return True
 
-    def free(self, request_id: str, source: str = "", now: float | None = None) -> bool:
+    def _step_ms(self, load: WorkerLoad) -> float:
+        """The decode step time the timing model predicts on `load`'s worker now."""
+        _, decode, _ = load.view(self._clock, self.config.load_max_age_s)
+        bs = load.block_size
+        return self.predictor.itl_ms(decode * bs, 0, load.kv_total_blocks * bs)
+
+    def free(
+        self, request_id: str, source: str = "", now: float | None = None, output_tokens: int = 0
+    ) -> bool:
         """The request ended (any reason): drop its booking (with `now`, load samples of the
-        next `load_settle_s` may still show it: update_load). False if unknown."""
+        next `load_settle_s` may still show it: update_load). `output_tokens` (0: unknown): the
+        tokens it generated on its worker, for the worker's realized ITL (with an ITL target).
+        False if unknown."""
         b = self._drop_booking((source, request_id))
         if b is None:
             return False
@@ -893,10 +977,18 @@ class KvScheduler:
         if b.first_at is not None:
             held = self._clock - b.first_at
             load = b.load
-            _, decode, _ = load.view(self._clock, self.config.load_max_age_s)
-            step = self.predictor.itl_ms(
-                decode * load.block_size, 0, load.kv_total_blocks * load.block_size
-            )
+            step = self._step_ms(load)
+            if output_tokens > 1 and b.first_step_ms > 0 and held > 0:
+                # Its mean token gap over the step time predicted while it decoded (the mean of
+                # then and now).
+                ratio = held * 1e3 / (output_tokens - 1) / (0.5 * (b.first_step_ms + step))
+                fleet = self.fleet_itl_ratio
+                if not load.itl_ratio:
+                    load.itl_ratio = fleet or ratio
+                load.itl_ratio += ITL_RATIO_SMOOTHING * (ratio - load.itl_ratio)
+                self.fleet_itl_ratio = (
+                    fleet + FLEET_ITL_RATIO_SMOOTHING * (ratio - fleet) if fleet else ratio
+                )
             if not self.slot_hold_s:
                 self.slot_hold_s, self.slot_hold_step_ms = held, step
             else:

@@ -201,8 +201,10 @@ class Router(Protocol):
         """The request's prefill is done."""
         ...
 
-    def finished(self, request_id: str) -> None:
-        """The request ended (any reason); free its booking. Idempotent."""
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
+        """The request ended (any reason); free its booking. Idempotent. `output_tokens`: what
+        it generated on the worker it was booked on (0: unknown), for that worker's realized
+        ITL (the KV router with an ITL target)."""
         ...
 
 
@@ -290,7 +292,7 @@ class SimpleRouter:
     def first_token(self, request_id: str) -> None:
         return None
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
         worker = self._booked.pop(request_id, None)
         if worker is not None:
             worker.inflight -= 1

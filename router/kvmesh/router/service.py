@@ -93,7 +93,7 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):
         if request.state == rpb.REQUEST_STATE_FIRST_TOKEN:
             self.router.first_token(request.request_id)
         elif request.state in (rpb.REQUEST_STATE_FINISHED, rpb.REQUEST_STATE_CANCELLED):
-            self.router.finished(request.request_id)
+            self.router.finished(request.request_id, request.output_tokens)
         else:
             raise InvalidRequest("state must be FIRST_TOKEN, FINISHED or CANCELLED", param="state")
         return rpb.ReportRequestStateResponse(known=True)
@@ -263,13 +263,21 @@ class RemoteRouter:
             f"router chose worker {resp.worker_id} which this frontend does not know yet"
         )
 
-    def _report(self, request_id: str, state: rpb.RequestState.ValueType) -> None:
-        task = asyncio.get_running_loop().create_task(self._send_report(request_id, state))
+    def _report(
+        self, request_id: str, state: rpb.RequestState.ValueType, output_tokens: int = 0
+    ) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._send_report(request_id, state, output_tokens)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    async def _send_report(self, request_id: str, state: rpb.RequestState.ValueType) -> None:
-        msg = rpb.ReportRequestStateRequest(request_id=request_id, state=state)
+    async def _send_report(
+        self, request_id: str, state: rpb.RequestState.ValueType, output_tokens: int = 0
+    ) -> None:
+        msg = rpb.ReportRequestStateRequest(
+            request_id=request_id, state=state, output_tokens=output_tokens
+        )
         await self._stub.ReportRequestState(msg, timeout=5.0)
 
     def _done(self, task: asyncio.Task[Any]) -> None:
@@ -280,8 +288,8 @@ class RemoteRouter:
     def first_token(self, request_id: str) -> None:
         self._report(request_id, rpb.REQUEST_STATE_FIRST_TOKEN)
 
-    def finished(self, request_id: str) -> None:
-        self._report(request_id, rpb.REQUEST_STATE_FINISHED)
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
+        self._report(request_id, rpb.REQUEST_STATE_FINISHED, output_tokens)
 
     async def close(self) -> None:
         """Stop following the service's health and close the channel to it."""

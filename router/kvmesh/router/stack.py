@@ -106,6 +106,8 @@ def build_router(
             itl_penalty_cap_ms=mesh.router_itl_penalty_cap_ms,
             itl_penalty_ratio=mesh.router_itl_penalty_ratio,
             decode_delay_weight=mesh.router_decode_delay_weight,
+            ttft_slo_ms=mesh.router_ttft_slo_ms,
+            itl_slo_ms=mesh.router_itl_slo_ms,
             inflight_prefixes=mesh.router_inflight_prefixes,
             chunk_tokens=mesh.router_chunk_tokens,
             timing_profile=mesh.router_timing_profile,

@@ -292,7 +292,7 @@ class Cluster:
 
     def release(self, index: int) -> None:
         """Free every booking of the `index`-th request: its own and its remote prefill's."""
-        self.policy.finished(request_id(index))
+        self.policy.finished(request_id(index), self.timeline.ntok[index])
         self.policy.finished(prefill_id(index))
 
     def token(self, out: SeqOutput) -> int:

@@ -144,7 +144,10 @@ class ReplayConfig(KvPolicyFlags):
         return self.timeline_interval_s or self.planning.adjustment_interval_s
 
     def kv_router(self) -> KvRouterConfig:
-        """The KV-aware router's settings."""
+        """The KV-aware router's settings. With the SLA planner, the router keeps the planner's
+        SLO targets (as `kvmesh up --planner sla` hands them to its routers) unless
+        --router-ttft-slo-ms / --router-itl-slo-ms give others."""
+        planned = self.planner is PlannerPolicy.SLA
         return KvRouterConfig(
             overlap_weight=self.router_overlap_weight,
             temperature=self.router_temperature,
@@ -154,6 +157,8 @@ class ReplayConfig(KvPolicyFlags):
             itl_penalty_cap_ms=self.router_itl_penalty_cap_ms,
             itl_penalty_ratio=self.router_itl_penalty_ratio,
             decode_delay_weight=self.router_decode_delay_weight,
+            ttft_slo_ms=self.router_ttft_slo_ms or (self.planning.ttft_slo_ms if planned else 0),
+            itl_slo_ms=self.router_itl_slo_ms or (self.planning.itl_slo_ms if planned else 0),
             inflight_prefixes=self.router_inflight_prefixes,
             chunk_tokens=self.mocker.max_num_batched_tokens,
             timing_profile=self.mocker.timing_profile,

@@ -74,8 +74,9 @@ class Policy(Protocol):
         """The request's prefill is done."""
         ...
 
-    def finished(self, request_id: str) -> None:
-        """The request ended (any reason); free its booking. Idempotent."""
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
+        """The request ended (any reason); free its booking. Idempotent. `output_tokens`: what
+        it generated (0: unknown; Router.finished)."""
         ...
 
     def inflight(self, worker: int) -> int:
@@ -179,8 +180,8 @@ class KvPolicy:
     def first_token(self, request_id: str) -> None:
         self.sched.first_token(request_id)
 
-    def finished(self, request_id: str) -> None:
-        self.sched.free(request_id)
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
+        self.sched.free(request_id, output_tokens=output_tokens)
         self.bookings.free(request_id)
 
     def inflight(self, worker: int) -> int:
@@ -241,7 +242,7 @@ class SimplePolicy:
     def first_token(self, request_id: str) -> None:
         return None
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
         self.bookings.free(request_id)
 
     def inflight(self, worker: int) -> int:
