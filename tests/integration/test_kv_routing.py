@@ -424,3 +424,25 @@ async def test_engines_without_kv_events_are_routed_approximately(
         await pool.stop()
         for w in ws:
             await w.stop()
+
+
+async def test_with_an_itl_target_the_router_learns_what_its_workers_realize(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    """The live path of the router's SLO rule (kv_policy, SLO): the gateway tells the router
+    each request's output tokens with its end, and the scheduler learns the realized /
+    predicted ITL of the worker the request ran on (and the fleet's)."""
+    pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+    router = KvRouter(pool, KvRouterConfig(seed=1, itl_slo_ms=50.0))
+    await pool.start()
+    await pool.wait_for(4, timeout_s=10)
+    backend = MeshBackend(pool, router)
+    try:
+        await run(backend, "a", prompt(0, 0))
+        sched = router.scheduler
+        served = [w for w in sched.workers() if (load := sched.worker(w)) and load.itl_ratio]
+        assert len(served) == 1 and sched.fleet_itl_ratio > 0
+        assert sched.num_bookings() == 0
+    finally:
+        await router.close()
+        await pool.stop()
