@@ -270,8 +270,9 @@ class WorkerLoad:
     """Measured (running + waiting) minus booked requests when the last sample arrived."""
     itl_ratio: float = 0.0
     """Running mean of realized / predicted ITL over the requests that ended here (their mean
-    token gap over the step time predicted while they decoded; 0: none yet). Above 1 where
-    prefill steps interleave with the decode steps, or the timing model runs short."""
+    token gap over the step time predicted while they decoded; 0: none yet), those this router
+    replica booked (a peer's end carries no token count). Above 1 where prefill steps
+    interleave with the decode steps, or the timing model runs short."""
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         """Whether the last load sample is recent enough to trust."""
