@@ -83,10 +83,11 @@ keeps requests off a worker whose requests decode over the ITL target when anoth
 request within both. A worker's ITL is the predicted `itl` above times what its ended requests
 realized over it (their mean token gap / the step predicted while they decoded, a running
 mean; the fleet's for a worker with none yet): prefill steps interleaving with the decode
-steps, which the step model leaves out, make it 1.5-4x on long prompts. A worker is ruled out
-of the choice when that ITL is over the target and another worker's is within it, starts the
-request within the TTFT target, and is predicted to decode over `r` (`itl_penalty_ratio`) times
-faster than the fastest worker over the target; the lowest score among the rest wins. The last
+steps, which the step model leaves out, made it 3-4x on the Mooncake day (13k-token prompts).
+A worker is ruled out of the choice when that ITL is over the target and another worker's is
+within it, starts the request within the TTFT target, and is predicted to decode over `r`
+(`itl_penalty_ratio`) times faster than the fastest worker over the target; the lowest score
+among the rest wins. The last
 condition keeps the rule to the failure it is for, the one the ITL penalty above weighs but
 cannot outweigh (it is capped and scaled by the slots taken): a prefix holder loaded to the
 limit beside workers that just started and hold no prefix (the SLA planner's multi-tenant day:
