@@ -166,6 +166,60 @@ async def test_router_service_route_list_and_proxy(workers: list[Worker], tmp_pa
         await pool.stop()
 
 
+async def test_a_gateway_waits_for_its_pool_to_join_the_worker_its_router_chose(
+    workers: list[Worker], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after start-up a router service may choose a worker the gateway's own pool has
+    not joined yet (each joins new workers on its own discovery poll; `kvmesh up
+    --router-process` failed its first request with a 404 this way). The gateway waits for its
+    pool to join it; a worker it does not find within JOIN_WAIT_S is a 503, not a 404."""
+    pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
+    await pool.start()
+    await pool.wait_for(2, timeout_s=10)
+    server = GrpcServer()
+    server.add(
+        rpb_grpc.add_RouterServiceServicer_to_server,
+        RouterServicer(pool, SimpleRouter(pool)),
+        ROUTER_SERVICE,
+    )
+    await server.start()
+    regs = sorted((tmp_path / "registry").glob("worker.*.json"))
+    assert len(regs) == 2
+    fronts: list[tuple[WorkerPool, RemoteRouter]] = []
+
+    async def gateway(name: str) -> RemoteRouter:
+        """A gateway whose discovery shows only the first worker so far."""
+        directory = tmp_path / name
+        directory.mkdir()
+        shutil.copy(regs[0], directory)
+        front = WorkerPool(FileDiscovery(directory, ttl_s=600, poll_s=0.05))
+        await front.start()
+        await front.wait_for(1, timeout_s=10)
+        remote = RemoteRouter(server.address, front)
+        fronts.append((front, remote))
+        return remote
+
+    try:
+        late = await gateway("late")
+        asyncio.get_running_loop().call_later(0.3, shutil.copy, regs[1], tmp_path / "late")
+        # round-robin on the service: the two routes choose both workers, one the gateway has
+        # not joined when it is chosen
+        chosen = {(await late.route("", [1, 2, 3], f"r{i}")).worker.worker_id for i in range(2)}
+        assert chosen == {"w0", "w1"}
+
+        monkeypatch.setattr("kvmesh.router.service.JOIN_WAIT_S", 0.3)
+        never = await gateway("never")
+        with pytest.raises(errors.Unavailable, match="has not found"):
+            for i in range(2):
+                await never.route("", [1, 2, 3], f"n{i}")
+    finally:
+        for front, remote in fronts:
+            await remote.close()
+            await front.stop()
+        await server.stop(0)
+        await pool.stop()
+
+
 class _EndsRecorded(SimpleRouter):
     """A round-robin router that records every end it is told of, with its output tokens."""
 

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -215,7 +215,7 @@ class WorkerPool:
         if self._workers.get(handle.instance_id) is handle:
             handle.info = info
 
-    async def watch_workers(self) -> AsyncIterator[list[WorkerHandle]]:
+    async def watch_workers(self) -> AsyncGenerator[list[WorkerHandle], None]:
         """The live workers now, then again after every join or leave."""
         while True:
             self._changed.clear()

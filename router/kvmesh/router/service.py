@@ -23,10 +23,10 @@ from kvmesh.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvmesh.router.backend import BackendConfig, MeshBackend
 from kvmesh.router.kv_router import KvRouter
 from kvmesh.router.kv_subscriber import load_event_to_pb
-from kvmesh.router.pool import WorkerPool
+from kvmesh.router.pool import WorkerHandle, WorkerPool
 from kvmesh.router.routing import RouteDecision, Router
 from kvmesh.runtime import wire
-from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable, Unimplemented
+from kvmesh.runtime.errors import InvalidRequest, Unavailable, Unimplemented
 from kvmesh.runtime.grpcutil import GrpcServer, error_from_rpc, mesh_channel, watch_health
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import Role
@@ -189,6 +189,10 @@ async def serve_when_routable(server: GrpcServer, pool: WorkerPool) -> None:
             await server.set_serving(now)
 
 
+JOIN_WAIT_S = 2.0
+"""How long a gateway waits for its own pool to join a worker its router service chose."""
+
+
 class RemoteRouter:
     """Router interface backed by a `kvmesh router` service.
 
@@ -255,13 +259,30 @@ class RemoteRouter:
             )
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
-        for w in self.pool.workers():
-            if w.worker_id == resp.worker_id:
-                return RouteDecision(w, resp.overlap_blocks, resp.prompt_blocks, policy="remote")
+        worker = await self._worker(resp.worker_id)
+        if worker is not None:
+            return RouteDecision(worker, resp.overlap_blocks, resp.prompt_blocks, policy="remote")
         self._report(request_id, rpb.REQUEST_STATE_CANCELLED)
-        raise NotFound(
-            f"router chose worker {resp.worker_id} which this frontend does not know yet"
+        raise Unavailable(
+            f"router chose worker {resp.worker_id}, which this frontend has not found in "
+            f"discovery within {JOIN_WAIT_S:g} s"
         )
+
+    async def _worker(self, worker_id: str) -> WorkerHandle | None:
+        """This frontend's handle of `worker_id`, waiting up to JOIN_WAIT_S for its pool to
+        join it: the service and this frontend follow the same discovery, but each joins a
+        new worker on its own poll (right after start-up, the service may know a worker this
+        frontend does not yet)."""
+        with contextlib.suppress(TimeoutError):
+            async with (
+                asyncio.timeout(JOIN_WAIT_S),
+                contextlib.aclosing(self.pool.watch_workers()) as watch,
+            ):
+                async for workers in watch:
+                    for w in workers:
+                        if w.worker_id == worker_id:
+                            return w
+        return None
 
     def _report(
         self, request_id: str, state: rpb.RequestState.ValueType, output_tokens: int = 0
