@@ -273,6 +273,9 @@ class RemoteRouter:
         join it: the service and this frontend follow the same discovery, but each joins a
         new worker on its own poll (right after start-up, the service may know a worker this
         frontend does not yet)."""
+        for w in self.pool.workers():
+            if w.worker_id == worker_id:
+                return w
         with contextlib.suppress(TimeoutError):
             async with (
                 asyncio.timeout(JOIN_WAIT_S),
