@@ -21,7 +21,7 @@ from kvmesh.api.worker.v1 import worker_service_pb2 as wpb
 from kvmesh.api.worker.v1 import worker_service_pb2_grpc as wpb_grpc
 from kvmesh.router.backend import MeshBackend
 from kvmesh.router.pool import WorkerPool
-from kvmesh.router.routing import RouterMode, SimpleRouter
+from kvmesh.router.routing import Router, RouterMode, SimpleRouter
 from kvmesh.router.service import (
     ROUTER_SERVICE,
     RemoteRouter,
@@ -115,18 +115,21 @@ async def test_no_workers_is_unavailable(tmp_path: Path) -> None:
     await pool.stop()
 
 
+async def router_service(pool: WorkerPool, router: Router | None = None) -> GrpcServer:
+    """A started RouterService over `pool` (routing round-robin unless `router` is given)."""
+    server = GrpcServer()
+    servicer = RouterServicer(pool, router if router is not None else SimpleRouter(pool))
+    server.add(rpb_grpc.add_RouterServiceServicer_to_server, servicer, ROUTER_SERVICE)
+    await server.start()
+    return server
+
+
 async def test_router_service_route_list_and_proxy(workers: list[Worker], tmp_path: Path) -> None:
     pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
     await pool.start()
     await pool.wait_for(2, timeout_s=10)
-    server = GrpcServer()
     router = _EndsRecorded(pool)
-    server.add(
-        rpb_grpc.add_RouterServiceServicer_to_server,
-        RouterServicer(pool, router),
-        ROUTER_SERVICE,
-    )
-    await server.start()
+    server = await router_service(pool, router)
     channel = insecure_channel(server.address)
     stub = rpb_grpc.RouterServiceStub(channel)
     try:
@@ -176,13 +179,7 @@ async def test_a_gateway_waits_for_its_pool_to_join_the_worker_its_router_chose(
     pool = WorkerPool(FileDiscovery(tmp_path / "registry", poll_s=0.05))
     await pool.start()
     await pool.wait_for(2, timeout_s=10)
-    server = GrpcServer()
-    server.add(
-        rpb_grpc.add_RouterServiceServicer_to_server,
-        RouterServicer(pool, SimpleRouter(pool)),
-        ROUTER_SERVICE,
-    )
-    await server.start()
+    server = await router_service(pool)
     regs = sorted((tmp_path / "registry").glob("worker.*.json"))
     assert len(regs) == 2
     fronts: list[tuple[WorkerPool, RemoteRouter]] = []
@@ -323,13 +320,7 @@ async def test_a_router_service_is_ready_only_with_a_worker(
     empty.mkdir()
     router_pool = WorkerPool(FileDiscovery(empty, poll_s=0.05))
     await router_pool.start()
-    server = GrpcServer()
-    server.add(
-        rpb_grpc.add_RouterServiceServicer_to_server,
-        RouterServicer(router_pool, SimpleRouter(router_pool)),
-        ROUTER_SERVICE,
-    )
-    await server.start()
+    server = await router_service(router_pool)
     routable = asyncio.create_task(serve_when_routable(server, router_pool))
     front_pool = WorkerPool(FileDiscovery(registry, poll_s=0.05))
     await front_pool.start()
