@@ -362,13 +362,10 @@ class Supervisor:
             raise ConfigError(f"--http-host {fe.http_host}: {e}") from e
         self.mesh = replace(args.mesh, discovery=self.discovery)
         if self.config.planner is PlannerPolicy.SLA:
-            # The routers keep the targets the planner sizes for (kv_policy, SLO), unless given
-            # their own.
-            self.mesh = replace(
-                self.mesh,
-                router_ttft_slo_ms=self.mesh.router_ttft_slo_ms or args.planning.ttft_slo_ms,
-                router_itl_slo_ms=self.mesh.router_itl_slo_ms or args.planning.itl_slo_ms,
+            ttft, itl = args.planning.router_targets(
+                self.mesh.router_ttft_slo_ms, self.mesh.router_itl_slo_ms
             )
+            self.mesh = replace(self.mesh, router_ttft_slo_ms=ttft, router_itl_slo_ms=itl)
         self.pki: DevPki | None = None
         if self.config.tls:
             if args.tls.enabled:

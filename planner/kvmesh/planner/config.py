@@ -92,6 +92,12 @@ class PlannerConfig:
             return self.scale_down_delay_s
         return self.worker_startup_s + self.adjustment_interval_s
 
+    def router_targets(self, ttft_slo_ms: float, itl_slo_ms: float) -> tuple[float, float]:
+        """The (TTFT, ITL) targets the KV router keeps beside the SLA planner: the router's own
+        (`--router-ttft-slo-ms`, `--router-itl-slo-ms`; 0: not given), else the planner's
+        (`kvmesh up --planner sla`, `kvmesh replay --planner sla`; kv_policy, SLO)."""
+        return ttft_slo_ms or self.ttft_slo_ms, itl_slo_ms or self.itl_slo_ms
+
     def __post_init__(self) -> None:
         for name in ("ttft_slo_ms", "itl_slo_ms", "adjustment_interval_s"):
             value = getattr(self, name)

@@ -625,7 +625,7 @@ class KvScheduler:
     ) -> tuple[dict[str, float], dict[str, float]]:
         """KvPolicyKind.TTFT: predicted TTFT of every ready worker plus its bounded ITL penalty
         (kvmesh.router.kv_policy), and those of the workers the choice is made among: all of
-        them, or with an ITL target, those it does not rule out (`_within_itl_slo`)."""
+        them, or with an ITL target, those it does not rule out (`_over_itl_slo`)."""
         cfg = self.config
         max_age = cfg.load_max_age_s
         views = []
@@ -654,9 +654,8 @@ class KvScheduler:
         out_mean = self._output_mean
         costs: dict[str, float] = {}
         slo = cfg.itl_slo_ms > 0 and len(views) > 1
-        ttfts: list[float] = []
-        raw_itls: list[float] = []
-        itls: list[float] = []
+        ttfts: list[float] = []  # with an ITL target
+        itls: list[float] = []  # with the penalty or an ITL target
         slots_used: list[float] = []  # share of request slots taken (1: the engine does not say)
         for (w, prefill, decode, n), waits in zip(views, waiting, strict=True):
             bs = w.block_size
@@ -691,60 +690,54 @@ class KvScheduler:
             ttft = ttft_ms(*args)
             costs[w.worker_id] = ttft + delay
             if penalty or slo:
-                itl = itl_ms(args[2], n_tokens, args[3])
+                itls.append(itl_ms(args[2], n_tokens, args[3]))
                 if penalty:
-                    itls.append(itl)
                     slots_used.append(used if slots else 1.0)
                 if slo:
                     ttfts.append(ttft)
-                    raw_itls.append(itl)
-        pick = costs
-        if slo:
-            pick = self._within_itl_slo(views, ttfts, raw_itls, costs)
-        if not penalty or len(itls) < 2:
-            return costs, pick
-        free_itl = cfg.itl_penalty_ratio * min(itls)
-        if max(itls) <= free_itl:  # the fleet decodes within the ratio: no penalty anywhere
-            return costs, pick
-        for (w, *_), itl, share in zip(views, itls, slots_used, strict=True):
-            wid = w.worker_id
-            costs[wid] = itl_penalized(costs[wid], itl, free_itl, weight, cap, share)
-        return costs, pick if pick is costs else {w: costs[w] for w in pick}
+        ruled_out = self._over_itl_slo(views, ttfts, itls) if slo else ()
+        if penalty and len(itls) > 1:
+            free_itl = cfg.itl_penalty_ratio * min(itls)
+            if max(itls) > free_itl:  # else the fleet decodes within the ratio: no penalty
+                for (w, *_), itl, share in zip(views, itls, slots_used, strict=True):
+                    wid = w.worker_id
+                    costs[wid] = itl_penalized(costs[wid], itl, free_itl, weight, cap, share)
+        if not ruled_out:
+            return costs, costs
+        return costs, {wid: c for wid, c in costs.items() if wid not in ruled_out}
 
-    def _within_itl_slo(
+    def _over_itl_slo(
         self,
         views: Sequence[tuple[WorkerLoad, float, float, float]],
         ttfts: Sequence[float],
         itls: Sequence[float],
-        costs: dict[str, float],
-    ) -> dict[str, float]:
-        """With an ITL target (`itl_slo_ms`): `costs` less the workers over it, where another
-        worker serves the request within the targets and decodes faster by the ITL penalty's
-        ratio; else `costs` itself (kvmesh.router.kv_policy, SLO). A worker is over the target
-        when its predicted ITL (`itls`, the timing model's step time with the request there)
-        times its realized / predicted ratio (`WorkerLoad.itl_ratio`, the fleet's where it has
-        none, 1 before any) is; the other must be within it the same way, start the request
-        within `ttft_slo_ms` (`ttfts`; 0: any) and be predicted to decode at most 1 /
-        `itl_penalty_ratio` of the fastest over worker's step: the rule moves requests off a
-        worker a prefix holds to its limit, not between workers that decode alike."""
+    ) -> Collection[str]:
+        """With an ITL target (`itl_slo_ms`): the workers over it, where another worker serves
+        the request within the targets and decodes faster by the ITL penalty's ratio; else none
+        (kvmesh.router.kv_policy, SLO). A worker is over the target when its predicted ITL
+        (`itls`, the timing model's step time with the request there) times its realized /
+        predicted ratio (`WorkerLoad.itl_ratio`, the fleet's where it has none, 1 before any)
+        is; the other must be within it the same way, start the request within `ttft_slo_ms`
+        (`ttfts`; 0: any) and be predicted to decode at most 1 / `itl_penalty_ratio` of the
+        fastest over worker's step: the rule moves requests off a worker a prefix holds to its
+        limit, not between workers that decode alike."""
         cfg = self.config
         target = cfg.itl_slo_ms
         fleet = self.fleet_itl_ratio or 1.0
-        over: list[str] = []
+        over: set[str] = set()
         fastest_over = math.inf
         for (w, *_), itl in zip(views, itls, strict=True):
             if itl * (w.itl_ratio or fleet) > target:
-                over.append(w.worker_id)
+                over.add(w.worker_id)
                 fastest_over = min(fastest_over, itl)
         if not over or len(over) == len(views):
-            return costs
+            return ()
         bound = fastest_over / cfg.itl_penalty_ratio
         ttft_target = cfg.ttft_slo_ms or math.inf
         for (w, *_), itl, ttft in zip(views, itls, ttfts, strict=True):
             if itl <= bound and ttft <= ttft_target and itl * (w.itl_ratio or fleet) <= target:
-                ruled_out = set(over)
-                return {wid: c for wid, c in costs.items() if wid not in ruled_out}
-        return costs
+                return over
+        return ()
 
     def _choose(self, costs: dict[str, float]) -> str:
         if len(costs) == 1:

@@ -147,7 +147,9 @@ class ReplayConfig(KvPolicyFlags):
         """The KV-aware router's settings. With the SLA planner, the router keeps the planner's
         SLO targets (as `kvmesh up --planner sla` hands them to its routers) unless
         --router-ttft-slo-ms / --router-itl-slo-ms give others."""
-        planned = self.planner is PlannerPolicy.SLA
+        ttft_slo, itl_slo = self.router_ttft_slo_ms, self.router_itl_slo_ms
+        if self.planner is PlannerPolicy.SLA:
+            ttft_slo, itl_slo = self.planning.router_targets(ttft_slo, itl_slo)
         return KvRouterConfig(
             overlap_weight=self.router_overlap_weight,
             temperature=self.router_temperature,
@@ -157,8 +159,8 @@ class ReplayConfig(KvPolicyFlags):
             itl_penalty_cap_ms=self.router_itl_penalty_cap_ms,
             itl_penalty_ratio=self.router_itl_penalty_ratio,
             decode_delay_weight=self.router_decode_delay_weight,
-            ttft_slo_ms=self.router_ttft_slo_ms or (self.planning.ttft_slo_ms if planned else 0),
-            itl_slo_ms=self.router_itl_slo_ms or (self.planning.itl_slo_ms if planned else 0),
+            ttft_slo_ms=ttft_slo,
+            itl_slo_ms=itl_slo,
             inflight_prefixes=self.router_inflight_prefixes,
             chunk_tokens=self.mocker.max_num_batched_tokens,
             timing_profile=self.mocker.timing_profile,
