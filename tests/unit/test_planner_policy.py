@@ -291,6 +291,34 @@ def test_surge_foresees_a_ramp_before_the_pool_is_outgrown() -> None:
     assert grew and grew[AGG] > 3, "the trend should have grown the pool before it was outgrown"
 
 
+@pytest.mark.parametrize(
+    ("value", "error", "grows"),
+    [
+        (3.3, 0.5, True),  # over 3 workers' worth by more than half its standard error
+        (3.3, 1.0, False),  # by less: noise
+        (3.3, math.inf, False),  # too few windows for a trend
+        (2.9, 0.0, False),  # the pool serves it
+    ],
+)
+def test_surge_foresight_hedges_half_a_standard_error(
+    monkeypatch: pytest.MonkeyPatch, value: float, error: float, grows: bool
+) -> None:
+    """The trend's forecast (in workers' worth of load) counts less half of its standard error:
+    a pool grown a check early costs a few worker-seconds, one grown late is overloaded until
+    its worker starts."""
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+    three = PoolState(AGG, 3, 3)
+    planner = Planner(config(worker_startup_s=10.0), PlannerPolicy.SLA, [AGG], PROFILE)
+    assert planner.decide(10.0, obs(1.5 * cap), {AGG: three}).targets[AGG] == 3
+    policy = planner.policy
+    assert isinstance(policy, SlaPolicy)
+    monkeypatch.setattr(policy.trend, "forecast", lambda at: (value * cap, error * cap))
+    d = planner.surge(12.0, obs(1.5 * cap, interval=2.0), {AGG: three})
+    assert d.targets == ({AGG: 4} if grows else {})
+    if grows:
+        assert "on the trend" in d.reasons[AGG]
+
+
 def test_surge_reads_queued_work_and_latency_but_not_noise() -> None:
     cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
     four = PoolState(AGG, target=4, ready=4)
