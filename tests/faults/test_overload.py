@@ -76,10 +76,19 @@ async def one(http: aiohttp.ClientSession, base: str) -> tuple[int, float, float
 
 async def test_twice_capacity_gets_429_with_retry_after_and_recovers(gateway: Gateway) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        # Capacity: 2 x SEQS requests at once, each lasting `alone` seconds.
-        alone = await asyncio.gather(*(one(http, gateway.base) for _ in range(2 * SEQS)))
-        assert all(s == 200 for s, *_ in alone)
-        per_request = statistics.median(t for _, _, t, _ in alone)
+
+        async def alone() -> float:
+            """One round of 2 x SEQS requests at once (what the workers run): median seconds."""
+            results = await asyncio.gather(*(one(http, gateway.base) for _ in range(2 * SEQS)))
+            assert all(s == 200 for s, *_ in results)
+            return statistics.median(t for _, _, t, _ in results)
+
+        # Capacity: 2 x SEQS requests at once, each lasting `per_request` seconds. The first
+        # round warms the gateway (connections, channels) and is not counted; of two more the
+        # faster counts, since a stall on a busy machine only ever makes a round slower (an
+        # inflated round once made the "twice capacity" below about capacity: nothing refused).
+        await alone()
+        per_request = min([await alone(), await alone()])
         capacity = 2 * SEQS / per_request  # requests per second
         rate = 2 * capacity
         tasks = []
@@ -93,14 +102,15 @@ async def test_twice_capacity_gets_429_with_retry_after_and_recovers(gateway: Ga
         ok = [r for r in results if r[0] == 200]
         refused = [r for r in results if r[0] == 429]
         assert len(ok) + len(refused) == len(results), {r[0] for r in results}
-        ttft = sorted(r[1] for r in ok)
-        print(
+        ttft = sorted(r[1] for r in ok) or [0.0]
+        summary = (
             f"capacity ~{capacity:.0f} req/s, offered {rate:.0f} req/s: {len(results)} requests, "
             f"{len(ok)} served (TTFT p50 {ttft[len(ttft) // 2] * 1000:.0f} ms, max "
             f"{ttft[-1] * 1000:.0f} ms), {len(refused)} refused with 429 (slowest "
-            f"{max(r[2] for r in refused) * 1000:.0f} ms)"
+            f"{max((r[2] for r in refused), default=0.0) * 1000:.0f} ms)"
         )
-        assert refused and ok
+        print(summary)
+        assert refused and ok, summary
         assert all(r[3] == "1" for r in refused)  # Retry-After: the queue timeout, rounded up
         assert max(r[2] for r in refused) < QUEUE_TIMEOUT_S + 1.0  # within the queue timeout
         assert ttft[-1] < QUEUE_TIMEOUT_S + 1.0  # no admitted request waited past the queue
