@@ -32,11 +32,20 @@ PNG per trace (load, replicas, latency over the day). About 10-30 minutes on 2 c
 `--seeds`: one day per seed of the arrival process (the same requests in the same order, other
 arrival times), so a setting is judged on several realisations of each day, not one; the
 summary under the table gives each day's verdict against the issue's criteria.
+
+`--clairvoyant`: also replay every static pool from 1 worker to the planner's maximum, and give
+what a schedule that knew the day could reach (`clairvoyant`): per timeline interval, the pool
+size among those static runs that the schedule picks, their requests' SLO met as that static
+pool served them. It is an estimate, not a strict bound: it switches sizes without start-up or
+drain and serves each interval as a static pool that had that size all day would (its cache,
+its backlog). It says whether a day's 0.7x is within reach of any planner, and how far the SLA
+planner is from the best schedule at its own worker-hours.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import subprocess
@@ -169,7 +178,13 @@ def one_worker(case: Case, day_path: Path) -> tuple[float, float]:
 
 
 def run_case(
-    key: str, case: Case, out: Path, jobs: int, seed: int = 0, sla_flags: tuple[str, ...] = ()
+    key: str,
+    case: Case,
+    out: Path,
+    jobs: int,
+    seed: int = 0,
+    sla_flags: tuple[str, ...] = (),
+    all_sizes: bool = False,
 ) -> dict[str, Any]:
     day = reshape_day(
         source_trace(case),
@@ -217,6 +232,13 @@ def run_case(
         static_f = {n: pool.submit(replay, case, path, "--workers", str(n))}
     ref_n = min(meets)
     ref = static[ref_n]
+    if all_sizes:  # every size up to the planner's maximum, for the clairvoyant schedule
+        more = {
+            n: pool.submit(replay, case, path, "--workers", str(n))
+            for n in range(1, 2 * guess + 1)
+            if n not in static
+        }
+        static.update({n: f.result() for n, f in more.items()})
     sla = sla_f.result()
     plain = plain_f.result()
     queues = {t: f.result() for t, f in queue_f.items()}
@@ -237,7 +259,51 @@ def run_case(
         "sla_no_surge": plain,
         "queues": queues,
         "queue_target": target,
+        "clairvoyant": clairvoyant(static) if all_sizes else [],
     }
+
+
+def clairvoyant(static: dict[int, dict[str, Any]]) -> list[tuple[float, float]]:
+    """The (worker-hours, SLO met) a schedule of pool sizes that knew the day reaches, best SLO
+    met for its worker-hours (the upper hull, fewest worker-hours first), from the timelines of
+    static pools of the sizes in `static`: per interval, each size's requests that met the SLO
+    (arrivals x `slo_met`) and its cost (size x interval); for each price of a worker-second
+    every interval takes the size that nets the most, which traces the hull (Lagrangian
+    relaxation: per-interval choices are independent once a worker-second has a price)."""
+    sizes = sorted(static)
+    if not sizes:
+        return []
+    timelines = [static[n]["timeline"] for n in sizes]
+    intervals = min(len(t) for t in timelines)
+    starts = [row["t_s"] for row in timelines[0][:intervals]]
+    spans = [b - a for a, b in itertools.pairwise(starts)]
+    spans.append(spans[-1] if spans else 0.0)
+    arrivals = [timelines[0][i]["arrival_rps"] * spans[i] for i in range(intervals)]
+    total = sum(arrivals)
+    if total <= 0:
+        return []
+    # met[i][k]: requests arriving in interval i that met the SLO on a pool of sizes[k]
+    met = [[arrivals[i] * t[i].get("slo_met", 0.0) for t in timelines] for i in range(intervals)]
+    points: set[tuple[float, float]] = set()
+    worst = max(spans) * sizes[-1] or 1.0
+    for price in [0.0] + [total / worst * 1.1**j / 1e4 for j in range(200)]:
+        hours = done = 0.0
+        for i in range(intervals):
+            k = max(range(len(sizes)), key=lambda k: (met[i][k] - price * sizes[k] * spans[i], -k))
+            hours += sizes[k] * spans[i] / 3600
+            done += met[i][k]
+        points.add((hours, done / total))
+    hull: list[tuple[float, float]] = []
+    for hours, share in sorted(points):
+        if not hull or share > hull[-1][1]:
+            hull.append((hours, share))
+    return hull
+
+
+def clairvoyant_at(hull: list[tuple[float, float]], hours: float) -> float:
+    """The best SLO met on `hull` (`clairvoyant`) within `hours` worker-hours (NaN: none)."""
+    within = [share for h, share in hull if h <= hours + 1e-9]
+    return max(within) if within else math.nan
 
 
 def day_name(res: dict[str, Any]) -> str:
@@ -290,7 +356,22 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{r['worker_hours']:.3f} | {r['worker_hours'] / ref['worker_hours']:.2f}x |"
             )
     lines.append("")
-    lines += [f"- {day_name(res)}: SLA planner {verdict(res)}" for res in results]
+    for res in results:
+        line = f"- {day_name(res)}: SLA planner {verdict(res)}"
+        hull = res.get("clairvoyant") or []
+        if hull:
+            ref = res["static"][res["ref_n"]]
+            sla = res["sla"]
+            at_sla = clairvoyant_at(hull, sla["worker_hours"])
+            at_limit = clairvoyant_at(hull, 0.7 * ref["worker_hours"])
+            line += (
+                f"; clairvoyant schedule (sizes 1-{max(res['static'])}, no start-up): "
+                f"{100 * at_sla:.2f} % at the planner's {sla['worker_hours']:.3f} worker-h, "
+                f"{100 * at_limit:.2f} % at 0.7x the reference's "
+                f"({'within' if at_limit >= ref['slo_attainment'] else 'out of'} reach of the "
+                f"reference's {100 * ref['slo_attainment']:.2f} %)"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -315,6 +396,12 @@ def main() -> None:
         help="extra flags for the SLA planner's replays (an A/B of its settings), e.g. "
         "'--scale-down-delay-s 12'",
     )
+    parser.add_argument(
+        "--clairvoyant",
+        action="store_true",
+        help="also replay every static pool from 1 worker to the planner's maximum and give "
+        "the SLO met a schedule that knew the day reaches (module doc)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -325,7 +412,11 @@ def main() -> None:
         parser.error(f"unknown case {', '.join(unknown)}: of {', '.join(CASES)}, held-out")
     seeds = [int(x) for x in args.seeds.split(",")]
     flags = tuple(args.sla_flags.split())
-    results = [run_case(k, CASES[k], out, args.jobs, s, flags) for k in keys for s in seeds]
+    results = [
+        run_case(k, CASES[k], out, args.jobs, s, flags, args.clairvoyant)
+        for k in keys
+        for s in seeds
+    ]
     text = table(results)
     (out / "results.md").write_text(text + "\n")
     (out / "results.json").write_text(
