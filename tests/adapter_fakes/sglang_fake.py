@@ -5,9 +5,10 @@ Upstream: SGLang 0.5.18 (UPSTREAM_VERSION; tests/unit/test_adapter_fake_versions
 wheel listed in UPSTREAM_SOURCES: the async_generate parameter list and the SamplingParams API
 fields are exactly 0.5.18's, and KV events are 0.5.18's tagged arrays. SGLang 0.5.20 changed
 KV events to tagged maps (KVCacheEvent lost array_like), which kvmesh's decoder does not read,
-hence the extra's `<0.5.20`. One known divergence from 0.5.18, kept because the adapter uses it:
-`tokenizer_manager.get_load()`, which SGLang 0.5.17 and 0.5.18 no longer have (they have
-`get_loads()`, returning LoadSnapshots; test_adapter_fake_versions records it as a strict xfail).
+hence the extra's `<0.5.20`. The load is 0.5.18's `tokenizer_manager.get_loads()` (one
+LoadSnapshot per DP rank, its core fields); `get_load()`, which older SGLang versions had
+instead, is gone as in 0.5.18 (the adapter's fallback to it is tested with a manager of its
+own).
 
 What follows SGLang's source (python/sglang/srt/entrypoints/engine.py, managers/
 tokenizer_manager.py, sampling/sampling_params.py, disaggregation/kv_events.py):
@@ -20,7 +21,7 @@ tokenizer_manager.py, sampling/sampling_params.py, disaggregation/kv_events.py):
     the new ones or everything so far; finish_reason dicts as FINISH_MATCHED_TOKEN /
     FINISH_LENGTH / FINISH_ABORT's to_json();
   * `tokenizer_manager.abort_request(rid=...)` is the only way to stop a request (cancelling
-    the iterator does not abort it here), `get_load()`, `flush_cache()`;
+    the iterator does not abort it here), `get_loads(include, dp_rank)`, `flush_cache()`;
   * KV events: a PUB socket sending (topic, seq, payload) and a ROUTER replay socket answering
     (seq, payload) messages then (-1, b""), payload `[ts, [events], attn_dp_rank]` with events
     as tagged arrays `["BlockStored", [hash], parent, page_tokens, page_size, lora_id,
@@ -117,13 +118,22 @@ def check_sampling(params: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class GetLoadReqOutput:
-    """SGLang's get_load() item (newest field set)."""
+class LoadSnapshot:
+    """SGLang's get_loads() item (managers/load_snapshot.py, a msgspec Struct there): the core
+    fields /v1/loads reports; the optional sections (memory, speculative, ...) are left out."""
 
+    timestamp: float = 0.0
     dp_rank: int = 0
-    num_reqs: int = 0
+    num_running_reqs: int = 0
     num_waiting_reqs: int = 0
-    num_pages: int = 0
+    num_used_tokens: int = 0
+    num_total_tokens: int = 0
+    max_total_num_tokens: int = 0
+    max_running_requests: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+    cache_hit_rate: float = 0.0
+    utilization: float = 0.0
 
 
 @dataclass
@@ -146,14 +156,26 @@ class FakeTokenizerManager:
             stream.cancel()
             stream.output_abort = True
 
-    async def get_load(self) -> list[GetLoadReqOutput]:
+    async def get_loads(
+        self, include: list[str] | None = None, dp_rank: int | None = None
+    ) -> list[LoadSnapshot]:
+        """One snapshot per DP rank (this fake has one), [] for a rank it does not have."""
+        if dp_rank not in (None, 0):
+            return []
         load = self.engine.backend.load()
+        page = self.engine.server_args.page_size
+        used = load.kv_active_blocks * page
+        capacity = load.kv_total_blocks * page
         return [
-            GetLoadReqOutput(
+            LoadSnapshot(
+                timestamp=time.time(),
                 dp_rank=0,
-                num_reqs=load.num_running + load.num_waiting,
+                num_running_reqs=load.num_running,
                 num_waiting_reqs=load.num_waiting,
-                num_pages=load.kv_active_blocks,
+                num_used_tokens=used,
+                num_total_tokens=used,
+                max_total_num_tokens=capacity,
+                token_usage=used / capacity if capacity else 0.0,
             )
         ]
 

@@ -92,16 +92,13 @@ def test_sglang_fake_speaks_0_5_18() -> None:
     assert list(sglang_fake._SAMPLING_DEFAULTS) == SGLANG_0_5_18_SAMPLING_FIELDS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known divergence: kvmesh's SGLang adapter polls tokenizer_manager.get_load(), which "
-    "SGLang 0.5.17 and 0.5.18 no longer have (they have get_loads(), returning LoadSnapshots), "
-    "so on 0.5.18 the adapter's load metrics stay stale (it logs the failure). The fake keeps "
-    "get_load() until the adapter moves.",
-)
 def test_sglang_fake_tokenizer_manager_is_0_5_18() -> None:
+    """0.5.18's load query is get_loads(include, dp_rank); get_load() is gone (the adapter
+    polls get_loads() and falls back to get_load() only where a manager lacks it)."""
     manager = sglang_fake.FakeTokenizerManager
     assert hasattr(manager, "get_loads") and not hasattr(manager, "get_load")
+    params = list(inspect.signature(manager.get_loads).parameters)
+    assert params == ["self", "include", "dp_rank"]
 
 
 def test_trtllm_fake_speaks_the_sources_it_names() -> None:

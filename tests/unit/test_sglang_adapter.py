@@ -1,8 +1,9 @@
 """The SGLang adapter against SGLang's formats (from its source; SGLang itself needs a GPU).
 
 The engine is tests/adapter_fakes/sglang_fake.py: sglang.Engine's async_generate signature and
-output dicts in both streaming modes, SGLang's sampling-params rules, abort_request / get_load /
-flush_cache, and SGLang's KV event protocol (ZMQ PUB + replay ROUTER, msgpack arrays).
+output dicts in both streaming modes, SGLang's sampling-params rules, abort_request / get_loads
+/ flush_cache (get_load of older versions: a manager of the test's own), and SGLang's KV event
+protocol (ZMQ PUB + replay ROUTER, msgpack arrays).
 """
 
 from __future__ import annotations
@@ -298,22 +299,72 @@ async def test_engine_refusal_is_invalid_request(adapter: Any) -> None:
     assert isinstance(eng._translate_error(HTTPException(503, "no encoder")), Unavailable)
 
 
-async def test_load_from_get_load(adapter: Any) -> None:
+async def test_load_from_get_loads(adapter: Any) -> None:
     eng, fake = adapter
-    eng.apply_load(
+    page = eng.info.kv_block_size
+    eng.apply_load(  # get_loads(): LoadSnapshot per DP rank, running and waiting apart
         [
-            sglang_fake.GetLoadReqOutput(dp_rank=0, num_reqs=5, num_waiting_reqs=2, num_pages=30),
-            {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 33},  # older form
+            sglang_fake.LoadSnapshot(
+                dp_rank=0, num_running_reqs=3, num_waiting_reqs=2, num_used_tokens=30 * page
+            ),
+            {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0, "num_used_tokens": 33},
         ]
     )
-    page = eng.info.kv_block_size
     assert eng.engine_load.num_running == 4 and eng.engine_load.num_waiting == 2
     assert eng.engine_load.kv_active_blocks == 30 + -(-33 // page)
     ref = fake.backend.load()
     before = eng.engine_load
-    await eventually(lambda: eng.engine_load is not before)  # polled again
+    await eventually(lambda: eng.engine_load is not before)  # polled again: the fake's
     assert eng.engine_load.kv_active_blocks == ref.kv_active_blocks == 0
     assert eng.load().kv_active_blocks == 0 and eng.load().num_running == 0
+
+
+async def test_load_polled_from_get_loads_while_requests_run() -> None:
+    eng, build = make_engine(fake_speedup_ratio=10.0)  # slow enough to hold requests
+    await eng.start()
+    fake = build.last
+    gens = [eng.generate(request(f"h{i}", max_tokens=None)) for i in range(3)]
+    try:
+        for gen in gens:
+            await anext(gen)
+        await eventually(lambda: eng.engine_load.num_running == 3)
+        # the three share the prompt's blocks (prefix cache), each adds its own output's
+        assert eng.engine_load.kv_active_blocks >= -(-len(PROMPT) // eng.info.kv_block_size)
+        for gen in gens:
+            await gen.aclose()
+        await eventually(lambda: eng.engine_load.num_running == 0)
+    finally:
+        await eng.stop()
+        await fake.aclose()
+
+
+async def test_load_from_get_load_of_older_sglang(adapter: Any) -> None:
+    """An SGLang from before get_loads(): get_load(), whose num_reqs counts the waiting
+    requests too, with num_pages (or num_tokens in still older ones)."""
+    eng, fake = adapter
+    page = eng.info.kv_block_size
+    eng.apply_load(
+        [
+            {"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_pages": 30},
+            {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 33},
+        ]
+    )
+    assert eng.engine_load.num_running == 4 and eng.engine_load.num_waiting == 2
+    assert eng.engine_load.kv_active_blocks == 30 + -(-33 // page)
+
+    class OlderManager:  # what the adapter polls on such a version: get_load() only
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def get_load(self) -> list[dict[str, int]]:
+            self.calls += 1
+            return [{"dp_rank": 0, "num_reqs": 7, "num_waiting_reqs": 1, "num_pages": 9}]
+
+    older = OlderManager()
+    fake.tokenizer_manager = older
+    eng._requests_changed()  # wake the poll
+    await eventually(lambda: older.calls > 0 and eng.engine_load.num_running == 6)
+    assert eng.engine_load.num_waiting == 1 and eng.engine_load.kv_active_blocks == 9
 
 
 # --- KV events: SGLang's wire format -----------------------------------------------------

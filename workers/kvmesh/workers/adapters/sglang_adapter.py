@@ -15,7 +15,9 @@ A thin layer over SGLang's own async API:
   * KV events: SGLang's ZMQ publisher (`kv_events_config`), received by ZmqKvSubscriber: one page
     per BlockStored, signed 64-bit hashes, the GPU tier only; pages with request metadata (a
     cache salt) or token pairs (bigram caches) are withheld from the router;
-  * load: `tokenizer_manager.get_load()` polled every `--sglang-load-interval-s`;
+  * load: `tokenizer_manager.get_loads(include=["core"])` (SGLang's /v1/loads source: one
+    LoadSnapshot per DP rank; get_load() on SGLang versions before it) polled every
+    `--sglang-load-interval-s`;
   * disaggregation hooks: SGLang moves KV between a prefill and a decode engine that serve the
     same request at the same time, matched by a bootstrap room on the prefill engine's
     bootstrap server (`bootstrap_host`, `bootstrap_port`, `bootstrap_room` of async_generate).
@@ -73,7 +75,11 @@ class TokenizerManagerLike(Protocol):
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None: ...
 
-    async def get_load(self) -> Any: ...
+    async def get_loads(self, include: list[str] | None = None) -> Any:
+        """SGLang's /v1/loads source (one LoadSnapshot per DP rank). SGLang 0.5.17 and later
+        have only this; older versions may have only `get_load()`, which the adapter then
+        uses."""
+        ...
 
     async def flush_cache(self) -> Any: ...
 
@@ -411,7 +417,7 @@ class SglangEngine(StreamingAdapter[dict[str, Any]]):
         self._load_wake.set()
 
     async def _poll_load(self) -> None:
-        """get_load() every interval, and as soon as a request starts or ends."""
+        """The engine's load every interval, and as soon as a request starts or ends."""
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.sglang_load_interval_s):
@@ -420,30 +426,44 @@ class SglangEngine(StreamingAdapter[dict[str, Any]]):
             engine = self._engine
             if engine is None:
                 continue
+            manager = engine.tokenizer_manager
+            get_loads = getattr(manager, "get_loads", None)
             try:
-                loads = await engine.tokenizer_manager.get_load()
+                if get_loads is not None:
+                    loads = await get_loads(include=["core"])
+                else:  # an SGLang from before get_loads()
+                    loads = await manager.get_load()
             except Exception as exc:
                 self._load_errors += 1
                 if self._load_errors == 1:
-                    log.warning("SGLang get_load failed (%r); load metrics stay stale", exc)
+                    log.warning("SGLang's load query failed (%r); load metrics stay stale", exc)
                 continue
             self.apply_load(loads)
 
     def apply_load(self, loads: Any) -> None:
-        """SGLang's get_load() answer (one GetLoadReqOutput per DP rank) -> engine_load."""
+        """SGLang's load, one item per DP rank -> engine_load. Items of get_loads()
+        (LoadSnapshot, or GetLoadsReqOutput before it: num_running_reqs, num_waiting_reqs,
+        num_used_tokens) or of the older get_load() (GetLoadReqOutput: num_reqs counting the
+        waiting ones, num_waiting_reqs, num_pages or num_tokens); objects or dicts."""
         if not isinstance(loads, (list, tuple)):
             loads = [loads]
         page = max(self._info.kv_block_size, 1)
-        reqs = waiting = blocks = 0
+        running = waiting = blocks = 0
         for item in loads:
-            reqs += int(_field(item, "num_reqs"))
-            waiting += int(_field(item, "num_waiting_reqs"))
+            queued = int(_field(item, "num_waiting_reqs"))
+            waiting += queued
+            now_running = _field(item, "num_running_reqs", None)
+            if now_running is not None:  # get_loads()
+                running += int(now_running)
+                blocks += -(-int(_field(item, "num_used_tokens")) // page)
+                continue
+            running += max(int(_field(item, "num_reqs")) - queued, 0)
             pages = _field(item, "num_pages", None)
             if pages is None:
                 pages = -(-int(_field(item, "num_tokens")) // page)
             blocks += int(pages)
         self.engine_load = LoadInfo(
-            num_running=max(reqs - waiting, 0),
+            num_running=running,
             num_waiting=waiting,
             kv_active_blocks=blocks,
             kv_total_blocks=self._info.kv_total_blocks,
