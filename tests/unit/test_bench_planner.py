@@ -94,3 +94,6 @@ def test_table_gives_the_clairvoyant_schedule_where_it_ran(bp: ModuleType) -> No
         "worker-h, 97.01 % at 0.7x the reference's (within reach of the reference's 96.66 %)"
     ) in text
     assert "- Azure conv (day) (seed 1): SLA planner meets the criteria\n" in text + "\n"
+    # a hull that never fits 0.7x the reference's hours says so
+    day["clairvoyant"] = [(0.75, 0.98)]
+    assert "no schedule of these sizes within 0.7x the reference's (out of reach" in bp.table([day])
