@@ -85,8 +85,8 @@ async def test_twice_capacity_gets_429_with_retry_after_and_recovers(gateway: Ga
 
         # Capacity: 2 x SEQS requests at once, each lasting `per_request` seconds. The first
         # round warms the gateway (connections, channels) and is not counted; of two more the
-        # faster counts, since a stall on a busy machine only ever makes a round slower (an
-        # inflated round once made the "twice capacity" below about capacity: nothing refused).
+        # faster counts, since a stall on a busy machine only ever makes a round slower (one
+        # inflated round once made "twice capacity" about capacity itself: nothing refused).
         await alone()
         per_request = min([await alone(), await alone()])
         capacity = 2 * SEQS / per_request  # requests per second
