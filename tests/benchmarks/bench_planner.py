@@ -219,10 +219,10 @@ def run_case(
         t: pool.submit(replay, case, path, "--planner", "queue", *planned, "--queue-target", str(t))
         for t in targets
     }
-    static_f = {
-        n: pool.submit(replay, case, path, "--workers", str(n))
-        for n in range(max(1, guess - 1), guess + 2)
-    }
+    # with all_sizes, every size up to the planner's maximum (the clairvoyant schedule's),
+    # submitted at once with the search's first sizes
+    first = range(1, 2 * guess + 1) if all_sizes else range(max(1, guess - 1), guess + 2)
+    static_f = {n: pool.submit(replay, case, path, "--workers", str(n)) for n in first}
     static: dict[int, dict[str, Any]] = {}
     while True:
         static.update({n: f.result() for n, f in static_f.items()})
@@ -233,13 +233,6 @@ def run_case(
         static_f = {n: pool.submit(replay, case, path, "--workers", str(n))}
     ref_n = min(meets)
     ref = static[ref_n]
-    if all_sizes:  # every size up to the planner's maximum, for the clairvoyant schedule
-        more = {
-            n: pool.submit(replay, case, path, "--workers", str(n))
-            for n in range(1, 2 * guess + 1)
-            if n not in static
-        }
-        static.update({n: f.result() for n, f in more.items()})
     sla = sla_f.result()
     plain = plain_f.result()
     queues = {t: f.result() for t, f in queue_f.items()}
