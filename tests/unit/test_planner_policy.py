@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.drain import DrainCandidate, drain_order
 from kvmesh.planner.model import WorkerModel
-from kvmesh.planner.policy import Decision, Observation, Planner, PoolState, SlaPolicy
+from kvmesh.planner.policy import (
+    ATTAIN_GAIN_DOWN,
+    ATTAIN_GAIN_UP,
+    ATTAIN_LIMITS,
+    ATTAIN_SAMPLES,
+    Decision,
+    Observation,
+    Planner,
+    PoolState,
+    SlaPolicy,
+)
 from kvmesh.planner.predictors import (
     ConstantPredictor,
     KalmanPredictor,
@@ -485,6 +496,88 @@ def test_metrics_observation_reads_the_per_request_itl_quantile() -> None:
     # 100 new requests, 90 under 10 ms: the 95th is halfway through the 10 slow ones
     assert o.itl_tail_ms == pytest.approx(25.0)
     assert math.isnan(observation(snap(0.0, 1, 0), snap(10.0, 1, 0), names, 0.95, 0.95).itl_tail_ms)
+
+
+def test_metrics_observation_reads_the_shares_within_the_targets() -> None:
+    from kvmesh.planner.metrics import (
+        FRONTEND_METRICS,
+        HistogramValue,
+        Snapshot,
+        histogram_share,
+        observation,
+    )
+
+    buckets = [(0.01, 90.0), (0.04, 100.0), (math.inf, 100.0)]
+    assert histogram_share(0.025, buckets) == pytest.approx(0.95)  # halfway through 10-40 ms
+    assert histogram_share(0.005, buckets) == pytest.approx(0.45)
+    assert histogram_share(0.01, buckets) == pytest.approx(0.9)
+    assert histogram_share(5.0, buckets) == 1.0
+    assert histogram_share(5.0, [(0.01, 90.0), (math.inf, 100.0)]) == pytest.approx(0.9)
+    assert math.isnan(histogram_share(0.01, [])) and math.isnan(histogram_share(0.01, [(1, 0)]))
+    names = FRONTEND_METRICS
+
+    def snap(at: float, fast: float, slow: float) -> Snapshot:
+        # `fast` requests (TTFT and own mean ITL) under 10 ms, `slow` between 10 and 40 ms
+        hist = [(0.01, fast), (0.04, fast + slow), (math.inf, fast + slow)]
+        return Snapshot(at, {
+            names.request_itl_seconds: HistogramValue(hist, 0.0, fast + slow),
+            names.ttft_seconds: HistogramValue(hist, 0.0, fast + slow),
+        })  # fmt: skip
+
+    o = observation(snap(0.0, 10, 0), snap(10.0, 100, 10), names, 0.95, 0.9, (10.0, 25.0))
+    # 100 new requests, 90 under 10 ms, 10 spread over 10-40 ms
+    assert o.ttft_within == pytest.approx(0.9) and o.itl_within == pytest.approx(0.95)
+    # no targets given (the default): not measured
+    o = observation(snap(0.0, 10, 0), snap(10.0, 100, 10), names, 0.95, 0.9)
+    assert math.isnan(o.ttft_within) and math.isnan(o.itl_within)
+
+
+def test_pool_is_sized_for_the_share_of_requests_within_the_targets() -> None:
+    model = WorkerModel(PREFILL, DECODE)
+    cap = model.capacity(1000, 100, 200.0, 20.0 * 0.9)  # the mean, with the headroom
+    rate = 0.9 * 4 * cap  # four workers, each at 90 % of what it was planned for
+    expected = model.latency(rate / 4, 1000, 100)
+
+    def run(
+        shares: list[float], *, ready: int = 4, starting: int = 0, at_rate: float = rate,
+        finished: int = 300, **kw: object,
+    ) -> tuple[list[float], SlaPolicy]:  # fmt: skip
+        planner = Planner(config(**kw), PlannerPolicy.SLA, [AGG], PROFILE)
+        pools = {AGG: PoolState(AGG, target=ready + starting, ready=ready, starting=starting)}
+        caps = []
+        for i, share in enumerate([math.nan, *shares]):
+            o = obs(at_rate, first_tokens=300, finished=finished, ttft_ms=expected.ttft_ms,
+                    itl_ms=expected.itl_ms, itl_within=share, ttft_within=1.0)  # fmt: skip
+            caps.append(planner.decide(10.0 * (i + 1), o, pools).capacity_rps[AGG])
+        policy = planner.policy
+        assert isinstance(policy, SlaPolicy)
+        return caps[1:], policy
+
+    assert PlannerConfig().slo_attainment == 0.97
+    # a steady, loaded pool with 90 % of its requests within the targets: planned tighter at
+    # every interval until it meets the goal; with every one within, looser, more slowly
+    low, policy = run([0.9] * 2)
+    assert cap > low[0] > low[1]
+    assert policy.attain_factor == pytest.approx(math.exp(2 * ATTAIN_GAIN_UP * 0.07))
+    high, policy = run([1.0] * 2)
+    assert cap < high[0] < high[1]
+    assert policy.attain_factor == pytest.approx(math.exp(-2 * ATTAIN_GAIN_DOWN * 0.03))
+    assert high[1] / cap - 1 < 1 - low[1] / cap
+    # bounded
+    _, policy = run([0.0] * 10)
+    assert policy.attain_factor == ATTAIN_LIMITS[1]
+    _, policy = run([1.0] * 400)
+    assert policy.attain_factor == ATTAIN_LIMITS[0]
+    # a share that says nothing about the capacity moves nothing: a worker starting (the
+    # pool is known to be short), the pool at its maximum, workers carrying little of what
+    # they were planned for, too few requests, or no goal
+    cases: list[dict[str, Any]] = [
+        {"starting": 1}, {"max_workers": 4}, {"at_rate": 0.5 * rate},
+        {"finished": ATTAIN_SAMPLES - 1}, {"slo_attainment": 0.0},
+    ]  # fmt: skip
+    for kw in cases:
+        _, policy = run([0.5] * 3, **kw)
+        assert policy.attain_factor == 1.0, kw
 
 
 def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:

@@ -182,6 +182,14 @@ def test_planned_pool_start_up_delay_and_drain_without_dropping_a_request() -> N
         assert o.itl_tail_ms / 1e3 == pytest.approx(
             float(numpy.quantile(own, settings.itl_quantile))
         )
+        # the share of them within the ITL target, and of the interval's first tokens within
+        # the TTFT target (the planner's attainment correction)
+        assert o.itl_within == sum(x <= settings.itl_slo_ms / 1e3 for x in own) / len(own)
+        ttft = [f - a for a, f in zip(t.arrival, t.first_at, strict=True) if now - 5.0 < f <= now]
+        assert o.first_tokens == len(ttft)
+        if ttft:
+            within = sum(x <= settings.ttft_slo_ms / 1e3 for x in ttft) / len(ttft)
+            assert o.ttft_within == pytest.approx(within)
         measured += 1
     assert measured >= 3
 

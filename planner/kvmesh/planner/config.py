@@ -76,6 +76,12 @@ class PlannerConfig:
         "sla: the quantile of the requests' own mean ITL held under the ITL target (the "
         "observed/expected correction, where the gateways export a per-request ITL histogram)",
     )
+    slo_attainment: float = opt(
+        0.97,
+        "sla: the share of requests within both targets a pool is sized for: where a steady, "
+        "loaded pool showed fewer (more), the ITL it plans is lowered (raised) beside the "
+        "quantiles' corrections; 0: off",
+    )
     itl_headroom: float = opt(
         0.9,
         "sla: without a per-request ITL histogram, plan the mean ITL at this fraction of the "
@@ -116,6 +122,8 @@ class PlannerConfig:
             raise ValueError("--ttft-quantile must be in (0, 1)")
         if not 0 < self.itl_quantile < 1:
             raise ValueError("--itl-quantile must be in (0, 1)")
+        if not 0 <= self.slo_attainment < 1:
+            raise ValueError("--slo-attainment must be in [0, 1)")
         if not 0 < self.itl_headroom <= 1:
             raise ValueError("--itl-headroom must be in (0, 1]")
         if not self.prediction_margin >= 0:

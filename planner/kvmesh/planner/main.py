@@ -42,7 +42,7 @@ from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.connectors import Connector, GrpcConnector
 from kvmesh.planner.kubernetes import KubernetesConfig, KubernetesConnector
 from kvmesh.planner.metrics import MetricsScraper, Snapshot, observation
-from kvmesh.planner.policy import Decision, Planner, PoolState
+from kvmesh.planner.policy import Decision, Observation, Planner, PoolState
 from kvmesh.planner.profile import PerfProfile
 from kvmesh.planner.virtual import VirtualConfig, VirtualConnector
 from kvmesh.runtime.config import Flags, from_args, opt
@@ -128,8 +128,7 @@ class PlannerLoop:
             self.planner = Planner(self.config, self.policy, sorted(pools, key=str), self.profile)
         if previous is None:
             return snap
-        cfg = self.config
-        obs = observation(previous, snap, self.scraper.names, cfg.ttft_quantile, cfg.itl_quantile)
+        obs = self._observation(previous, snap)
         decision = self.planner.decide(time.monotonic(), obs, pools)
         self.decisions.append(decision)
         await self._scale(decision, pools, span)
@@ -143,8 +142,7 @@ class PlannerLoop:
         if self.planner is None:
             return snap
         pools = await self.connector.pools()
-        cfg = self.config
-        obs = observation(previous, snap, self.scraper.names, cfg.ttft_quantile, cfg.itl_quantile)
+        obs = self._observation(previous, snap)
         decision = self.planner.surge(time.monotonic(), obs, pools)
         if decision.changes(pools):
             if self.decisions:  # the target gauges follow the surge
@@ -155,6 +153,13 @@ class PlannerLoop:
             finally:
                 span.end()
         return snap
+
+    def _observation(self, previous: Snapshot, snap: Snapshot) -> Observation:
+        cfg = self.config
+        return observation(
+            previous, snap, self.scraper.names, cfg.ttft_quantile, cfg.itl_quantile,
+            (cfg.ttft_slo_ms, cfg.itl_slo_ms),
+        )  # fmt: skip
 
     async def _scale(self, decision: Decision, pools: Mapping[Role, PoolState], span: Span) -> None:
         """Log and apply the pools `decision` changes (their sizes and why, on `span`)."""

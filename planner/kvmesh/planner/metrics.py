@@ -138,6 +138,22 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     return lower
 
 
+def histogram_share(x: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """The share of a histogram's observations at or under `x` (the inverse of
+    `histogram_quantile`: linear inside the bucket holding `x`); NaN when empty or `x` is."""
+    if not buckets or buckets[-1][1] <= 0 or math.isnan(x):
+        return math.nan
+    total = buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for le, n in buckets:
+        if x <= le:
+            if math.isinf(le):
+                return below / total
+            return (below + (n - below) * (x - lower) / (le - lower)) / total
+        lower, below = le, n
+    return 1.0
+
+
 @dataclass(slots=True)
 class Snapshot:
     """One scrape: the named histograms and gauges, summed over sources and label sets."""
@@ -186,10 +202,16 @@ def parse_snapshot(
 
 
 def observation(
-    earlier: Snapshot, now: Snapshot, names: MetricNames, quantile: float, itl_quantile: float
+    earlier: Snapshot,
+    now: Snapshot,
+    names: MetricNames,
+    quantile: float,
+    itl_quantile: float,
+    targets_ms: tuple[float, float] = (math.nan, math.nan),
 ) -> Observation:
     """The Observation of the interval between two snapshots (see the module doc): TTFT at
-    `quantile`, the requests' own mean ITL at `itl_quantile`."""
+    `quantile`, the requests' own mean ITL at `itl_quantile`, and the shares within the
+    (TTFT, ITL) `targets_ms`."""
 
     def delta(name: str) -> HistogramValue:
         cur = now.histograms.get(name, HistogramValue())
@@ -202,9 +224,10 @@ def observation(
     tail = histogram_quantile(quantile, ttft.buckets)
     cached = delta(names.cached_tokens).mean if names.cached_tokens else math.nan
     per_request = delta(names.request_itl_seconds) if names.request_itl_seconds else None
-    itl_tail = math.nan
+    itl_tail = itl_within = math.nan
     if per_request is not None and per_request.count > 0:
         itl_tail = histogram_quantile(itl_quantile, per_request.buckets)
+        itl_within = histogram_share(targets_ms[1] / 1e3, per_request.buckets)
     return Observation(
         interval_s=max(now.at - earlier.at, 1e-9),
         requests=round(prompt.count),
@@ -217,6 +240,8 @@ def observation(
         ttft_tail_ms=1e3 * tail,
         itl_ms=1e3 * itl.mean,
         itl_tail_ms=1e3 * itl_tail,
+        ttft_within=histogram_share(targets_ms[0] / 1e3, ttft.buckets),
+        itl_within=itl_within,
         inflight=max(0, round(now.gauges.get(names.inflight, 0.0))),
     )
 

@@ -19,7 +19,9 @@ Two policies compute the size each pool wants:
     at the observed load; the requests' own mean ITL at `--itl-quantile` / the model's mean ITL,
     where the gateways export that per-request histogram, else observed mean ITL / the model's
     with `--itl-headroom`; smoothed; held by the no-gain guard where a growth did not lower the
-    latency, see `SlaPolicy._guard`), and adds the queued work: requests in flight beyond what
+    latency, see `SlaPolicy._guard`; and by the share of requests a steady, loaded pool kept
+    within both targets against `--slo-attainment`, see `SlaPolicy._attain`), and adds the
+    queued work: requests in flight beyond what
     the ready and starting workers hold at that capacity (and at the ITL the pool shows), to be
     served within one interval. Workers already starting count as capacity (never asked for
     twice). Aggregated pools and disaggregated prefill/decode pools (prefill sized on TTFT,
@@ -101,6 +103,20 @@ forecast's standard errors. Half of one, not one: a pool grown a check early cos
 worker-seconds, one grown late is overloaded past the knee of its latency until the worker
 starts, and the corrections learn that overload as a slower engine (over 43 replayed days,
 1 -> 0.5: SLO met +0.24 points, worker-hours -0.4 % on average; README, SLA planner)."""
+ATTAIN_GAIN_UP = 2.0
+"""How fast the attainment correction tightens: x exp(this x (goal - share within the
+targets)) per interval under the goal."""
+ATTAIN_GAIN_DOWN = 0.5
+"""How fast it loosens over the goal: slower (a pool planned past the knee of its latency
+loses far more requests than one planned short of it costs in workers)."""
+ATTAIN_LIMITS = (0.7, 1.5)
+"""Bounds of the attainment correction."""
+ATTAIN_SAMPLES = 20
+"""Fewest finished requests in an interval for its share within the targets to count."""
+ATTAIN_LOAD = 0.75
+"""An interval's share within the targets moves the attainment correction only when each ready
+worker carried at least this share of the capacity it was planned for (a pool the rounding left
+half idle meets the targets at any capacity: its share says nothing about the capacity)."""
 GAIN_WINDOW = 4
 """Intervals the no-gain guard looks back over for the smaller pool a growth started from."""
 GAIN_EXPECTED = 0.1
@@ -137,6 +153,11 @@ class Observation:
     itl_tail_ms: float = math.nan
     """The requests that finished, each's own mean ITL ((last token - first token) / (tokens -
     1)), at the planner's `itl_quantile` (NaN: not measured)."""
+    ttft_within: float = math.nan
+    """The share of those first tokens with TTFT <= the TTFT target (NaN: not measured)."""
+    itl_within: float = math.nan
+    """The share of the requests that finished whose own mean ITL is <= the ITL target (NaN:
+    not measured)."""
     inflight: int = 0
     """Requests in flight at the end (arrived, not finished)."""
 
@@ -282,6 +303,9 @@ class SlaPolicy:
         self.itl_tail_factor: float | None = None
         """The requests' own mean ITL at `itl_quantile` / the modelled mean ITL (None until the
         gateways showed one: the pool is then sized on the mean with `itl_headroom`)."""
+        self.attain_factor = 1.0
+        """How much lower than the corrected model says the pool plans its ITL so that the share
+        of requests within both targets meets `slo_attainment` (learned from that share)."""
         self.plans: dict[Role, _Plan] = {}
         """Per pool, what the last interval sized it with."""
         self.seen: dict[tuple[Role, str], deque[_Seen]] = {}
@@ -359,6 +383,7 @@ class SlaPolicy:
                 # from what the headroom assumed, so one interval does not set it alone
                 prev = self.itl_tail_factor or 1 / self.config.itl_headroom
                 self.itl_tail_factor = (1 - a) * prev + a * f
+            self._attain(obs, pools[role], role)
             observed = obs.itl_tail_ms if tail else obs.itl_ms
             if math.isfinite(observed):
                 headroom = 1 / self.config.itl_headroom
@@ -369,6 +394,32 @@ class SlaPolicy:
                 )  # fmt: skip
                 if self.itl_tail_factor is not None:
                     self.itl_tail_factor = tail_factor
+
+    def _attain(self, obs: Observation, state: PoolState, role: Role) -> None:
+        """Move the attainment correction by the share of the interval's requests within both
+        targets (the share within the ITL target x the share of first tokens within the TTFT
+        target) against `slo_attainment`: up by `ATTAIN_GAIN_UP` x the shortfall, down by
+        `ATTAIN_GAIN_DOWN` x the excess (in the exponent), within `ATTAIN_LIMITS`. Only where
+        that share tells something about the capacity planned: a steady pool (the ready workers
+        the last decision saw, none starting: a pool waiting for workers is known to be short),
+        below its maximum (more workers could not be had), each worker carrying `ATTAIN_LOAD`
+        of the capacity it was planned for at least (a pool the rounding left half idle meets
+        the targets at any capacity), `ATTAIN_SAMPLES` finished requests at least."""
+        goal = self.config.slo_attainment
+        plan = self.plans.get(role)
+        if not goal or plan is None or obs.finished < ATTAIN_SAMPLES:
+            return
+        if not math.isfinite(obs.itl_within):
+            return
+        ready = state.ready
+        if self.last_ready.get(role) != ready or state.starting or ready >= self.config.max_workers:
+            return
+        if obs.rate_rps < ATTAIN_LOAD * plan.capacity_rps * ready:
+            return
+        share = obs.itl_within * (obs.ttft_within if math.isfinite(obs.ttft_within) else 1.0)
+        gain = ATTAIN_GAIN_UP if share < goal else ATTAIN_GAIN_DOWN
+        lo, hi = ATTAIN_LIMITS
+        self.attain_factor = _clamp(self.attain_factor * math.exp(gain * (goal - share)), lo, hi)
 
     def _guard(
         self,
@@ -442,6 +493,7 @@ class SlaPolicy:
             itl_target = cfg.itl_slo_ms / self.itl_tail_factor
         else:
             itl_target = cfg.itl_slo_ms * cfg.itl_headroom / self.itl_factor
+        itl_target /= self.attain_factor
         out: dict[Role, int] = {}
         for role, model in self.models.items():
             cap = model.capacity(isl, osl, ttft_target, itl_target, cached)
@@ -479,7 +531,8 @@ class SlaPolicy:
                 f"osl {osl:.0f}), "
                 f"backlog {backlog:.0f}, {cap:.2f} req/s per worker "
                 f"(corrections ttft x{self.ttft_factor:.2f}, itl x{self.itl_factor:.2f}, "
-                f"per-request itl x{self.itl_tail_factor or math.nan:.2f})"
+                f"per-request itl x{self.itl_tail_factor or math.nan:.2f}, "
+                f"attainment x{self.attain_factor:.2f})"
             )
             held = [
                 f"{kind} held since {seen.ready} ready"

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from kvmesh.planner.config import PlannerPolicy
+from kvmesh.planner.config import PlannerConfig, PlannerPolicy
 from kvmesh.planner.drain import DrainCandidate, drain_order
 from kvmesh.planner.policy import Decision, Observation, Planner, PoolState
 from kvmesh.planner.profile import PerfProfile
@@ -52,13 +52,12 @@ __all__ = ["IntervalMeter", "PlannedReplay", "simulate_planned"]
 class IntervalMeter:
     """What a gateway's metrics show over one interval, from the replay's timeline."""
 
-    def __init__(
-        self, timeline: Timeline, trace: Trace, ttft_quantile: float, itl_quantile: float
-    ) -> None:
+    def __init__(self, timeline: Timeline, trace: Trace, config: PlannerConfig) -> None:
         self.timeline = timeline
         self.trace = trace
-        self.ttft_quantile = ttft_quantile
-        self.itl_quantile = itl_quantile
+        self.ttft_quantile = config.ttft_quantile
+        self.itl_quantile = config.itl_quantile
+        self.targets_s = (config.ttft_slo_ms / 1e3, config.itl_slo_ms / 1e3)
         self._reset(0)
 
     def _reset(self, itl_from: int) -> None:
@@ -107,10 +106,17 @@ class IntervalMeter:
             itl_tail_ms=(
                 1e3 * quantile(sorted(per_request), self.itl_quantile) if per_request else math.nan
             ),
+            ttft_within=_share(ttft, self.targets_s[0]),
+            itl_within=_share(per_request, self.targets_s[1]),
             inflight=inflight,
         )
         self._reset(len(itl))
         return obs
+
+
+def _share(xs: list[float], limit: float) -> float:
+    """The share of `xs` at or under `limit` (NaN: none)."""
+    return sum(1 for x in xs if x <= limit) / len(xs) if xs else math.nan
 
 
 class Decider(Protocol):
@@ -138,9 +144,8 @@ class PlannedReplay(AggregatedReplay):
         self.state: list[_State] = [_State.SERVING] * len(cluster.workers)
         self.serving = len(cluster.workers)
         self.waiting: deque[int] = deque()
-        quantiles = (self.settings.ttft_quantile, self.settings.itl_quantile)
-        self.meter = IntervalMeter(cluster.timeline, cluster.trace, *quantiles)
-        self.check_meter = IntervalMeter(cluster.timeline, cluster.trace, *quantiles)
+        self.meter = IntervalMeter(cluster.timeline, cluster.trace, self.settings)
+        self.check_meter = IntervalMeter(cluster.timeline, cluster.trace, self.settings)
         """The window since the last surge check or tick."""
         self.meters = (self.meter, self.check_meter)
         self.last_check = 0.0
