@@ -578,6 +578,15 @@ def test_pool_is_sized_for_the_share_of_requests_within_the_targets() -> None:
     for kw in cases:
         _, policy = run([0.5] * 3, **kw)
         assert policy.attain_factor == 1.0, kw
+    # a pool that does not prefill (disaggregated decode) goes by the ITL share alone: the
+    # TTFT misses are the prefill pool's
+    pool = PoolState(AGG, target=4, ready=4)
+    slow_first = obs(rate, finished=300, itl_within=0.97, ttft_within=0.9)
+    _, policy = run([])
+    policy._attain(slow_first, pool, AGG, prefills=False)
+    assert policy.attain_factor == 1.0
+    policy._attain(slow_first, pool, AGG, prefills=True)
+    assert policy.attain_factor == pytest.approx(math.exp(ATTAIN_GAIN_UP * (0.97 - 0.873)))
 
 
 def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:

@@ -383,7 +383,7 @@ class SlaPolicy:
                 # from what the headroom assumed, so one interval does not set it alone
                 prev = self.itl_tail_factor or 1 / self.config.itl_headroom
                 self.itl_tail_factor = (1 - a) * prev + a * f
-            self._attain(obs, pools[role], role)
+            self._attain(obs, pools[role], role, model.prefill is not None)
             observed = obs.itl_tail_ms if tail else obs.itl_ms
             if math.isfinite(observed):
                 headroom = 1 / self.config.itl_headroom
@@ -395,10 +395,11 @@ class SlaPolicy:
                 if self.itl_tail_factor is not None:
                     self.itl_tail_factor = tail_factor
 
-    def _attain(self, obs: Observation, state: PoolState, role: Role) -> None:
+    def _attain(self, obs: Observation, state: PoolState, role: Role, prefills: bool) -> None:
         """Move the attainment correction by the share of the interval's requests within both
-        targets (the share within the ITL target x the share of first tokens within the TTFT
-        target) against `slo_attainment`: up by `ATTAIN_GAIN_UP` x the shortfall, down by
+        targets (the share within the ITL target x, where the pool also `prefills`, the share of
+        first tokens within the TTFT target: a decode pool is not sized for prefill's misses)
+        against `slo_attainment`: up by `ATTAIN_GAIN_UP` x the shortfall, down by
         `ATTAIN_GAIN_DOWN` x the excess (in the exponent), within `ATTAIN_LIMITS`. Only where
         that share tells something about the capacity planned: a steady pool (the ready workers
         the last decision saw, none starting: a pool waiting for workers is known to be short),
@@ -416,7 +417,8 @@ class SlaPolicy:
             return
         if obs.rate_rps < ATTAIN_LOAD * plan.capacity_rps * ready:
             return
-        share = obs.itl_within * (obs.ttft_within if math.isfinite(obs.ttft_within) else 1.0)
+        ttft = obs.ttft_within if prefills and math.isfinite(obs.ttft_within) else 1.0
+        share = obs.itl_within * ttft
         gain = ATTAIN_GAIN_UP if share < goal else ATTAIN_GAIN_DOWN
         lo, hi = ATTAIN_LIMITS
         self.attain_factor = _clamp(self.attain_factor * math.exp(gain * (goal - share)), lo, hi)
