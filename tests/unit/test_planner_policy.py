@@ -153,6 +153,34 @@ def test_sla_planner_follows_the_load_both_ways() -> None:
     assert targets[-1] == 1  # zero traffic: the minimum
 
 
+def test_a_falling_load_shrinks_the_pool_after_one_interval() -> None:
+    cap = WorkerModel(PREFILL, DECODE).capacity(1000, 100, 200.0, 20.0 * 0.9)
+
+    def targets(checks: bool) -> list[int]:
+        # 10 s start-up: a 20 s stabilization window, and a trend over the last 20 s
+        planner = Planner(config(worker_startup_s=10.0, scale_down_delay_s=None),
+                          PlannerPolicy.SLA, [AGG], PROFILE)  # fmt: skip
+        pool = PoolState(AGG, target=10, ready=10)
+        out = []
+        now = 0.0
+        for workers in (10, 10, 8, 6, 4, 2, 2, 2):
+            rate = 0.95 * workers * cap
+            if checks:  # the surge checks' windows feed the trend between intervals
+                for k in range(1, 5):
+                    planner.surge(now + 2.0 * k, obs(rate, interval=2.0), {AGG: pool})
+            now += 10.0
+            d = planner.decide(now, obs(rate), {AGG: pool})
+            out.append(d.targets[AGG])
+            pool = PoolState(AGG, target=out[-1], ready=out[-1])
+        return out
+
+    # the trend falls past its noise: each interval keeps only the last one's size; once the
+    # rate stopped falling (2, 2 after 4), the whole window holds again
+    assert targets(checks=True) == [10, 10, 10, 8, 6, 4, 4, 2]
+    # with too few windows to tell a trend (no surge checks here), the whole window holds
+    assert targets(checks=False) == [10, 10, 10, 10, 8, 6, 4, 2]
+
+
 def test_zero_traffic_scales_to_zero_and_a_waiting_request_brings_one_back() -> None:
     planner = Planner(
         config(min_workers=0, scale_down_delay_s=0.0), PlannerPolicy.SLA, [AGG], PROFILE
@@ -608,6 +636,21 @@ def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:
     for k in range(1, 8):
         flat.add(2.0 * k, 2.0, 20)
     assert flat.forecast(30.0)[0] == pytest.approx(10.0)
+    # falling past its noise: a ramp down is, a flat rate, a rising one, Poisson-sized wobbles
+    # and fewer than three windows are not
+    assert trend.falling(2.0) is False and flat.falling(2.0) is False
+    down = RateTrend(span_s=20.0)
+    for k in range(1, 8):
+        down.add(2.0 * k, 2.0, round((100 - 3 * 2.0 * k) * 2.0))
+    assert down.falling(2.0)
+    wobbly = RateTrend(span_s=20.0)
+    for k, count in enumerate([200, 180, 215, 190, 185, 205, 190], start=1):
+        wobbly.add(2.0 * k, 2.0, count)  # 100 req/s, within a Poisson standard deviation
+    assert not wobbly.falling(2.0)
+    short = RateTrend(span_s=20.0)
+    short.add(10.0, 10.0, 1000)
+    short.add(20.0, 10.0, 10)
+    assert not short.falling(2.0)
 
 
 def test_a_correction_past_the_profile_shrinks_the_capacity_not_to_the_maximum() -> None:

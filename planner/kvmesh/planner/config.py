@@ -61,7 +61,8 @@ class PlannerConfig:
         None,
         "a pool shrinks only to the largest size wanted over this window (stabilization, as "
         "HPA's; growing is immediate); unset: --worker-startup-s + --adjustment-interval-s, "
-        "so a worker let go is not one that would have to start again before it could serve",
+        "so a worker let go is not one that would have to start again before it could serve; "
+        "sla: one adjustment interval while the arrival rate falls past its noise",
     )
     worker_startup_s: float = opt(
         30.0,

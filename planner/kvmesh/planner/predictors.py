@@ -205,21 +205,41 @@ class RateTrend:
         while self.windows and self.windows[0][1] <= end - self.span_s:
             self.windows.popleft()
 
-    def forecast(self, at: float) -> tuple[float, float]:
-        """(rate at `at`, its standard error); (NaN, inf) with fewer than 3 windows."""
+    def _fit(self) -> tuple[float, float, float, float] | None:
+        """(length, mean rate, centre, sum of squares about it) of the windows; None with
+        fewer than `MIN_WINDOWS` of them."""
         ws = self.windows
         if len(ws) < self.MIN_WINDOWS:
-            return math.nan, math.inf
+            return None
         length = sum(e - s for s, e, _ in ws)
         mean = sum(c for _, _, c in ws) / length
         centre = sum((s + e) / 2 * (e - s) for s, e, _ in ws) / length
         sxx = sum((e - s) * ((s + e) / 2 - centre) ** 2 for s, e, _ in ws)
+        return length, mean, centre, sxx
+
+    def _slope(self, centre: float, sxx: float) -> float:
+        return sum(c * ((s + e) / 2 - centre) for s, e, c in self.windows) / sxx
+
+    def forecast(self, at: float) -> tuple[float, float]:
+        """(rate at `at`, its standard error); (NaN, inf) with fewer than 3 windows."""
+        fit = self._fit()
+        if fit is None:
+            return math.nan, math.inf
+        length, mean, centre, sxx = fit
         if sxx <= 0:
             return mean, math.inf
-        slope = sum(c * ((s + e) / 2 - centre) for s, e, c in ws) / sxx
         lever = at - centre
         variance = max(mean, 1 / length) * (1 / length + lever * lever / sxx)
-        return max(0.0, mean + slope * lever), math.sqrt(variance)
+        return max(0.0, mean + self._slope(centre, sxx) * lever), math.sqrt(variance)
+
+    def falling(self, z: float) -> bool:
+        """Whether the rate falls by more than `z` standard errors of its slope (Poisson, at
+        the windows' mean rate); False with fewer than 3 windows."""
+        fit = self._fit()
+        if fit is None or fit[3] <= 0:
+            return False
+        length, mean, centre, sxx = fit
+        return self._slope(centre, sxx) < -z * math.sqrt(max(mean, 1 / length) / sxx)
 
 
 def _optional(module: str, extra: str) -> Any:
