@@ -645,7 +645,7 @@ def test_rate_trend_extrapolates_a_ramp_over_uneven_windows() -> None:
     assert down.falling(2.0)
     wobbly = RateTrend(span_s=20.0)
     for k, count in enumerate([200, 180, 215, 190, 185, 205, 190], start=1):
-        wobbly.add(2.0 * k, 2.0, count)  # 100 req/s, within a Poisson standard deviation
+        wobbly.add(2.0 * k, 2.0, count)  # 100 req/s, within 1.5 Poisson standard deviations
     assert not wobbly.falling(2.0)
     short = RateTrend(span_s=20.0)
     short.add(10.0, 10.0, 1000)
