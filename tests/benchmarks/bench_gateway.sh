@@ -11,6 +11,10 @@
 # SPEEDUP=R runs both systems' mockers at --speedup-ratio R instead (e.g. 5: ~1.1 ms decode
 # steps, so each token reaches the gateway on its own, as from a real engine; Dynamo's instant
 # mocker hands a request's tokens to its frontend in one burst, kvmesh's one step at a time).
+# PEER_NODELAY=1 runs Dynamo's frontend with TCP_NODELAY forced on its sockets (the peers'
+# nodelay.c shim, LD_PRELOAD), as kvmesh's gateway sets it: without it, Nagle's algorithm
+# batches Dynamo's small writes (fewer segments for its client to read under load) and stalls a
+# single request ~40 ms on the client's delayed ACK (its sequential p50 of ~44 ms).
 # PROCS=N runs kvmesh's gateway as N processes on its port (`--gateway-processes N`; default 1:
 # one Python process, which serves about one core's worth of requests).
 set -euo pipefail
@@ -55,6 +59,12 @@ KV_PID=$!
 for _ in $(seq 100); do curl -sf "127.0.0.1:$KV_PORT/health" >/dev/null && break; sleep 0.2; done
 if [ "${PEER:-0}" = 1 ]; then
   mkdir -p /tmp/dynamo_peer/scripts && cp ../shared/peers/* /tmp/dynamo_peer/scripts/
+  if [ "${PEER_NODELAY:-0}" = 1 ]; then
+    mkdir -p /tmp/dynamo_peer/shim
+    gcc -O2 -shared -fPIC -o /tmp/dynamo_peer/shim/libnodelay.so \
+      /tmp/dynamo_peer/scripts/nodelay.c -ldl
+    export FE_PRELOAD=/tmp/dynamo_peer/shim/libnodelay.so
+  fi
   PORT=$PEER_PORT WORKERS=2 SPEEDUP="${SPEEDUP:-1000000}" bash /tmp/dynamo_peer/scripts/launch_dynamo.sh
 fi
 for r in 1; do
