@@ -21,7 +21,7 @@ REQUESTS = 1000
 CONCURRENCY = 100
 
 
-@pytest.mark.timeout(300)  # about 96 s here (disaggregated), bounded by its own 240 s wait
+@pytest.mark.timeout(120)  # about 9 s here (disaggregated), bounded by its own waits
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["aggregated", "disaggregated"])
 async def test_a_thousand_random_cancellations_leave_nothing_behind(
     tiny_model: Path, tmp_path: Path, disaggregated: bool
@@ -67,7 +67,9 @@ async def test_a_thousand_random_cancellations_leave_nothing_behind(
                 else:
                     outcomes["finished"] += 1
 
-        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(REQUESTS))), 240)
+        # Under the gateway's 60 s remote-prefill timeout: a prefill worker that stalls (its
+        # queued requests not woken when pinned blocks are freed) would hit it at the end.
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(REQUESTS))), 50)
         print(f"{REQUESTS} requests: {outcomes}")
         assert outcomes["cancelled"] > REQUESTS * 0.8
 
@@ -75,7 +77,10 @@ async def test_a_thousand_random_cancellations_leave_nothing_behind(
             loads = [w.engine.load() for w in workers]
             return not any(x.kv_active_blocks or x.kv_pinned_blocks or x.num_running for x in loads)
 
-        await until(settled, 30)
+        # Well under the prefill worker's 30 s pin timeout: blocks left pinned until they
+        # expire (a consumer that stopped at the first token, a prefill answered as the caller
+        # left) fail here.
+        await until(settled, 10)
         baseline(*workers)
         assert backend.admission.running == 0 and backend.admission.queued == 0
         assert all(h.session.inflight == 0 for h in mesh.pool.workers())

@@ -9,8 +9,9 @@ error and every pool back at its baseline."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -227,6 +228,38 @@ async def test_client_cancels_mid_prefill(mesh: Mesh) -> None:
     await until(lambda: p.engine.load().kv_active_blocks == 0)  # the prefill was aborted
     baseline(p, d)
     assert backend.stats.remote_prefills == 0
+
+
+async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh) -> None:
+    # The race the gateway cannot avoid: P answered (its blocks are pinned for the decode
+    # worker), but the client's cancellation reached the gateway's request before the answer
+    # did. The gateway releases what P pinned, at once, not at the pin timeout (30 s).
+    p = await mesh.add("p0", Role.PREFILL)
+    d = await mesh.add("d0", Role.DECODE)
+    backend = mesh.backend(disagg_local_prefill_tokens=0)
+    handle = next(h for h in mesh.pool.workers() if h.worker_id == "p0")
+    real = handle.stub.PrefillRemote
+
+    class AnsweredAsTheCallerLeft:
+        """The call; its first awaiter is cancelled once P has answered."""
+
+        def __init__(self, call: Any) -> None:
+            self.call = call
+            self.awaited = False
+
+        def __await__(self) -> Generator[Any, None, Any]:
+            resp = yield from self.call.__await__()
+            if not self.awaited:
+                self.awaited = True
+                raise asyncio.CancelledError
+            return resp
+
+    handle.stub.PrefillRemote = lambda *a, **kw: AnsweredAsTheCallerLeft(real(*a, **kw))
+    with pytest.raises(asyncio.CancelledError):
+        async for _ in backend.generate("tiny", request("left", prompt(50)), None):
+            pass
+    await until(lambda: p.engine.load().kv_pinned_blocks == 0, timeout_s=5)
+    baseline(p, d)
 
 
 async def test_prefill_worker_dies_mid_transfer(mesh: Mesh, reference: MockerEngine) -> None:

@@ -211,6 +211,31 @@ async def test_release_is_idempotent_and_unreleased_blocks_expire() -> None:
         await pair.d.stop()
 
 
+@pytest.mark.parametrize("freed_by", ["release", "expiry"])
+async def test_a_prefill_waiting_for_pinned_blocks_runs_once_they_are_freed(freed_by: str) -> None:
+    # 12 blocks: one 40-token prompt (10 blocks of 4) pins most of them, so a second one waits
+    # for them. Freeing them (a decode worker's release, or their expiry) must start it with
+    # no other event: at the end of a burst no new arrival wakes the engine up.
+    pair = Pair(mocker(num_gpu_blocks=12), mocker(), pin_timeout_s=0.3)
+    await pair.p.start()
+    try:
+        first = await pair.p.prefill_remote(request("a", PROMPTS[-1]))
+        handle = first.remote.handle
+        assert handle is not None and pair.p.load().kv_pinned_blocks == 10
+        other = [500 + i for i in range(40)]  # no prefix shared with the pinned prompt
+        waiting = asyncio.create_task(pair.p.prefill_remote(request("b", other)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and pair.p.load().num_waiting == 1
+        if freed_by == "release":
+            assert await pair.p.release_kv(handle.transfer_id) is True
+        second = await asyncio.wait_for(waiting, 2.0)  # its 0.3 s expiry, or the release
+        assert second.remote.handle is not None
+        assert await pair.p.release_kv(second.remote.handle.transfer_id) is True
+        baseline(pair.p)
+    finally:
+        await pair.p.stop()
+
+
 async def test_a_failing_release_falls_back_to_recompute(agg: MockerEngine) -> None:
     p, d = mocker(), mocker()
 

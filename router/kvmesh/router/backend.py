@@ -680,9 +680,11 @@ class MeshBackend:
                 yield first
                 return
             self.stats.remote_prefills += 1
-            yield first
             completed = False
             try:
+                # P holds the prompt's blocks from here on: a consumer that stops at the first
+                # token (the yield below) leaves them to be released like any other stop.
+                yield first
                 remote = dataclasses.replace(request, remote_prefill=rp)
                 async for out in self._stream(decode, remote, trace, progress, first_token=False):
                     if out.finish_reason is not None:
@@ -726,12 +728,18 @@ class MeshBackend:
         except Unavailable:
             return None, LocalPrefill.PREFILL_SATURATED
         worker = decision.worker
+        call = worker.stub.PrefillRemote(
+            wire.prefill_request_to_pb(request, decode.worker_id),
+            timeout=self.disagg.disagg_prefill_timeout_s,
+            metadata=trace.grpc_metadata() if trace is not None else None,
+        )
         try:
-            resp = await worker.stub.PrefillRemote(
-                wire.prefill_request_to_pb(request, decode.worker_id),
-                timeout=self.disagg.disagg_prefill_timeout_s,
-                metadata=trace.grpc_metadata() if trace is not None else None,
-            )
+            resp = await call
+        except asyncio.CancelledError:
+            # The caller left. Cancelling the call aborted the prefill on P, unless P had
+            # answered already: then what it pinned is released, not left to its expiry.
+            self._release_later(worker, call)
+            raise
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
             if isinstance(err, (InvalidRequest, NotFound)):
@@ -804,12 +812,22 @@ class MeshBackend:
         t.record(trace, (Step("route", began, time.time_ns(), routed),))
         return decision
 
-    def _release_later(self, worker: WorkerHandle, transfer_id: str) -> None:
+    def _release_later(
+        self, worker: WorkerHandle, transfer: str | Awaitable[wpb.PrefillRemoteResponse]
+    ) -> None:
+        """Release, in the background, the blocks P (`worker`) pinned for `transfer`: its id,
+        or a PrefillRemote call whose caller left (nothing to release if P did not answer)."""
+
         async def release() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-                await worker.stub.ReleaseKvBlocks(
-                    wpb.ReleaseKvBlocksRequest(transfer_id=transfer_id), timeout=5.0
-                )
+                if isinstance(transfer, str):
+                    transfer_id = transfer
+                else:
+                    transfer_id = (await transfer).result.handle.transfer_id
+                if transfer_id:
+                    await worker.stub.ReleaseKvBlocks(
+                        wpb.ReleaseKvBlocksRequest(transfer_id=transfer_id), timeout=5.0
+                    )
 
         task = asyncio.get_running_loop().create_task(release())
         self._releases.add(task)

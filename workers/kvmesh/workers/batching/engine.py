@@ -431,8 +431,10 @@ class BatchingEngine(Engine, Generic[SchedT]):
         return len(self._pins)
 
     def _release_pinned(self, key: str) -> None:
-        if self._scheduler is not None:
-            self._scheduler.release_pinned(key)
+        if self._scheduler is not None and self._scheduler.release_pinned(key):
+            # Requests may be waiting for those blocks: without a wake-up they would wait for
+            # the next arrival (none, at the end of a burst: PrefillRemote then timed out).
+            self._wake.set()
 
     # -- disaggregated serving: decode side ------------------------------------------------------
 
