@@ -282,8 +282,10 @@ async def test_cancelling_a_prefill_frees_its_blocks() -> None:
 
 
 async def test_cancelling_during_the_transfer_releases_both_sides() -> None:
-    # 0.5 s simulated transfer: the client goes away in the middle of it.
-    pair = Pair(mocker(), mocker(speedup_ratio=1.0, kv_transfer_latency_ms=500))
+    # 0.5 s simulated transfer: the client goes away in the middle of it. D has 12 blocks, 10
+    # of them reserved for the transfer, so a local 40-token prompt waits for them: it must
+    # start once the transfer ends and D frees them, with no other event to wake D up.
+    pair = Pair(mocker(), mocker(num_gpu_blocks=12, speedup_ratio=1.0, kv_transfer_latency_ms=500))
     await pair.p.start()
     await pair.d.start()
     try:
@@ -293,10 +295,15 @@ async def test_cancelling_during_the_transfer_releases_both_sides() -> None:
         task = asyncio.create_task(anext(stream))
         await asyncio.sleep(0.05)
         assert pair.d.load().kv_active_blocks == 10  # reserved for the incoming blocks
+        local = asyncio.create_task(collect(pair.d, request("l", [500 + i for i in range(40)])))
+        await asyncio.sleep(0.05)
+        assert not local.done() and pair.d.load().num_waiting == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await stream.aclose()
+        tokens, _ = await asyncio.wait_for(local, 3.0)  # the transfer ends at ~0.5 s
+        assert len(tokens) == 8
         for _ in range(100):  # the transfer ends, D releases P's blocks and its own
             if not pair.d.load().kv_active_blocks and not pair.p.load().kv_pinned_blocks:
                 break

@@ -459,6 +459,11 @@ class BatchingEngine(Engine, Generic[SchedT]):
             if self._requests.get(request.request_id) is entry:
                 del self._requests[request.request_id]
                 entry.sink.fail(Unavailable(f"the {self.engine_name} engine failed: {exc!r}"))
+        finally:
+            # Whichever way it ended (queued to decode, or its blocks freed: cancelled, failed,
+            # recomputing), the engine loop looks at its queue again: requests may be waiting
+            # for those blocks, and no other event may come.
+            self._wake.set()
 
     async def _continue_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
         rp = request.remote_prefill
@@ -535,8 +540,6 @@ class BatchingEngine(Engine, Generic[SchedT]):
                 pool.release(blocks)
             del self._requests[rid]
             entry.sink.fail(exc)
-            return
-        self._wake.set()
 
     async def _receive(self, request: EngineRequest, handle: KvTransferHandle) -> _Received | None:
         """Reserve blocks for the prompt and read into them the KV it does not cache here; None
