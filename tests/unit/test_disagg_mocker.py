@@ -119,6 +119,8 @@ async def agg() -> AsyncIterator[MockerEngine]:
 
 
 PROMPTS = [[10 + (7 * i + 3 * n) % 900 for i in range(n)] for n in (1, 3, 4, 5, 17, 40)]
+UNSHARED = [500 + i for i in range(40)]
+"""A 40-token prompt sharing no prefix with PROMPTS[-1] (it needs blocks of its own)."""
 
 
 async def test_output_equals_aggregated_and_pools_return_to_baseline(
@@ -222,8 +224,7 @@ async def test_a_prefill_waiting_for_pinned_blocks_runs_once_they_are_freed(free
         first = await pair.p.prefill_remote(request("a", PROMPTS[-1]))
         handle = first.remote.handle
         assert handle is not None and pair.p.load().kv_pinned_blocks == 10
-        other = [500 + i for i in range(40)]  # no prefix shared with the pinned prompt
-        waiting = asyncio.create_task(pair.p.prefill_remote(request("b", other)))
+        waiting = asyncio.create_task(pair.p.prefill_remote(request("b", UNSHARED)))
         await asyncio.sleep(0.05)
         assert not waiting.done() and pair.p.load().num_waiting == 1
         if freed_by == "release":
@@ -295,7 +296,7 @@ async def test_cancelling_during_the_transfer_releases_both_sides() -> None:
         task = asyncio.create_task(anext(stream))
         await asyncio.sleep(0.05)
         assert pair.d.load().kv_active_blocks == 10  # reserved for the incoming blocks
-        local = asyncio.create_task(collect(pair.d, request("l", [500 + i for i in range(40)])))
+        local = asyncio.create_task(collect(pair.d, request("l", UNSHARED)))
         await asyncio.sleep(0.05)
         assert not local.done() and pair.d.load().num_waiting == 1
         task.cancel()
