@@ -33,6 +33,12 @@ PNG per trace (load, replicas, latency over the day). About 10-30 minutes on 2 c
 arrival times), so a setting is judged on several realisations of each day, not one; the
 summary under the table gives each day's verdict against the issue's criteria.
 
+`--slos 600/20,1000/30`: replay each case at each of these TTFT/ITL targets (ms) instead of its
+own, as a held-out case (the static search starts from the profile's estimate of the peak's
+pool at those targets, the queue baseline at its load-test target only). The targets set the
+reference's size, and with it how much room 0.7x leaves: one pair of targets per trace is one
+case, a matrix says where the planner's verdict holds.
+
 `--clairvoyant`: also replay every static pool from 1 worker to the planner's maximum, and give
 what a schedule that knew the day could reach (`clairvoyant`): per timeline interval, the pool
 size among those static runs that the schedule picks, their requests' SLO met as that static
@@ -46,6 +52,7 @@ replays per day, and the smallest pools replay slowly (an overloaded pool's back
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -186,7 +193,10 @@ def run_case(
     seed: int = 0,
     sla_flags: tuple[str, ...] = (),
     all_sizes: bool = False,
+    slo: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
+    """Replay one day of `case` (at `seed`; at the TTFT/ITL targets `slo` instead of the
+    case's own, as a held-out case)."""
     day = reshape_day(
         source_trace(case),
         duration_s=case.duration_s,
@@ -196,6 +206,11 @@ def run_case(
         shape=case.shape,
     )
     key = f"{key}@{seed}" if seed else key
+    if slo:
+        case = dataclasses.replace(
+            case, ttft_slo_ms=slo[0], itl_slo_ms=slo[1], first_guess=0, held_out=True
+        )
+        key = f"{key}~{slo[0]:g}-{slo[1]:g}"
     path = out / f"{key}_day.jsonl"
     write_trace(day, str(path))
     print(
@@ -246,6 +261,7 @@ def run_case(
     return {
         "case": case,
         "seed": seed,
+        "slo": slo,
         "requests": len(day.requests),
         "static": static,
         "ref_n": ref_n,
@@ -301,8 +317,12 @@ def clairvoyant_at(hull: list[tuple[float, float]], hours: float) -> float:
 
 
 def day_name(res: dict[str, Any]) -> str:
-    """The case's name, with the seed of its arrivals unless 0."""
-    return f"{res['case'].name} (seed {res['seed']})" if res["seed"] else res["case"].name
+    """The case's name, with the seed of its arrivals unless 0 and the targets if `--slos`
+    set them."""
+    name = f"{res['case'].name} (seed {res['seed']})" if res["seed"] else res["case"].name
+    if res.get("slo"):
+        name += f" at {res['case'].ttft_slo_ms:g} / {res['case'].itl_slo_ms:g} ms"
+    return name
 
 
 def verdict(res: dict[str, Any]) -> str:
@@ -400,6 +420,12 @@ def main() -> None:
         help="also replay every static pool from 1 worker to the planner's maximum and give "
         "the SLO met a schedule that knew the day reaches (module doc)",
     )
+    parser.add_argument(
+        "--slos",
+        default="",
+        help="TTFT/ITL targets in ms, comma-separated (e.g. 600/20,1000/30): each case is "
+        "replayed at each pair instead of its own, as a held-out case (module doc)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -410,9 +436,18 @@ def main() -> None:
         parser.error(f"unknown case {', '.join(unknown)}: of {', '.join(CASES)}, held-out")
     seeds = [int(x) for x in args.seeds.split(",")]
     flags = tuple(args.sla_flags.split())
+    try:
+        slos: list[tuple[float, float] | None] = (
+            [(float(t), float(i)) for t, i in (p.split("/") for p in args.slos.split(","))]
+            if args.slos
+            else [None]
+        )
+    except ValueError:
+        parser.error(f"--slos {args.slos!r}: TTFT/ITL pairs in ms, e.g. 600/20,1000/30")
     results = [
-        run_case(k, CASES[k], out, args.jobs, s, flags, args.clairvoyant)
+        run_case(k, CASES[k], out, args.jobs, s, flags, args.clairvoyant, slo)
         for k in keys
+        for slo in slos
         for s in seeds
     ]
     text = table(results)
