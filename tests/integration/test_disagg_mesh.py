@@ -230,10 +230,13 @@ async def test_client_cancels_mid_prefill(mesh: Mesh) -> None:
     assert backend.stats.remote_prefills == 0
 
 
-async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh) -> None:
+@pytest.mark.parametrize("answer", ["seen", "lost"])
+async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh, answer: str) -> None:
     # The race the gateway cannot avoid: P answered (its blocks are pinned for the decode
     # worker), but the client's cancellation reached the gateway's request before the answer
-    # did. The gateway releases what P pinned, at once, not at the pin timeout (30 s).
+    # did ("seen": the answer is in the call; "lost": the cancelled call never gives it, the
+    # transfer id is never seen). The gateway releases what P pinned, by the request's id, at
+    # once, not at the pin timeout (30 s).
     p = await mesh.add("p0", Role.PREFILL)
     d = await mesh.add("d0", Role.DECODE)
     backend = mesh.backend(disagg_local_prefill_tokens=0)
@@ -241,7 +244,8 @@ async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh) -> None:
     real = handle.stub.PrefillRemote
 
     class AnsweredAsTheCallerLeft:
-        """The call; its first awaiter is cancelled once P has answered."""
+        """The call; its first awaiter is cancelled once P has answered (with "lost", every
+        awaiter)."""
 
         def __init__(self, call: Any) -> None:
             self.call = call
@@ -249,7 +253,7 @@ async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh) -> None:
 
         def __await__(self) -> Generator[Any, None, Any]:
             resp = yield from self.call.__await__()
-            if not self.awaited:
+            if not self.awaited or answer == "lost":
                 self.awaited = True
                 raise asyncio.CancelledError
             return resp
@@ -316,6 +320,16 @@ async def test_unreleased_blocks_expire(mesh: Mesh) -> None:
             wpb.ReleaseKvBlocksRequest(transfer_id=handle.transfer_id)
         )
         assert released.released is False
+        # By the PrefillRemote request's id (a caller that left as P answered).
+        await stub.PrefillRemote(wire.prefill_request_to_pb(request("z", prompt(50))))
+        assert p.engine.load().kv_pinned_blocks == 4
+        released = await stub.ReleaseKvBlocks(wpb.ReleaseKvBlocksRequest(request_id="z"))
+        assert released.released is True
+        baseline(p)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ReleaseKvBlocks(wpb.ReleaseKvBlocksRequest())
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "transfer_id or a request_id" in (err.value.details() or "")
         # max_tokens 1: the first token ends the request on P; nothing is pinned.
         one = await stub.PrefillRemote(wire.prefill_request_to_pb(request("y", prompt(50), 1)))
         assert one.finish_reason == cpb.FINISH_REASON_LENGTH

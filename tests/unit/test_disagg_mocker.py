@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
+from kvmesh.runtime import wire
 from kvmesh.runtime.errors import Unimplemented
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -24,6 +26,7 @@ from kvmesh.runtime.types import (
 )
 from kvmesh.workers.engine import DisaggSettings, Engine
 from kvmesh.workers.mocker import MockerConfig, MockerEngine
+from kvmesh.workers.server import WorkerServicer
 
 pytestmark = pytest.mark.unit
 
@@ -211,6 +214,70 @@ async def test_release_is_idempotent_and_unreleased_blocks_expire() -> None:
     finally:
         await pair.p.stop()
         await pair.d.stop()
+
+
+async def test_release_by_the_prefill_request_id() -> None:
+    # A caller that left as PrefillRemote answered never saw the transfer id: it releases by
+    # the id of its request. Every transfer pinned under that id goes; others stay.
+    pair = Pair(mocker(), mocker())
+    await pair.p.start()
+    try:
+        a1 = await pair.p.prefill_remote(request("a", PROMPTS[4]))
+        a2 = await pair.p.prefill_remote(request("a", PROMPTS[3]))  # ids are the caller's
+        b = await pair.p.prefill_remote(request("b", PROMPTS[5]))
+        assert pair.p.num_pinned_transfers == 3
+        assert await pair.p.release_kv(request_id="nobody") is False
+        assert await pair.p.release_kv(request_id="a") is True
+        assert pair.p.num_pinned_transfers == 1
+        assert await pair.p.release_kv(request_id="a") is False
+        for gone in (a1, a2):
+            assert gone.remote.handle is not None
+            assert await pair.p.release_kv(gone.remote.handle.transfer_id) is False
+        assert b.remote.handle is not None
+        # by transfer id first: the request id then finds nothing left, and the call says
+        # it released (this call did)
+        assert await pair.p.release_kv(b.remote.handle.transfer_id, "b") is True
+        assert await pair.p.release_kv(request_id="b") is False
+        baseline(pair.p)
+    finally:
+        await pair.p.stop()
+
+
+class LeftAsItAnswered:
+    """A gRPC servicer context whose caller cancelled as the handler returned."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[Any], object]] = []
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def add_done_callback(self, callback: Callable[[Any], object]) -> None:
+        self.callbacks.append(callback)
+
+    def cancelled(self) -> bool:
+        return True
+
+
+async def test_the_worker_releases_what_a_cancelled_prefill_remote_pinned() -> None:
+    # The other side of the race: the caller's cancellation reached the prefill worker's
+    # server as the handler returned, so the answer (and the transfer id) was never sent.
+    engine = mocker()
+    engine.configure_disaggregation(DisaggSettings(role=Role.PREFILL))
+    await engine.start()
+    try:
+        servicer = WorkerServicer(engine, "p0")
+        context = LeftAsItAnswered()
+        pb = wire.prefill_request_to_pb(request("left", PROMPTS[4]))
+        resp = await servicer.PrefillRemote(pb, context)  # type: ignore[arg-type]
+        assert resp.result.handle.transfer_id and engine.load().kv_pinned_blocks == 5
+        assert len(context.callbacks) == 1
+        context.callbacks[0](context)  # the RPC ended, cancelled
+        for _ in range(10):
+            await asyncio.sleep(0)
+        baseline(engine)
+    finally:
+        await engine.stop()
 
 
 @pytest.mark.parametrize("freed_by", ["release", "expiry"])

@@ -696,7 +696,9 @@ class MeshBackend:
             finally:
                 if not completed and rp.handle is not None:
                     # D failed or the client left: D may not have released P's blocks.
-                    self._release_later(prefill, rp.handle.transfer_id)
+                    self._release_later(
+                        prefill, wpb.ReleaseKvBlocksRequest(transfer_id=rp.handle.transfer_id)
+                    )
         finally:
             self._booking_ended(rid)
 
@@ -737,8 +739,11 @@ class MeshBackend:
             resp = await call
         except asyncio.CancelledError:
             # The caller left. Cancelling the call aborted the prefill on P, unless P had
-            # answered already: then what it pinned is released, not left to its expiry.
-            self._release_later(worker, call)
+            # answered already: then what it pinned is released, not left to its expiry. By
+            # the request's id: the cancellation may have overtaken an answer sent, whose
+            # transfer id this side then never sees.
+            release = wpb.ReleaseKvBlocksRequest(request_id=request.request_id)
+            self._release_later(worker, release)
             raise
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
@@ -812,23 +817,14 @@ class MeshBackend:
         t.record(trace, (Step("route", began, time.time_ns(), routed),))
         return decision
 
-    def _release_later(
-        self, worker: WorkerHandle, transfer: str | Awaitable[wpb.PrefillRemoteResponse]
-    ) -> None:
-        """Release, in the background, the blocks P (`worker`) pinned for `transfer`: its id,
-        or a PrefillRemote call whose caller left (nothing to release if P did not answer)."""
+    def _release_later(self, worker: WorkerHandle, release: wpb.ReleaseKvBlocksRequest) -> None:
+        """Release, in the background, the blocks P (`worker`) pinned: by transfer id, or by
+        the PrefillRemote request's id (nothing to release if P did not answer)."""
 
-        async def release() -> None:
+        async def release_on_p() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-                if isinstance(transfer, str):
-                    transfer_id = transfer
-                else:
-                    transfer_id = (await transfer).result.handle.transfer_id
-                if transfer_id:
-                    await worker.stub.ReleaseKvBlocks(
-                        wpb.ReleaseKvBlocksRequest(transfer_id=transfer_id), timeout=5.0
-                    )
+                await worker.stub.ReleaseKvBlocks(release, timeout=5.0)
 
-        task = asyncio.get_running_loop().create_task(release())
+        task = asyncio.get_running_loop().create_task(release_on_p())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)

@@ -35,7 +35,8 @@ Disaggregated serving (optional; engines listing the DISAGGREGATION capability)
     The worker calls `configure_disaggregation(settings)` once, before `start()`, with its role
     and how to tell a prefill worker to release blocks. On a prefill worker, `prefill_remote`
     computes the prompt's KV and samples the first token; the blocks stay pinned (referenced,
-    neither evicted nor reused) under a transfer id until `release_kv(transfer_id)` or until
+    neither evicted nor reused) under a transfer id until `release_kv(transfer_id)` (or by the
+    request's id, `release_kv(request_id=...)`: a caller that left as the answer came) or until
     they expire. On a decode worker, `submit` of a request with `remote_prefill` set pulls the
     blocks named by its handle into free blocks, calls `settings.release_remote(handle)`, uses
     the pulled KV only if that confirms the blocks were still pinned (else it recomputes the
@@ -241,10 +242,11 @@ class Engine(abc.ABC):
                 f"(role {settings.role.value})"
             )
 
-    async def release_kv(self, transfer_id: str) -> bool:
-        """Release blocks pinned for a remote prefill: True if this call released them, False
-        if they were already released or expired (or never existed). Default: nothing is ever
-        pinned."""
+    async def release_kv(self, transfer_id: str = "", request_id: str = "") -> bool:
+        """Release blocks pinned for a remote prefill: the transfer `transfer_id`, and every
+        transfer pinned for the `prefill_remote` request `request_id`. True if this call
+        released any, False if they were already released or expired (or never existed).
+        Default: nothing is ever pinned."""
         return False
 
     async def embed(self, prompts: list[list[int]]) -> list[list[float]]:

@@ -64,6 +64,8 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         self._idle.set()
         # In-flight requests: key -> how to cancel it (drain cancels what is left at timeout).
         self._inflight: dict[object, Callable[[], object]] = {}
+        self._releases: set[asyncio.Task[bool]] = set()
+        """Releases of transfers whose PrefillRemote caller left as it answered."""
 
     # -- generation ------------------------------------------------------------------------
 
@@ -171,6 +173,13 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         if handle is not None:
             handle.prefill_worker_id = self.worker_id
             handle.prefill_address = self.address
+            # The caller left as the prefill finished (its cancellation reached this server
+            # before the answer was sent): nobody will release what was pinned.
+            transfer_id = handle.transfer_id
+            # (grpc-stubs types the callback as a class of its own, not a callable)
+            context.add_done_callback(
+                lambda ctx: self._release_if_cancelled(transfer_id, ctx)  # type: ignore[arg-type]
+            )
             span.update(
                 {
                     "kvmesh.kv_transfer.id": handle.transfer_id,
@@ -179,12 +188,21 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             )
         return wire.prefill_result_to_pb(result)
 
+    def _release_if_cancelled(
+        self, transfer_id: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        if context.cancelled():
+            task = asyncio.get_running_loop().create_task(self.engine.release_kv(transfer_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
     async def ReleaseKvBlocks(
         self, request: wpb.ReleaseKvBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> wpb.ReleaseKvBlocksResponse:
-        return wpb.ReleaseKvBlocksResponse(
-            released=await self.engine.release_kv(request.transfer_id)
-        )
+        if not request.transfer_id and not request.request_id:
+            raise InvalidRequest("ReleaseKvBlocks needs a transfer_id or a request_id")
+        released = await self.engine.release_kv(request.transfer_id, request.request_id)
+        return wpb.ReleaseKvBlocksResponse(released=released)
 
     # -- KV events, load, card -------------------------------------------------------------
 

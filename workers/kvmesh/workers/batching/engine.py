@@ -398,7 +398,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         if out.finish_reason is not None:  # the first token ends the request: nothing pinned
             return PrefillResult(remote, out.usage, out.finish_reason, out.stop_token_id)
         blocks = sched.pinned[tid]
-        expires_ms = self._pins.pin(tid, tid)
+        expires_ms = self._pins.pin(tid, tid, request_id=request.request_id)
         layout = self.kv_layout
         n_full = len(request.prompt) // layout.block_size
         pool = sched.pool
@@ -422,8 +422,9 @@ class BatchingEngine(Engine, Generic[SchedT]):
         )
         return PrefillResult(remote, out.usage)
 
-    async def release_kv(self, transfer_id: str) -> bool:
-        return self._pins.release(transfer_id)
+    async def release_kv(self, transfer_id: str = "", request_id: str = "") -> bool:
+        released = bool(transfer_id) and self._pins.release(transfer_id)
+        return (bool(request_id) and self._pins.release_request(request_id)) or released
 
     @property
     def num_pinned_transfers(self) -> int:

@@ -1,9 +1,10 @@
 """Pinned remote-prefill transfers: transfer id -> what to release, with an expiry timer.
 
 A prefill engine pins a finished prefill's blocks (keeps their references) and hands out a
-transfer id. `release(transfer_id)` (ReleaseKvBlocks) or the expiry (nobody released them in
-time: the decode worker died, the gateway went away) calls the engine's release function
-exactly once. Runs on the event loop; not thread-safe.
+transfer id. `release(transfer_id)` (ReleaseKvBlocks), `release_request(request_id)` (the
+same, by the PrefillRemote request's id, for a caller that left before it saw the transfer id)
+or the expiry (nobody released them in time: the decode worker died, the gateway went away)
+calls the engine's release function exactly once. Runs on the event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ class PinnedTransfers(Generic[K]):
             raise ValueError("default_ttl_s must be > 0")
         self._release_fn = release_fn
         self.default_ttl_s = default_ttl_s
-        self._pins: dict[str, tuple[K, asyncio.TimerHandle]] = {}
+        self._pins: dict[str, tuple[K, asyncio.TimerHandle, str]] = {}
+        """transfer id -> (key, expiry timer, request id)"""
+        self._by_request: dict[str, set[str]] = {}
+        """request id -> the transfers pinned under it (a set: request ids are the caller's)"""
         self.num_expired = 0
         """Transfers freed by their expiry rather than by release()."""
 
@@ -38,13 +42,18 @@ class PinnedTransfers(Generic[K]):
         """A fresh transfer id."""
         return uuid.uuid4().hex
 
-    def pin(self, transfer_id: str, key: K, ttl_s: float | None = None) -> int:
-        """Register a pinned transfer (a fresh id, see new_id); returns its expiry in ms."""
+    def pin(
+        self, transfer_id: str, key: K, ttl_s: float | None = None, request_id: str = ""
+    ) -> int:
+        """Register a pinned transfer (a fresh id, see new_id), for the PrefillRemote request
+        `request_id` (`release_request`); returns its expiry in ms."""
         if transfer_id in self._pins:
             raise ValueError(f"transfer {transfer_id} is already pinned")
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         timer = asyncio.get_running_loop().call_later(ttl, self._expire, transfer_id)
-        self._pins[transfer_id] = (key, timer)
+        self._pins[transfer_id] = (key, timer, request_id)
+        if request_id:
+            self._by_request.setdefault(request_id, set()).add(transfer_id)
         return max(1, round(ttl * 1000))
 
     def release(self, transfer_id: str) -> bool:
@@ -52,10 +61,23 @@ class PinnedTransfers(Generic[K]):
         entry = self._pins.pop(transfer_id, None)
         if entry is None:
             return False
-        key, timer = entry
+        key, timer, request_id = entry
         timer.cancel()
+        if request_id:
+            pinned = self._by_request[request_id]
+            pinned.discard(transfer_id)
+            if not pinned:
+                del self._by_request[request_id]
         self._release_fn(key)
         return True
+
+    def release_request(self, request_id: str) -> bool:
+        """Free every transfer pinned for the PrefillRemote request `request_id`; False if
+        none is (unknown, released, expired, or the prefill was aborted before it pinned)."""
+        released = False
+        for transfer_id in list(self._by_request.get(request_id, ())):
+            released = self.release(transfer_id) or released
+        return released
 
     def _expire(self, transfer_id: str) -> None:
         if transfer_id in self._pins:

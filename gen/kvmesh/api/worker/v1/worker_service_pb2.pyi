@@ -423,16 +423,25 @@ class ReleaseKvBlocksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """transfer_id from the KvTransferHandle."""
+    request_id: _builtins.str
+    """Or the request_id of the PrefillRemote call that pinned them: for a caller that left as
+    the call answered, and so may never have seen the handle (its cancellation can overtake
+    the answer). Releases every transfer pinned under that id (request ids are the caller's:
+    a decode worker whose transfer went this way recomputes the prompt, see released). Both
+    set: the transfer, then anything else pinned under the id.
+    """
     def __init__(
         self,
         *,
         transfer_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
