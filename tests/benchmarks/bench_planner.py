@@ -344,10 +344,23 @@ def verdict(res: dict[str, Any]) -> str:
     return "meets the criteria" if not misses else "misses: " + ", ".join(misses)
 
 
+def static_at(static: dict[int, dict[str, Any]], share: float) -> float:
+    """The worker-hours of a static pool meeting the SLO for `share` of the requests,
+    interpolated linearly between the two replayed sizes around it (a fleet splitting its day
+    between N and N + 1 workers); NaN outside the sizes replayed. The issue's reference is one
+    size, and which one depends on where 95 % falls between two sizes (a reference meeting 95.0
+    % or 99.0 %); this compares a policy with the static pools at its own SLO met instead."""
+    runs = sorted((r["slo_attainment"], r["worker_hours"]) for r in static.values())
+    for (s0, h0), (s1, h1) in itertools.pairwise(runs):
+        if s0 <= share <= s1 and s1 > s0:
+            return h0 + (h1 - h0) * (share - s0) / (s1 - s0)
+    return math.nan
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| trace | policy | SLO met | worker-hours | vs static ref |",
-        "|---|---|---:|---:|---:|",
+        "| trace | policy | SLO met | worker-hours | vs static ref | vs static at its SLO met |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for res in results:
         case: Case = res["case"]
@@ -365,17 +378,26 @@ def table(results: list[dict[str, Any]]) -> str:
         rows += [(f"queue, target {t:g}" + (" (load test)" if t == res["queue_target"] else ""),
                   r) for t, r in res["queues"].items()]  # fmt: skip
         for i, (policy, r) in enumerate(rows):
+            equal = static_at(res["static"], r["slo_attainment"])
             lines.append(
                 f"| {name if i == 0 else ''} | {policy} | {100 * r['slo_attainment']:.2f} % | "
-                f"{r['worker_hours']:.3f} | {r['worker_hours'] / ref['worker_hours']:.2f}x |"
+                f"{r['worker_hours']:.3f} | {r['worker_hours'] / ref['worker_hours']:.2f}x | "
+                + (f"{r['worker_hours'] / equal:.2f}x |" if equal > 0 else "- |")
             )
     lines.append("")
     for res in results:
+        sla = res["sla"]
+        equal = static_at(res["static"], sla["slo_attainment"])
         line = f"- {day_name(res)}: SLA planner {verdict(res)}"
+        if equal > 0:
+            line += (
+                f"; {sla['worker_hours'] / equal:.3f}x the worker-hours of a static pool "
+                f"meeting the SLO for as many requests ({100 * sla['slo_attainment']:.2f} %, "
+                f"interpolated between sizes)"
+            )
         hull = res.get("clairvoyant") or []
         if hull:
             ref = res["static"][res["ref_n"]]
-            sla = res["sla"]
             at_sla = clairvoyant_at(hull, sla["worker_hours"])
             at_limit = clairvoyant_at(hull, 0.7 * ref["worker_hours"])
             limit = (
