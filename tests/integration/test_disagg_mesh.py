@@ -230,13 +230,16 @@ async def test_client_cancels_mid_prefill(mesh: Mesh) -> None:
     assert backend.stats.remote_prefills == 0
 
 
-@pytest.mark.parametrize("answer", ["seen", "lost"])
-async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh, answer: str) -> None:
+@pytest.mark.parametrize("answer", ["seen", "lost", "timed-out"])
+async def test_client_leaves_as_the_prefill_worker_answers(
+    mesh: Mesh, reference: MockerEngine, answer: str
+) -> None:
     # The race the gateway cannot avoid: P answered (its blocks are pinned for the decode
     # worker), but the client's cancellation reached the gateway's request before the answer
     # did ("seen": the answer is in the call; "lost": the cancelled call never gives it, the
-    # transfer id is never seen). The gateway releases what P pinned, by the request's id, at
-    # once, not at the pin timeout (30 s).
+    # transfer id is never seen). Or the call's deadline overtook the answer ("timed-out": the
+    # request goes on, prefilled on D). The gateway releases what P pinned, by the request's
+    # id, at once, not at the pin timeout (30 s).
     p = await mesh.add("p0", Role.PREFILL)
     d = await mesh.add("d0", Role.DECODE)
     backend = mesh.backend(disagg_local_prefill_tokens=0)
@@ -244,8 +247,8 @@ async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh, answer: s
     real = handle.stub.PrefillRemote
 
     class AnsweredAsTheCallerLeft:
-        """The call; its first awaiter is cancelled once P has answered (with "lost", every
-        awaiter)."""
+        """The call; its first awaiter is cancelled (or its deadline expires) once P has
+        answered (with "lost", every awaiter)."""
 
         def __init__(self, call: Any) -> None:
             self.call = call
@@ -253,15 +256,23 @@ async def test_client_leaves_as_the_prefill_worker_answers(mesh: Mesh, answer: s
 
         def __await__(self) -> Generator[Any, None, Any]:
             resp = yield from self.call.__await__()
+            if answer == "timed-out":
+                meta = grpc.aio.Metadata()
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, meta, meta)
             if not self.awaited or answer == "lost":
                 self.awaited = True
                 raise asyncio.CancelledError
             return resp
 
     handle.stub.PrefillRemote = lambda *a, **kw: AnsweredAsTheCallerLeft(real(*a, **kw))
-    with pytest.raises(asyncio.CancelledError):
-        async for _ in backend.generate("tiny", request("left", prompt(50)), None):
-            pass
+    req = request("left", prompt(50))
+    if answer == "timed-out":
+        assert (await run(backend, req))[0] == await expected(reference, req)
+        assert backend.stats.local_prefills[LocalPrefill.PREFILL_FAILED] == 1
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            async for _ in backend.generate("tiny", req, None):
+                pass
     await until(lambda: p.engine.load().kv_pinned_blocks == 0, timeout_s=5)
     baseline(p, d)
 

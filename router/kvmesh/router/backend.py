@@ -735,20 +735,22 @@ class MeshBackend:
             timeout=self.disagg.disagg_prefill_timeout_s,
             metadata=trace.grpc_metadata() if trace is not None else None,
         )
+        # Released by the request's id when the call ends without an answer here: P may have
+        # answered all the same (a cancellation or a deadline can overtake an answer sent),
+        # and what it pinned then waits for no transfer id this side ever sees.
+        lost = wpb.ReleaseKvBlocksRequest(request_id=request.request_id)
         try:
             resp = await call
         except asyncio.CancelledError:
             # The caller left. Cancelling the call aborted the prefill on P, unless P had
-            # answered already: then what it pinned is released, not left to its expiry. By
-            # the request's id: the cancellation may have overtaken an answer sent, whose
-            # transfer id this side then never sees.
-            release = wpb.ReleaseKvBlocksRequest(request_id=request.request_id)
-            self._release_later(worker, release)
+            # answered already: then what it pinned is released, not left to its expiry.
+            self._release_later(worker, lost)
             raise
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
             if isinstance(err, (InvalidRequest, NotFound)):
                 raise err from None
+            self._release_later(worker, lost)  # timed out, P unreachable: nothing if P died
             log.warning(
                 "remote prefill of %s on %s failed (%s: %s); prefilling on %s",
                 request.request_id,
