@@ -209,6 +209,10 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         assert "Traceback" not in text and "internal error" not in text, text[-4000:]
 
 
+STREAM_S = 0.75
+"""Deadline of a streaming call (DEADLINE_EXCEEDED is a proper status)."""
+
+
 def _call(channel: grpc.Channel, service: d.ServiceDescriptor, method: d.MethodDescriptor,
           requests: list[Message]) -> grpc.StatusCode:  # fmt: skip
     path = f"/{service.full_name}/{method.name}"
@@ -218,10 +222,12 @@ def _call(channel: grpc.Channel, service: d.ServiceDescriptor, method: d.MethodD
         if not method.client_streaming and not method.server_streaming:
             channel.unary_unary(path, ser, de)(requests[0], timeout=10)
             return grpc.StatusCode.OK
+        # A subscription that accepted its request streams until the deadline: short, or
+        # each example waits it out (a refusal comes at once, within it).
         if method.client_streaming:
-            call = channel.stream_stream(path, ser, de)(iter(requests), timeout=2)
+            call = channel.stream_stream(path, ser, de)(iter(requests), timeout=STREAM_S)
         else:
-            call = channel.unary_stream(path, ser, de)(requests[0], timeout=2)
+            call = channel.unary_stream(path, ser, de)(requests[0], timeout=STREAM_S)
         for i, _ in enumerate(call):
             if i >= 4:
                 call.cancel()
