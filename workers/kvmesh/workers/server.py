@@ -173,8 +173,8 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         if handle is not None:
             handle.prefill_worker_id = self.worker_id
             handle.prefill_address = self.address
-            # The caller left as the prefill finished (its cancellation reached this server
-            # before the answer was sent): nobody will release what was pinned.
+            # The call ends cancelled though the prefill finished (the caller left, or its
+            # deadline passed, before the answer was sent): nobody will release what was pinned.
             transfer_id = handle.transfer_id
             # (grpc-stubs types the callback as a class of its own, not a callable)
             context.add_done_callback(

@@ -427,9 +427,9 @@ class ReleaseKvBlocksRequest(_message.Message):
     transfer_id: _builtins.str
     """transfer_id from the KvTransferHandle."""
     request_id: _builtins.str
-    """Or the request_id of the PrefillRemote call that pinned them: for a caller that left as
-    the call answered, and so may never have seen the handle (its cancellation can overtake
-    the answer). Releases every transfer pinned under that id (request ids are the caller's:
+    """Or the request_id of the PrefillRemote call that pinned them: for a caller whose call
+    ended without the answer (a cancellation or a deadline can overtake an answer sent), and
+    so never saw the handle. Releases every transfer pinned under that id (request ids are the caller's:
     a decode worker whose transfer went this way recomputes the prompt, see released). Both
     set: the transfer, then anything else pinned under the id.
     """

@@ -148,10 +148,10 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKvBlocks(self, request, context):
-        """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or the
-        caller of PrefillRemote left as it answered, by its request id). Idempotent: releasing an
-        unknown or already released transfer succeeds (released false). INVALID_ARGUMENT: neither
-        transfer_id nor request_id set.
+        """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or, by
+        its request id, the caller of a PrefillRemote that ended without an answer there).
+        Idempotent: releasing an unknown or already released transfer succeeds (released false).
+        INVALID_ARGUMENT: neither transfer_id nor request_id set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,10 +57,10 @@ class WorkerServiceStub:
     decode worker needs to pull them.
     """
     ReleaseKvBlocks: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ReleaseKvBlocksRequest, _worker_service_pb2.ReleaseKvBlocksResponse]
-    """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or the
-    caller of PrefillRemote left as it answered, by its request id). Idempotent: releasing an
-    unknown or already released transfer succeeds (released false). INVALID_ARGUMENT: neither
-    transfer_id nor request_id set.
+    """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or, by
+    its request id, the caller of a PrefillRemote that ended without an answer there).
+    Idempotent: releasing an unknown or already released transfer succeeds (released false).
+    INVALID_ARGUMENT: neither transfer_id nor request_id set.
     """
     SubscribeKvEvents: _grpc.UnaryStreamMultiCallable[_worker_service_pb2.SubscribeKvEventsRequest, _worker_service_pb2.SubscribeKvEventsResponse]
     """Stream this worker's KV cache events: a snapshot of what is cached now, then deltas."""
@@ -119,10 +119,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     decode worker needs to pull them.
     """
     ReleaseKvBlocks: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ReleaseKvBlocksRequest, _worker_service_pb2.ReleaseKvBlocksResponse]  # type: ignore[assignment]
-    """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or the
-    caller of PrefillRemote left as it answered, by its request id). Idempotent: releasing an
-    unknown or already released transfer succeeds (released false). INVALID_ARGUMENT: neither
-    transfer_id nor request_id set.
+    """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or, by
+    its request id, the caller of a PrefillRemote that ended without an answer there).
+    Idempotent: releasing an unknown or already released transfer succeeds (released false).
+    INVALID_ARGUMENT: neither transfer_id nor request_id set.
     """
     SubscribeKvEvents: _aio.UnaryStreamMultiCallable[_worker_service_pb2.SubscribeKvEventsRequest, _worker_service_pb2.SubscribeKvEventsResponse]  # type: ignore[assignment]
     """Stream this worker's KV cache events: a snapshot of what is cached now, then deltas."""
@@ -202,10 +202,10 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_service_pb2.ReleaseKvBlocksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.ReleaseKvBlocksResponse, _abc.Awaitable[_worker_service_pb2.ReleaseKvBlocksResponse]]:
-        """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or the
-        caller of PrefillRemote left as it answered, by its request id). Idempotent: releasing an
-        unknown or already released transfer succeeds (released false). INVALID_ARGUMENT: neither
-        transfer_id nor request_id set.
+        """Release blocks pinned by PrefillRemote (the decode worker pulled them, or gave up; or, by
+        its request id, the caller of a PrefillRemote that ended without an answer there).
+        Idempotent: releasing an unknown or already released transfer succeeds (released false).
+        INVALID_ARGUMENT: neither transfer_id nor request_id set.
         """
 
     @_abc_1.abstractmethod
