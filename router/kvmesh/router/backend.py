@@ -730,27 +730,26 @@ class MeshBackend:
         except Unavailable:
             return None, LocalPrefill.PREFILL_SATURATED
         worker = decision.worker
-        call = worker.stub.PrefillRemote(
-            wire.prefill_request_to_pb(request, decode.worker_id),
-            timeout=self.disagg.disagg_prefill_timeout_s,
-            metadata=trace.grpc_metadata() if trace is not None else None,
-        )
-        # Released by the request's id when the call ends without an answer here: P may have
-        # answered all the same (a cancellation or a deadline can overtake an answer sent),
-        # and what it pinned then waits for no transfer id this side ever sees.
-        lost = wpb.ReleaseKvBlocksRequest(request_id=request.request_id)
+        # When the call ends without an answer here, what P pinned is released by the request's
+        # id: P may have answered all the same (a cancellation or a deadline can overtake an
+        # answer sent), and its blocks would then wait for a transfer id this side never sees.
         try:
-            resp = await call
+            resp = await worker.stub.PrefillRemote(
+                wire.prefill_request_to_pb(request, decode.worker_id),
+                timeout=self.disagg.disagg_prefill_timeout_s,
+                metadata=trace.grpc_metadata() if trace is not None else None,
+            )
         except asyncio.CancelledError:
             # The caller left. Cancelling the call aborted the prefill on P, unless P had
             # answered already: then what it pinned is released, not left to its expiry.
-            self._release_later(worker, lost)
+            self._release_later(worker, wpb.ReleaseKvBlocksRequest(request_id=request.request_id))
             raise
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
             if isinstance(err, (InvalidRequest, NotFound)):
                 raise err from None
-            self._release_later(worker, lost)  # timed out, P unreachable: nothing if P died
+            # timed out, P unreachable (nothing to release if P died)
+            self._release_later(worker, wpb.ReleaseKvBlocksRequest(request_id=request.request_id))
             log.warning(
                 "remote prefill of %s on %s failed (%s: %s); prefilling on %s",
                 request.request_id,

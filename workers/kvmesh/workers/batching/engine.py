@@ -423,8 +423,8 @@ class BatchingEngine(Engine, Generic[SchedT]):
         return PrefillResult(remote, out.usage)
 
     async def release_kv(self, transfer_id: str = "", request_id: str = "") -> bool:
-        released = bool(transfer_id) and self._pins.release(transfer_id)
-        return (bool(request_id) and self._pins.release_request(request_id)) or released
+        released = self._pins.release(transfer_id)  # "" is never pinned, nor a request id ""
+        return self._pins.release_request(request_id) or released
 
     @property
     def num_pinned_transfers(self) -> int:
