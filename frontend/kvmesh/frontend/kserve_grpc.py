@@ -42,6 +42,7 @@ from kvmesh.runtime.grpcutil import (
     reloading_server_credentials,
     status_for,
 )
+from kvmesh.runtime.tasks import TaskSet
 from kvmesh.runtime.tls import ReloadingTls
 
 __all__ = ["KSERVE_SERVICE", "KServeServicer", "serve_kserve_grpc"]
@@ -317,17 +318,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         queue: asyncio.Queue[pb.ModelStreamInferResponse | BaseException | None] = asyncio.Queue()
-        tasks: set[asyncio.Task[None]] = set()
+        tasks = TaskSet()
         metadata = context.invocation_metadata()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    task = asyncio.create_task(self._stream_one(request, queue, metadata))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                    tasks.spawn(self._stream_one(request, queue, metadata))
                 while tasks:
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                    await tasks.wait()
                 queue.put_nowait(None)
             except asyncio.CancelledError:
                 raise
@@ -345,9 +344,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield item
         finally:
             reader.cancel()
-            for task in list(tasks):
-                task.cancel()
-            await asyncio.gather(reader, *tasks, return_exceptions=True)
+            await tasks.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
     async def _stream_one(
         self,

@@ -42,6 +42,7 @@ from kvmesh.runtime.config import opt
 from kvmesh.runtime.errors import InvalidRequest, NotFound, Unavailable
 from kvmesh.runtime.grpcutil import error_from_rpc
 from kvmesh.runtime.multimodal import salt_placeholders
+from kvmesh.runtime.tasks import TaskSet
 from kvmesh.runtime.telemetry import AttributeValue, Step, tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import (
@@ -280,7 +281,7 @@ class MeshBackend:
         self.disagg: DisaggConfig = config
         self.stats = DisaggStats()
         self.admission = Admission(config)
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases = TaskSet()
         pool.add_listener(lambda _w, joined: self.admission.wake() if joined else None)
 
     def ready(self) -> bool:
@@ -826,6 +827,4 @@ class MeshBackend:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
                 await worker.stub.ReleaseKvBlocks(release, timeout=5.0)
 
-        task = asyncio.get_running_loop().create_task(release_on_p())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._releases.spawn(release_on_p())

@@ -33,6 +33,7 @@ from kvmesh.runtime import wire
 from kvmesh.runtime.config import opt
 from kvmesh.runtime.discovery import WORKER, Discovery, EventKind, Instance
 from kvmesh.runtime.grpcutil import MeshSecurity, check_health, mesh_channel
+from kvmesh.runtime.tasks import TaskSet
 from kvmesh.runtime.types import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class WorkerPool:
         self._listeners: list[Listener] = []
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
-        self._retiring: set[asyncio.Task[None]] = set()
+        self._retiring = TaskSet()
 
     def add_listener(self, listener: Listener) -> None:
         """Hear about joins and leaves (current workers are replayed as joins)."""
@@ -183,12 +184,7 @@ class WorkerPool:
         self._task = None
         for w in list(self._workers.values()):
             self._drop(w.instance_id)
-        retiring = list(self._retiring)
-        for t in retiring:
-            t.cancel()
-        for t in retiring:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await self._retiring.cancel()
 
     def workers(self, model: str | None = None) -> list[WorkerHandle]:
         """Live workers, optionally only those serving `model`."""
@@ -288,9 +284,7 @@ class WorkerPool:
             return
         log.info("worker %s left", handle.worker_id)
         self._notify(handle, False)
-        task = asyncio.get_running_loop().create_task(self._retire(handle))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._retiring.spawn(self._retire(handle))
 
     async def _check(self, handle: WorkerHandle) -> None:
         """Health-check `handle` until it leaves (see the module docstring)."""

@@ -11,8 +11,6 @@ reads only the code and message still gets both.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import inspect
 import logging
@@ -30,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from kvmesh.runtime import errors
+from kvmesh.runtime.tasks import TaskSet
 from kvmesh.runtime.tls import ReloadingTls, TlsConfig, TlsMaterial
 
 log = logging.getLogger(__name__)
@@ -600,7 +599,7 @@ class _MeshChannel(grpc.aio.Channel):
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[grpc.aio.Channel, int] = {}
         self._retired: set[grpc.aio.Channel] = set()
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing = TaskSet()
 
     def current(self) -> grpc.aio.Channel:
         """The underlying channel new calls use."""
@@ -638,9 +637,7 @@ class _MeshChannel(grpc.aio.Channel):
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
         self._retired.discard(channel)
-        task = asyncio.get_running_loop().create_task(channel.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing.spawn(channel.close())
 
     def unary_unary(
         self,
@@ -692,9 +689,7 @@ class _MeshChannel(grpc.aio.Channel):
         self._retired.clear()
         for channel in channels:
             await channel.close(grace)
-        for task in list(self._closing):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._closing.wait()
 
     def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
         return self.current().get_state(try_to_connect)

@@ -37,6 +37,7 @@ from kvmesh.runtime.discovery import Instance, Registration, open_discovery
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable, Unimplemented
 from kvmesh.runtime.grpcutil import MeshSecurity, mesh_server, status_of
 from kvmesh.runtime.metrics import MetricsServer
+from kvmesh.runtime.tasks import TaskSet
 from kvmesh.runtime.telemetry import LOG_CONTEXT, LogContext, SpanKind, tracer
 from kvmesh.runtime.tracing import TraceContext
 from kvmesh.runtime.types import EngineOutput, EngineRequest, Role
@@ -64,7 +65,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         self._idle.set()
         # In-flight requests: key -> how to cancel it (drain cancels what is left at timeout).
         self._inflight: dict[object, Callable[[], object]] = {}
-        self._releases: set[asyncio.Task[bool]] = set()
+        self._releases = TaskSet()
         """Releases of transfers whose PrefillRemote caller left as it answered."""
 
     # -- generation ------------------------------------------------------------------------
@@ -192,9 +193,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         self, transfer_id: str, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         if context.cancelled():
-            task = asyncio.get_running_loop().create_task(self.engine.release_kv(transfer_id))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._releases.spawn(self.engine.release_kv(transfer_id))
 
     async def ReleaseKvBlocks(
         self, request: wpb.ReleaseKvBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -32,6 +32,7 @@ from typing import Any, Generic, TypeVar
 
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable
 from kvmesh.runtime.kv_events import KvEventLog
+from kvmesh.runtime.tasks import TaskSet
 from kvmesh.runtime.types import (
     EngineOutput,
     EngineRequest,
@@ -188,8 +189,8 @@ class StreamingAdapter(Engine, Generic[T]):
             eos_token_ids=tuple(eos_token_ids),
         )
         self._pumps: dict[str, _Pump] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()
+        self._background = TaskSet()
         self._running = False
         self._stopping = False
         """stop() is under way: background loops (`_spawn`) must end."""
@@ -269,16 +270,10 @@ class StreamingAdapter(Engine, Generic[T]):
             )
             if pump.task is not None:
                 pump.task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.abort_timeout_s)
+        await self._tasks.wait(self.abort_timeout_s)
         self._stopping = True
-        background = list(self._background)
-        for task in background:
-            task.cancel()
-        if background:
-            _, pending = await asyncio.wait(background, timeout=self.abort_timeout_s)
-            for task in pending:
-                log.warning("%s: background task %s did not stop", self._info.engine, task)
+        for task in await self._background.cancel(self.abort_timeout_s):
+            log.warning("%s: background task %s did not stop", self._info.engine, task)
         await self._stop_engine()
         self._stopping = False
 
@@ -305,12 +300,7 @@ class StreamingAdapter(Engine, Generic[T]):
             cached = self._translator.cached_prefix_tokens(prompt, request.lora_name)
         pump.pending = len(prompt) - cached
         self._pending_prefill += pump.pending
-        task = asyncio.get_running_loop().create_task(
-            self._pump(pump, prepared), name=f"{self._info.engine}-{rid}"
-        )
-        pump.task = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        pump.task = self._tasks.spawn(self._pump(pump, prepared), name=f"{self._info.engine}-{rid}")
         return pump
 
     def load(self) -> LoadInfo:
@@ -385,10 +375,7 @@ class StreamingAdapter(Engine, Generic[T]):
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """A background task that stop() cancels."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return self._background.spawn(coro, name=name)
 
     @property
     def num_in_flight(self) -> int:

@@ -58,6 +58,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from kvmesh.runtime.clock import Clock, RealClock
 from kvmesh.runtime.errors import InvalidRequest, KvmeshError, Unavailable
 from kvmesh.runtime.kv_events import CachedBlock, KvEventLog, KvTier
+from kvmesh.runtime.tasks import TaskSet
 from kvmesh.runtime.telemetry import SpanKind, Step, tracer, wall_ns
 from kvmesh.runtime.types import (
     EngineOutput,
@@ -138,7 +139,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         self._accepting = False
         self._disagg = DisaggSettings()
         self._pins: PinnedTransfers[str] = PinnedTransfers(self._release_pinned)
-        self._pulls: set[asyncio.Task[None]] = set()
+        self._pulls = TaskSet()
         self._stats = EngineStats()
         self.stats = self._stats
         self._lanes: dict[Lane, deque[TierJob]] = {}
@@ -224,10 +225,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
 
     async def stop(self) -> None:
         self._accepting = False
-        pulls = list(self._pulls)
-        for t in pulls:
-            t.cancel()
-        await asyncio.gather(*pulls, return_exceptions=True)  # each frees what it took
+        await self._pulls.cancel()  # each frees what it took
         self._pins.release_all()
         await self._stop_lanes()
         sched = self._scheduler
@@ -447,9 +445,7 @@ class BatchingEngine(Engine, Generic[SchedT]):
         entry.delivered = 1  # the first token, sampled on the prefill worker
         entry.remote = True
         self._requests[rid] = entry
-        task = asyncio.create_task(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
-        self._pulls.add(task)
-        task.add_done_callback(self._pulls.discard)
+        self._pulls.spawn(self._guard_remote(request, entry), name=f"kv-pull-{rid}")
         return CancelHandle(self._cancel, rid)
 
     async def _guard_remote(self, request: EngineRequest, entry: SubmittedRequest) -> None:
