@@ -731,26 +731,19 @@ class MeshBackend:
         except Unavailable:
             return None, LocalPrefill.PREFILL_SATURATED
         worker = decision.worker
-        # When the call ends without an answer here, what P pinned is released by the request's
-        # id: P may have answered all the same (a cancellation or a deadline can overtake an
-        # answer sent), and its blocks would then wait for a transfer id this side never sees.
+        answered = refused = False
         try:
             resp = await worker.stub.PrefillRemote(
                 wire.prefill_request_to_pb(request, decode.worker_id),
                 timeout=self.disagg.disagg_prefill_timeout_s,
                 metadata=trace.grpc_metadata() if trace is not None else None,
             )
-        except asyncio.CancelledError:
-            # The caller left. Cancelling the call aborted the prefill on P, unless P had
-            # answered already: then what it pinned is released, not left to its expiry.
-            self._release_later(worker, wpb.ReleaseKvBlocksRequest(request_id=request.request_id))
-            raise
+            answered = True
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
             if isinstance(err, (InvalidRequest, NotFound)):
+                refused = True  # nothing was pinned
                 raise err from None
-            # timed out, P unreachable (nothing to release if P died)
-            self._release_later(worker, wpb.ReleaseKvBlocksRequest(request_id=request.request_id))
             log.warning(
                 "remote prefill of %s on %s failed (%s: %s); prefilling on %s",
                 request.request_id,
@@ -762,6 +755,15 @@ class MeshBackend:
             return None, LocalPrefill.PREFILL_FAILED
         finally:
             self.router.finished(prid)
+            if not (answered or refused):
+                # The call ended without an answer here: the caller left (cancelling the call
+                # aborted the prefill on P), it timed out, or P was unreachable. P may have
+                # answered all the same (a cancellation or a deadline can overtake an answer
+                # sent), and its blocks would then wait for a transfer id this side never sees:
+                # released by the request's id instead (nothing to release if P died).
+                self._release_later(
+                    worker, wpb.ReleaseKvBlocksRequest(request_id=request.request_id)
+                )
         return (wire.prefill_result_from_pb(resp), worker), None
 
     async def _traced_route(
